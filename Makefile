@@ -1,0 +1,29 @@
+# Two entry points, both from a clean clone on a machine with nothing installed:
+#   make demo   set up, then train the flagship recipe on every device found
+#               (all GPUs; 2 CPU processes over gloo when there is none)
+#   make test   set up, then run the whole test suite
+# TORCH picks the torch build: the default is the pinned CPU wheel; GPU users
+# run e.g. `make demo TORCH=torch` (or `TORCH="torch --index-url ..."`).
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/python recipes/char_lm/train_lightning.py
+
+test: setup
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) lightning_logs wandb .pytest_cache

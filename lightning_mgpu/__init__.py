@@ -1,0 +1,17 @@
+"""lightning_mgpu: multi-GPU training for PyTorch Lightning that is fast, visible and hard to get wrong.
+
+Importing the package registers its strategy names with Lightning, so that
+``Trainer(strategy="ddp_tuned")`` works once ``import lightning_mgpu`` has run.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_mgpu.strategies import BucketInfo, TunedDDPStrategy
+
+__version__ = "0.1.0"
+
+STRATEGY_NAMES = ("ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_powersgd")
+
+TunedDDPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["BucketInfo", "STRATEGY_NAMES", "TunedDDPStrategy", "__version__"]

@@ -1,0 +1,80 @@
+"""Gradient-compression communication hooks for DDP, on every backend.
+
+torch ships the hooks (``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``);
+this module only picks the right one for the process group in use and fills the one gap:
+torch's bf16 hook refuses any backend but NCCL, although gloo (torch >= 2.13) sums
+bfloat16 tensors. :func:`bf16_allreduce_hook` below is that missing path.
+
+No ``from __future__ import annotations`` here: DDP checks a hook's annotations at
+registration and rejects them as strings; it also refuses any hook *named*
+``bf16_compress_hook`` without NCCL, hence the other name.
+"""
+
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+COMPRESSIONS = (None, "fp16", "bf16", "powersgd")
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+def bf16_allreduce_hook(
+    process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16.
+
+    Same contract as torch's ``bf16_compress_hook``: the bucket is divided by the world
+    size, cast to bfloat16, summed across ranks and written back in the bucket's dtype.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(world_size)
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = bucket.buffer()
+        out.copy_(fut.value()[0])
+        return out
+
+    return future.then(decompress)
+
+
+@dataclass(frozen=True)
+class CommHookSpec:
+    """A hook and the state DDP passes to it, ready for ``register_comm_hook``."""
+
+    hook: CommHook
+    state: Any
+    wire_dtype: Optional[torch.dtype]
+    """Element type on the wire, or None when the hook does not simply cast (PowerSGD)."""
+
+
+def resolve_compression(
+    compression: Optional[str],
+    *,
+    backend: str,
+    powersgd_rank: int,
+    powersgd_start_iter: int,
+) -> Optional[CommHookSpec]:
+    """The communication hook for ``compression`` on ``backend`` (None: plain all-reduce)."""
+    if compression is None:
+        return None
+    if compression == "fp16":
+        return CommHookSpec(default_hooks.fp16_compress_hook, None, torch.float16)
+    if compression == "bf16":
+        hook: CommHook = default_hooks.bf16_compress_hook if backend == "nccl" else bf16_allreduce_hook
+        return CommHookSpec(hook, None, torch.bfloat16)
+    if compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=powersgd_start_iter,
+        )
+        return CommHookSpec(powerSGD_hook.powerSGD_hook, state, None)
+    raise ValueError(f"compression={compression!r} is not one of {COMPRESSIONS}")

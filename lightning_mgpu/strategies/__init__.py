@@ -1,0 +1,5 @@
+"""Strategies for ``Trainer(strategy=...)``, one per file."""
+
+from lightning_mgpu.strategies.tuned_ddp import BucketInfo, TunedDDPStrategy
+
+__all__ = ["BucketInfo", "TunedDDPStrategy"]

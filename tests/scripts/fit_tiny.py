@@ -1,0 +1,123 @@
+"""Fit a tiny MLP with a given strategy and report what DDP actually did, as JSON.
+
+Run by the multi-process tests (Lightning's own launcher starts the other ranks):
+
+    python tests/scripts/fit_tiny.py --out result.json --strategy ddp_tuned --devices 2 \
+        --strategy-kwargs '{"bucket_cap_mb": 0.05}'
+
+Rank 0 writes ``--out``: the comm hook DDP registered, the bucket layout it built, what
+the all-reduced gradients look like (cast to fp16/bf16? low rank?), the losses and a
+checksum of the final parameters from every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_mgpu
+from lightning_mgpu import TunedDDPStrategy
+
+
+class TinyMLP(L.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+        self.losses: list[float] = []
+        self.grad_checks: list[dict[str, Any]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self) -> None:
+        # DDP has finished all-reducing by now: inspect what came back.
+        grad = self.net[2].weight.grad
+        assert grad is not None
+        self.grad_checks.append(
+            {
+                "fp16_exact": bool(torch.equal(grad, grad.half().float())),
+                "bf16_exact": bool(torch.equal(grad, grad.bfloat16().float())),
+                "rank": int(torch.linalg.matrix_rank(grad).item()),
+            }
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="ddp_tuned")
+    parser.add_argument("--strategy-kwargs", default="{}", help="JSON; builds TunedDDPStrategy(**kwargs) if given")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--width", type=int, default=64)
+    args = parser.parse_args()
+
+    L.seed_everything(7, verbose=False)
+    x = torch.randn(512, 32)
+    y = x[:, :1] * 2 + 0.1 * torch.randn(512, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    model = TinyMLP(args.width)
+    kwargs = json.loads(args.strategy_kwargs)
+    strategy: Any = TunedDDPStrategy(**kwargs) if kwargs else args.strategy
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    result: dict[str, Any] = {}
+
+    class Probe(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            ddp = trainer.strategy.model
+            result["is_ddp"] = isinstance(ddp, DistributedDataParallel)
+            if isinstance(ddp, DistributedDataParallel):
+                data = ddp._get_ddp_logging_data()
+                result["comm_hook"] = data.get("comm_hook")
+                result["backend"] = data.get("backend_name")
+            if isinstance(trainer.strategy, TunedDDPStrategy):
+                layout = trainer.strategy.bucket_layout
+                result["bucket_layout"] = None if layout is None else [b.as_dict() for b in layout]
+                result["bucket_cap_mb"] = trainer.strategy.bucket_cap_mb
+                result["first_bucket_cap_mb"] = trainer.strategy.first_bucket_cap_mb
+            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+            gathered = trainer.strategy.all_gather(flat)
+            result["params_per_rank"] = [g.tolist() for g in gathered] if gathered.dim() == 2 else [gathered.tolist()]
+
+    trainer.callbacks.append(Probe())
+    trainer.fit(model, loader)
+    if trainer.global_rank == 0:
+        result.update(
+            strategy_class=type(trainer.strategy).__name__,
+            world_size=trainer.world_size,
+            losses=model.losses,
+            grad_checks=model.grad_checks,
+            package=lightning_mgpu.__version__,
+            pid=os.getpid(),
+        )
+        with open(args.out, "w") as fh:
+            json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main()
