@@ -255,10 +255,13 @@ class TunedDDPStrategy(DDPStrategy):
 
     @property
     def bucket_layout(self) -> Optional[list[BucketInfo]]:
-        """Gradient buckets as DDP built them, in launch order; None before DDP's rebuild.
+        """Gradient buckets as DDP built them, in launch order; None until DDP recorded them.
 
-        DDP assigns buckets from the order in which gradients became ready during the
-        first training step and rebuilds them once; this reads the rebuilt layout.
+        DDP rebuilds its buckets once, at the start of the second training step, from
+        the order in which gradients became ready during the first; it records the
+        rebuilt layout in its logging data during the third step. This reads that record
+        (without allocating any gradient-sized buffer), so it is available from the third
+        step on, and after fit.
         """
         model = self.model
         if not isinstance(model, DistributedDataParallel):

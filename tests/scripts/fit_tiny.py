@@ -5,7 +5,7 @@ Run by the multi-process tests (Lightning's own launcher starts the other ranks)
     python tests/scripts/fit_tiny.py --out result.json --strategy ddp_tuned --devices 2 \
         --strategy-kwargs '{"bucket_cap_mb": 0.05}'
 
-Rank 0 writes ``--out``: the comm hook DDP registered, the bucket layout it built, what
+The ``Probe`` callback writes ``--out`` from rank 0 (in the worker, so spawn works too): the comm hook DDP registered, the bucket layout it built, what
 the all-reduced gradients look like (cast to fp16/bf16? low rank?), the losses and a
 checksum of the final parameters from every rank.
 """
@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,9 +29,12 @@ from lightning_mgpu import TunedDDPStrategy
 
 
 class TinyMLP(L.LightningModule):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, depth: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+        hidden: list[nn.Module] = []
+        for _ in range(depth):
+            hidden += [nn.Linear(width, width), nn.Tanh()]
+        self.net = nn.Sequential(nn.Linear(32, width), nn.Tanh(), *hidden, nn.Linear(width, 1))
         self.losses: list[float] = []
         self.grad_checks: list[dict[str, Any]] = []
 
@@ -56,6 +60,49 @@ class TinyMLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class Probe(L.Callback):
+    """Writes rank 0's report at the end of fit (in the worker process, so spawn works too)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert isinstance(pl_module, TinyMLP)
+        result: dict[str, Any] = {
+            "strategy_class": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
+            "losses": pl_module.losses,
+            "grad_checks": pl_module.grad_checks,
+            "package": lightning_mgpu.__version__,
+            "pid": os.getpid(),
+        }
+        ddp = trainer.strategy.model
+        result["is_ddp"] = isinstance(ddp, DistributedDataParallel)
+        if isinstance(ddp, DistributedDataParallel):
+            data = ddp._get_ddp_logging_data()
+            result["comm_hook"] = data.get("comm_hook")
+            result["backend"] = data.get("backend_name")
+            result["ddp_flags"] = {
+                "static_graph": bool(ddp.static_graph),
+                "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+                "find_unused_parameters": bool(ddp.find_unused_parameters),
+            }
+            rebuilt = data.get("rebuilt_bucket_sizes")  # recorded by DDP from its third step on
+            result["ddp_bucket_sizes"] = None if rebuilt is None else [int(v) for v in str(rebuilt).split(",")]
+            result["param_ready_order_bytes"] = [p.numel() * p.element_size() for p in reversed(list(pl_module.parameters()))]
+        if isinstance(trainer.strategy, TunedDDPStrategy):
+            layout = trainer.strategy.bucket_layout
+            result["bucket_layout"] = None if layout is None else [b.as_dict() for b in layout]
+            result["bucket_cap_mb"] = trainer.strategy.bucket_cap_mb
+            result["first_bucket_cap_mb"] = trainer.strategy.first_bucket_cap_mb
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        gathered = trainer.strategy.all_gather(flat)  # every rank enters the collective
+        result["params_per_rank"] = [g.tolist() for g in gathered] if gathered.dim() == 2 else [gathered.tolist()]
+        if trainer.global_rank == 0:
+            with open(self.out, "w") as fh:
+                json.dump(result, fh)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -65,15 +112,22 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=1, help="hidden width x width layers")
+    parser.add_argument("--ckpt", default=None, help="save a checkpoint here after fit")
+    parser.add_argument("--stock", action="store_true", help="Lightning's own DDPStrategy(**strategy_kwargs)")
     args = parser.parse_args()
 
     L.seed_everything(7, verbose=False)
     x = torch.randn(512, 32)
     y = x[:, :1] * 2 + 0.1 * torch.randn(512, 1)
     loader = DataLoader(TensorDataset(x, y), batch_size=16)
-    model = TinyMLP(args.width)
+    model = TinyMLP(args.width, args.depth)
     kwargs = json.loads(args.strategy_kwargs)
-    strategy: Any = TunedDDPStrategy(**kwargs) if kwargs else args.strategy
+    strategy: Any = args.strategy
+    if args.stock:
+        strategy = DDPStrategy(**kwargs)
+    elif kwargs:
+        strategy = TunedDDPStrategy(**kwargs)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -85,38 +139,10 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    result: dict[str, Any] = {}
-
-    class Probe(L.Callback):
-        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            ddp = trainer.strategy.model
-            result["is_ddp"] = isinstance(ddp, DistributedDataParallel)
-            if isinstance(ddp, DistributedDataParallel):
-                data = ddp._get_ddp_logging_data()
-                result["comm_hook"] = data.get("comm_hook")
-                result["backend"] = data.get("backend_name")
-            if isinstance(trainer.strategy, TunedDDPStrategy):
-                layout = trainer.strategy.bucket_layout
-                result["bucket_layout"] = None if layout is None else [b.as_dict() for b in layout]
-                result["bucket_cap_mb"] = trainer.strategy.bucket_cap_mb
-                result["first_bucket_cap_mb"] = trainer.strategy.first_bucket_cap_mb
-            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-            gathered = trainer.strategy.all_gather(flat)
-            result["params_per_rank"] = [g.tolist() for g in gathered] if gathered.dim() == 2 else [gathered.tolist()]
-
-    trainer.callbacks.append(Probe())
+    trainer.callbacks.append(Probe(args.out))
     trainer.fit(model, loader)
-    if trainer.global_rank == 0:
-        result.update(
-            strategy_class=type(trainer.strategy).__name__,
-            world_size=trainer.world_size,
-            losses=model.losses,
-            grad_checks=model.grad_checks,
-            package=lightning_mgpu.__version__,
-            pid=os.getpid(),
-        )
-        with open(args.out, "w") as fh:
-            json.dump(result, fh)
+    if args.ckpt:
+        trainer.save_checkpoint(args.ckpt)
 
 
 if __name__ == "__main__":

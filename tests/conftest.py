@@ -1,0 +1,60 @@
+"""Shared helpers for tests that start real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def cpu_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Environment for a child run: CPU only, the repo importable, W&B offline, quiet."""
+    env = dict(os.environ)
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+        WANDB_MODE="offline",
+        PYTHONUNBUFFERED="1",
+    )
+    # A launcher's variables leaking in from an outer run would confuse Lightning.
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_python(
+    args: Sequence[str], *, cwd: Path, timeout: float, env: Optional[dict[str, str]] = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` and fail the test with the child's output if it fails or hangs."""
+    cmd = [sys.executable, *args]
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{exc.stdout or ''}\n{exc.stderr or ''}")
+    if proc.returncode != 0:
+        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def fit_tiny(tmp_path: Path, *extra: str, timeout: float = 120) -> dict[str, Any]:
+    """Run tests/scripts/fit_tiny.py on 2 CPU ranks and return rank 0's report."""
+    out = tmp_path / f"fit_{len(list(tmp_path.glob('fit_*.json')))}.json"
+    run_python([str(SCRIPTS / "fit_tiny.py"), "--out", str(out), *extra], cwd=tmp_path, timeout=timeout)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
