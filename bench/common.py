@@ -1,0 +1,225 @@
+"""What every benchmark in ``bench/`` shares: the 8M-parameter MLP, its data, and how we measure and report.
+
+Keeping the model, data, clock and statistics in one place means that two benchmarks
+(overhead, profiler cost, bucket tuning, ...) that say "the 8M MLP, batch 64" measure the
+same thing in the same way:
+
+* :func:`make_mlp` / :func:`make_data`: the model and a synthetic regression set, both
+  built from fixed seeds in-process (no downloads).
+* :class:`StepTimer`: per-step wall time of a span you mark with ``start()``/``stop()``,
+  host clock on CPU and CUDA events on GPUs (no synchronisation inside the loop).
+* :func:`summarize`, :func:`percentile`: median / p90 without numpy.
+* :func:`ddp_bucket_layout`: the gradient buckets DDP actually built.
+* :func:`machine_facts`, :func:`write_json`, :func:`print_table`: the report.
+
+Scripts import it as ``bench.common``; they put the repository root on ``sys.path``
+first, because ``python bench/<script>.py`` (and ``torchrun bench/<script>.py``) only
+puts ``bench/`` there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import TensorDataset
+
+MLP_WIDTHS: tuple[int, ...] = (1024, 2048, 2048, 1024, 256)
+"""Layer widths of "the 8M MLP": 8,656,128 parameters, 33 MiB of fp32 gradients.
+
+The narrow last layer (256 x 1024 weights, exactly 1 MiB) fills DDP's 1 MiB first
+bucket on its own, so the default layout is a real "small first bucket, then 25 MiB"
+one rather than a first bucket swallowed by a wide layer.
+"""
+MODEL_SEED = 0
+DATA_SEED = 1234
+
+
+def make_mlp(widths: Sequence[int] = MLP_WIDTHS, *, seed: int = MODEL_SEED) -> nn.Sequential:
+    """Linear layers of the given widths with ReLU between them (no dropout: nothing draws random numbers)."""
+    if len(widths) < 2:
+        raise ValueError(f"widths needs an input and an output width at least, got {tuple(widths)}")
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)  # same initial weights in every process and every benchmark
+    layers: list[nn.Module] = []
+    for index, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        if index:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(fan_in, fan_out))
+    torch.random.set_rng_state(generator_state)
+    return nn.Sequential(*layers)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def make_data(num_samples: int, widths: Sequence[int] = MLP_WIDTHS, *, seed: int = DATA_SEED) -> TensorDataset:
+    """Inputs ~ N(0, 1) and targets from a fixed random teacher, so the loss can actually go down.
+
+    Built with a private generator: making the data never moves torch's global RNG.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_samples, widths[0], generator=generator)
+    teacher = torch.randn(widths[0], widths[-1], generator=generator) / math.sqrt(widths[0])
+    targets = torch.tanh(inputs @ teacher)
+    return TensorDataset(inputs, targets)
+
+
+class StepTimer:
+    """Wall time of each marked span, and of each whole iteration (one ``start`` to the next).
+
+    On CPU it reads the host clock. On CUDA it records a pair of events per step and
+    reads them once, after the loop: no ``synchronize`` inside the loop, which would stop
+    the host from queueing the next step while the device works. An event pair measures
+    the device timeline between the two points, host gaps included when the device is
+    starved, so Python overhead in a loop still shows up.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._starts: list[Any] = []
+        self._stops: list[Any] = []
+
+    def start(self) -> None:
+        self._starts.append(self._mark())
+
+    def stop(self) -> None:
+        self._stops.append(self._mark())
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter_ns()
+
+    def _elapsed_ms(self, begin: Any, end: Any) -> float:
+        if self._cuda:
+            return float(begin.elapsed_time(end))
+        return (end - begin) / 1e6
+
+    def step_ms(self, skip: int = 0) -> list[float]:
+        """Duration of every span from ``start`` to ``stop``, the first ``skip`` left out."""
+        if len(self._starts) != len(self._stops):
+            raise RuntimeError(f"unbalanced timer: {len(self._starts)} starts, {len(self._stops)} stops")
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return [self._elapsed_ms(b, e) for b, e in zip(self._starts[skip:], self._stops[skip:])]
+
+    def iteration_ms(self, skip: int = 0) -> list[float]:
+        """Time from each ``start`` to the next: the span plus whatever the loop does between spans."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        starts = self._starts[skip:]
+        return [self._elapsed_ms(b, e) for b, e in zip(starts[:-1], starts[1:])]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between ranks (numpy's default method)."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be within [0, 100], got {q}")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "median": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "mean": sum(values) / len(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def ddp_bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
+    """The gradient buckets DDP uses, in launch order: bytes and reducer parameter indices per bucket.
+
+    After DDP's rebuild (at the start of the second iteration) these are the rebuilt
+    buckets; before it, the initial ones, flagged by ``rebuilt: False``.
+    """
+    data = model._get_ddp_logging_data()
+    rebuilt = bool(data.get("has_rebuilt_buckets"))
+    sizes_key, indices_key = (
+        ("rebuilt_bucket_sizes", "rebuilt_per_bucket_param_indices") if rebuilt else ("bucket_sizes", None)
+    )
+    sizes = [int(s) for s in str(data.get(sizes_key, "")).split(",") if s.strip()]
+    indices: Optional[list[list[int]]] = None
+    if indices_key is not None:
+        indices = [[int(i) for i in group.split()] for group in str(data[indices_key]).split(",")]
+    return {"rebuilt": rebuilt, "bucket_bytes": sizes, "bucket_param_indices": indices}
+
+
+def machine_facts(*, backend: str, world_size: int, device_type: str, threads_per_rank: int) -> dict[str, Any]:
+    import lightning
+
+    facts: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "backend": backend,
+        "device_type": device_type,
+        "world_size": world_size,
+        "threads_per_rank": threads_per_rank,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if device_type == "cuda" and torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+        facts["cuda"] = torch.version.cuda
+    try:
+        import lightning_mgpu
+
+        facts["lightning_mgpu"] = lightning_mgpu.__version__
+    except ImportError:
+        facts["lightning_mgpu"] = None
+    return facts
+
+
+def write_json(path: os.PathLike[str] | str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` to ``path`` (parents created), via a temporary file so a crash never leaves half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps(payload, indent=2) + "\n")
+    partial.replace(target)
+    return target
+
+
+def print_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    caption: Optional[str] = None,
+    console: Optional[Console] = None,
+) -> None:
+    """A rich table; every column but the first right-aligned (they hold numbers)."""
+    table = Table(title=title, caption=caption)
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # piped to a file or a log: don't squeeze into 80 columns
+    console.print(table)

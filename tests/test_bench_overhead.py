@@ -1,0 +1,69 @@
+"""``bench/overhead.py --quick`` runs end to end and reports three comparable configurations.
+
+Not a timing test (a benchmark is never judged by the suite): it checks that the script
+launches raw torch DDP, Lightning ``ddp`` and ``ddp_tuned`` with 2 gloo ranks, that they
+used the same bucket layout and computed the same thing, and that the JSON holds what
+the lead reads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"raw", "ddp", "ddp_tuned"}
+MLP_PARAMETERS = 8_656_128
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_overhead_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "overhead.py"), "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert report["settings"]["parameters"] == MLP_PARAMETERS
+    assert report["machine"]["world_size"] == 2 and report["machine"]["backend"] == "gloo"
+    launches = report["launches"]
+    assert {launch["config"] for launch in launches} == CONFIGS
+    assert len(launches) == report["settings"]["rounds"] * len(CONFIGS)
+    for launch in launches:
+        assert launch["world_size"] == 2
+        assert len(launch["step_ms"]) == report["settings"]["steps"]
+        assert all(ms > 0 for ms in launch["step_ms"])
+        assert launch["step"]["median"] > 0
+    assert {launch["strategy_class"] for launch in launches if launch["config"] != "raw"} == {
+        "DDPStrategy",
+        "TunedDDPStrategy",
+    }
+
+    # Same buckets everywhere: DDP's default 1 MiB first bucket (the last layer), then the rest.
+    layouts = [launch["buckets"] for launch in launches]
+    assert all(layout == layouts[0] for layout in layouts)
+    assert report["bucket_layout"] == layouts[0] and layouts[0]["rebuilt"]
+    assert sum(layouts[0]["bucket_bytes"]) == MLP_PARAMETERS * 4
+    assert len(layouts[0]["bucket_bytes"]) == 2 and layouts[0]["bucket_bytes"][0] == (256 * 1024 + 256) * 4
+
+    # Same model, data, order and arithmetic: bit-identical final loss in every launch.
+    assert report["same_final_loss"] is True
+    assert len(set(report["final_losses"].values())) == 1
+
+    summary = report["summary"]
+    assert set(summary) == CONFIGS
+    assert all(entry["step_ms_median"] > 0 for entry in summary.values())
+    assert set(report["targets"]) == {"ddp_tuned/ddp", "ddp_tuned/raw"}
+    for target in report["targets"].values():
+        assert target["met"] == (target["ratio"] <= target["limit"])
+    assert "ddp_tuned" in completed.stdout and "× raw" in completed.stdout
