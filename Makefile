@@ -23,6 +23,7 @@ demo: setup
 	$(BIN)/python recipes/char_lm/train_lightning.py
 
 test: setup
+	$(BIN)/ruff check lightning_mgpu recipes bench tests
 	$(BIN)/python -m pytest
 
 clean:

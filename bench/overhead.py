@@ -281,7 +281,8 @@ def launch(config: str, args: argparse.Namespace, scratch: Path, label: str) -> 
             command, env=env, capture_output=True, text=True, timeout=args.launch_timeout, cwd=REPO_ROOT
         )
     except subprocess.TimeoutExpired as error:
-        raise SystemExit(f"{label}: launch timed out after {args.launch_timeout} s\n{_tail(error.stdout, error.stderr)}")
+        message = f"{label}: launch timed out after {args.launch_timeout} s\n{_tail(error.stdout, error.stderr)}"
+        raise SystemExit(message) from None
     if completed.returncode != 0 or not worker_out.exists():
         raise SystemExit(
             f"{label}: launch failed (exit code {completed.returncode})\n$ {' '.join(command)}\n"

@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
+RECIPES = REPO / "recipes"
+TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 
 
 def cpu_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -24,6 +27,7 @@ def cpu_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
         WANDB_MODE="offline",
         PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",  # 2 ranks on 2 cores: one thread each, no oversubscription
     )
     # A launcher's variables leaking in from an outer run would confuse Lightning.
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID"):
@@ -39,15 +43,15 @@ def free_port() -> int:
 
 
 def run_python(
-    args: Sequence[str], *, cwd: Path, timeout: float, env: Optional[dict[str, str]] = None
+    args: Sequence[str], *, cwd: Path, timeout: float, env: Optional[dict[str, str]] = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` and fail the test with the child's output if it fails or hangs."""
+    """Run ``python ARGS``; fail the test with the child's output if it hangs, or fails and ``check``."""
     cmd = [sys.executable, *args]
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{exc.stdout or ''}\n{exc.stderr or ''}")
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc
 
@@ -58,3 +62,14 @@ def fit_tiny(tmp_path: Path, *extra: str, timeout: float = 120) -> dict[str, Any
     run_python([str(SCRIPTS / "fit_tiny.py"), "--out", str(out), *extra], cwd=tmp_path, timeout=timeout)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+def run_recipe(
+    recipe: str, script: str, workdir: Path, *flags: str, launcher: Sequence[str] = (), timeout: float = 240
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """Run ``recipes/RECIPE/SCRIPT FLAGS --record ...`` on CPU; return rank 0's record and the run."""
+    record = workdir / "record.pt"
+    script_path = str(RECIPES / recipe / script)
+    proc = run_python([*launcher, script_path, *flags, "--record", str(record)], cwd=workdir, timeout=timeout)
+    result: dict[str, Any] = torch.load(record, weights_only=True)
+    return result, proc

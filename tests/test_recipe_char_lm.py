@@ -14,8 +14,6 @@ of 32 per epoch, 3 epochs, so the order is reshuffled twice), shared by the test
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from unittest import mock
 
 import pytest
 import torch
+
+from tests import conftest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "char_lm"
@@ -34,22 +34,11 @@ SUMMARY_TITLES = {"train_plain.py": "char_lm: hand-written DDP", "train_lightnin
 
 
 def run_recipe(script: str, workdir: Path, *flags: str, torchrun: bool = False) -> dict[str, Any]:
-    """Run a recipe script on CPU with ``--record``; return rank 0's record and the output."""
-    record = workdir / "record.pt"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)  # an outer launcher's variables would confuse both scripts
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if torchrun else []
-    cmd = [sys.executable, *launcher, str(RECIPE / script), *COMMON_FLAGS, *flags, "--record", str(record)]
-    try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"timed out: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    """Run a char_lm script on CPU (under torchrun with 2 processes if asked); return rank 0's record."""
+    launcher = conftest.TORCHRUN_2 if torchrun else ()
+    result, proc = conftest.run_recipe("char_lm", script, workdir, *COMMON_FLAGS, *flags, launcher=launcher)
     # Only rank 0 prints the summary, once, however many processes ran.
     assert proc.stdout.count(SUMMARY_TITLES[script]) == 1, proc.stdout
-    result: dict[str, Any] = torch.load(record)
     return result
 
 

@@ -8,9 +8,6 @@ ranks with the same global batch (half of it per rank).
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,8 @@ import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from tests import conftest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "image_classifier"
@@ -29,29 +28,9 @@ COMMON_FLAGS = ["--seed", str(SEED), "--epochs", str(EPOCHS), "--noise", "1.0"]
 COMMON_FLAGS += ["--train-size", str(TRAIN_SIZE), "--val-size", str(VAL_SIZE)]
 
 
-def recipe_env() -> dict[str, str]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)  # an outer launcher's variables would confuse Lightning
-    return env
-
-
-def run_script(script: str, workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(RECIPE / script), *COMMON_FLAGS, *flags]
-    try:
-        return subprocess.run(cmd, cwd=workdir, env=recipe_env(), capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"timed out: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
-
-
 def run_recipe(script: str, workdir: Path, *flags: str) -> dict[str, Any]:
-    """Run a recipe script on CPU with ``--record`` and return what rank 0 recorded."""
-    record = workdir / "record.pt"
-    proc = run_script(script, workdir, *flags, "--record", str(record))
-    assert proc.returncode == 0, f"{script} {flags}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    result: dict[str, Any] = torch.load(record)
-    return result
+    """Run an image_classifier script on CPU and return what rank 0 recorded."""
+    return conftest.run_recipe("image_classifier", script, workdir, *COMMON_FLAGS, *flags, timeout=150)[0]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +120,9 @@ def test_two_ranks_with_the_same_global_batch_end_where_one_process_ends(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path: Path) -> None:
-    proc = run_script("train_lightning.py", tmp_path, "--devices", "2", "--batch-size", "33")
+    script = str(RECIPE / "train_lightning.py")
+    flags = [*COMMON_FLAGS, "--devices", "2", "--batch-size", "33"]
+    proc = conftest.run_python([script, *flags], cwd=tmp_path, timeout=150, check=False)
     assert proc.returncode != 0
     assert "--batch-size 33 is the global batch" in proc.stderr + proc.stdout
     assert "use a multiple of 2" in proc.stderr + proc.stdout

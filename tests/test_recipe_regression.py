@@ -6,15 +6,14 @@ script on one process with the same batch, and on 2 CPU ranks with half the batc
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+
+from tests import conftest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "regression"
@@ -25,20 +24,8 @@ COMMON_FLAGS = ["--seed", str(SEED), "--num-samples", str(NUM_SAMPLES), "--epoch
 
 
 def run_recipe(script: str, workdir: Path, *flags: str) -> dict[str, Any]:
-    """Run a recipe script on CPU with ``--record`` and return what rank 0 recorded."""
-    record = workdir / "record.pt"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)  # an outer launcher's variables would confuse Lightning
-    cmd = [sys.executable, str(RECIPE / script), *COMMON_FLAGS, *flags, "--record", str(record)]
-    try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"timed out: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    result: dict[str, Any] = torch.load(record)
-    return result
+    """Run a regression script on CPU and return what rank 0 recorded."""
+    return conftest.run_recipe("regression", script, workdir, *COMMON_FLAGS, *flags, timeout=150)[0]
 
 
 @pytest.fixture(scope="module")

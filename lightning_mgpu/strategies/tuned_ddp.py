@@ -274,7 +274,7 @@ class TunedDDPStrategy(DDPStrategy):
         names = _reducer_param_names(model)
         return [
             BucketInfo(index=b, bytes=size, num_params=len(idx), param_names=tuple(names[i] for i in idx))
-            for b, (size, idx) in enumerate(zip(sizes, indices))
+            for b, (size, idx) in enumerate(zip(sizes, indices, strict=True))
         ]
 
     # ------------------------------------------------------------------ setup lifecycle
@@ -360,8 +360,9 @@ class TunedDDPStrategy(DDPStrategy):
         layout = self.bucket_layout
         if layout:
             sizes = ", ".join(f"{b.bytes / _MIB:.2f}" for b in layout)
+            buckets = "1 gradient bucket" if len(layout) == 1 else f"{len(layout)} gradient buckets"
             rank_zero_info(
-                f"{type(self).__name__}: {len(layout)} gradient buckets of [{sizes}] MiB "
+                f"{type(self).__name__}: {buckets} of [{sizes}] MiB "
                 f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)."
             )
         super().teardown()
