@@ -6,6 +6,7 @@ Importing the package registers its strategy names with Lightning, so that
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_mgpu.callbacks import CommProfiler
 from lightning_mgpu.strategies import BucketInfo, TunedDDPStrategy
 
 __version__ = "0.1.0"
@@ -14,4 +15,4 @@ STRATEGY_NAMES = ("ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_p
 
 TunedDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["BucketInfo", "STRATEGY_NAMES", "TunedDDPStrategy", "__version__"]
+__all__ = ["BucketInfo", "CommProfiler", "STRATEGY_NAMES", "TunedDDPStrategy", "__version__"]

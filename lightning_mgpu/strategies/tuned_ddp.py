@@ -31,11 +31,11 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -224,6 +224,7 @@ class TunedDDPStrategy(DDPStrategy):
             **kwargs,
         )
         self._wire_dtype: Optional[torch.dtype] = None
+        self._comm_hook_wrappers: list[Callable[[Callable], Callable]] = []
 
     # ------------------------------------------------------------------ properties
 
@@ -309,18 +310,34 @@ class TunedDDPStrategy(DDPStrategy):
             self._ddp_comm_hook, self._ddp_comm_state, self._wire_dtype = spec.hook, spec.state, spec.wire_dtype
         super().configure_ddp()
 
+    def add_comm_hook_wrapper(self, wrapper: Callable[[Callable], Callable]) -> None:
+        """Wrap the communication hook DDP will use (the compression hook, or plain
+        all-reduce) with ``wrapper(hook) -> hook``; e.g. ``CommProfiler`` times buckets so.
+
+        DDP accepts one hook, registered when the model is wrapped: call this before
+        ``fit`` reaches ``strategy.setup`` (a callback's ``setup`` hook is early enough).
+        """
+        if isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(
+                "add_comm_hook_wrapper() was called after DDP registered its communication hook; "
+                "call it from a callback's setup() hook, before training starts."
+            )
+        self._comm_hook_wrappers.append(wrapper)
+
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; DDP supports them on every backend.
-        if self._ddp_comm_hook is None and self._ddp_comm_wrapper is None:
-            return
+        hook, state = self._ddp_comm_hook, self._ddp_comm_state
+        if hook is None and self._ddp_comm_wrapper is None and not self._comm_hook_wrappers:
+            return  # DDP's built-in C++ all-reduce: the fastest path
         assert isinstance(self.model, DistributedDataParallel)
-        _register_ddp_comm_hook(
-            model=self.model,
-            ddp_comm_state=self._ddp_comm_state,
-            ddp_comm_hook=self._ddp_comm_hook,
-            ddp_comm_wrapper=self._ddp_comm_wrapper,
-        )
+        if hook is None:
+            hook, state = default_hooks.allreduce_hook, None
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        for wrapper in self._comm_hook_wrappers:
+            hook = wrapper(hook)
+        self.model.register_comm_hook(state=state, hook=hook)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,0 +1,157 @@
+"""CommProfiler's outputs: console summary, CSV, Chrome trace, timeline plot, W&B.
+
+Kept apart from the callback so that matplotlib and wandb are imported only when used.
+Timelines are ``StepTimeline.as_dict()`` records from every rank.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+
+_MIB = 1024 * 1024
+
+
+def _fmt(value: Optional[float], unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def print_summary(profile: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = profile["summary"]
+    title = f"CommProfiler: {profile['world_size']} rank(s), {profile['backend']} on {profile['device_type']}, {s['steps']} steps"
+    table = Table(title=title, show_header=True)
+    table.add_column("per step (median, slowest rank)")
+    table.add_column("value", justify="right")
+    step = s["step_ms"]["median"] or 1.0
+    rows = [
+        ("step", f"{s['step_ms']['median']:.2f} ms (p90 {s['step_ms']['p90']:.2f})"),
+        ("forward", f"{s['forward_ms']:.2f} ms ({100 * s['forward_ms'] / step:.0f}%)"),
+        ("backward compute", f"{s['backward_compute_ms']:.2f} ms ({100 * s['backward_compute_ms'] / step:.0f}%)"),
+        ("communication span", f"{s['comm_ms']:.2f} ms"),
+        ("  hidden behind backward", f"{100 * s['overlap_ratio']:.0f}%"),
+        ("  exposed (step waits)", f"{s['exposed_comm_ms']:.2f} ms ({100 * s['exposed_comm_ms'] / step:.0f}% of step)"),
+        ("optimizer", f"{s['optimizer_ms']:.2f} ms"),
+        ("gradient bytes", f"{s['bytes_per_step'] / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)"),
+        ("bytes on the wire", f"{s['wire_bytes_per_step'] / _MIB:.2f} MiB"
+         + (f" (compression {s['compression_ratio']:.1f}x)" if s.get("compression_ratio") else "")),
+        ("bus bandwidth", f"{s['busbw_gbps']:.3f} GB/s (algbw {s['algbw_gbps']:.3f})"
+         + (f", {100 * s['busbw_fraction']:.0f}% of this machine's peak" if s.get("busbw_fraction") else "")),
+        ("straggler skew", f"{s['straggler_ms']:.2f} ms"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    if profile["buckets"]:
+        buckets = Table(title="buckets (launch order; slowest rank's median)")
+        for column in ("#", "MiB", "params", "ms", "busbw GB/s"):
+            buckets.add_column(column, justify="right")
+        for b in profile["buckets"]:
+            buckets.add_row(str(b["index"]), f"{b['bytes'] / _MIB:.2f}", str(b["num_params"]),
+                            f"{b['duration_ms']:.2f}", f"{b['busbw_gbps']:.3f}")
+        console.print(buckets)
+
+
+def write_buckets_csv(path: Path, buckets: list[dict[str, Any]]) -> None:
+    columns = ["index", "bytes", "num_params", "duration_ms", "busbw_gbps"]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        for bucket in buckets:
+            writer.writerow({key: bucket[key] for key in columns})
+
+
+def _phases(t: dict[str, Any]) -> list[tuple[str, float, float]]:
+    return [
+        ("forward", 0.0, t["forward_end_ms"]),
+        ("backward", t["forward_end_ms"], t["backward_end_ms"]),
+        ("optimizer", t["optimizer_start_ms"], t["step_ms"]),
+    ]
+
+
+def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
+    """Chrome trace (opens in Perfetto / chrome://tracing): one process per rank, a compute
+    thread with the step phases and a communication thread with the buckets."""
+    if not timelines:
+        path.write_text(json.dumps({"traceEvents": []}))
+        return
+    origin = min(t["start_ns"] for t in timelines)
+    events: list[dict[str, Any]] = []
+    for rank in sorted({t["rank"] for t in timelines}):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "communication"}})
+    for t in timelines:
+        base_us = (t["start_ns"] - origin) / 1e3
+        events.append({"name": f"step {t['step']}", "ph": "X", "pid": t["rank"], "tid": 0, "ts": base_us,
+                       "dur": t["step_ms"] * 1e3, "cat": "step"})
+        for name, start, end in _phases(t):
+            events.append({"name": name, "ph": "X", "pid": t["rank"], "tid": 0, "ts": base_us + start * 1e3,
+                           "dur": max(0.0, end - start) * 1e3, "cat": "compute"})
+        for b in t["buckets"]:
+            events.append({"name": f"bucket {b['index']}", "ph": "X", "pid": t["rank"], "tid": 1,
+                           "ts": base_us + b["launch_ms"] * 1e3, "dur": (b["done_ms"] - b["launch_ms"]) * 1e3,
+                           "cat": "comm", "args": {"bytes": b["bytes"], "wire_bytes": b["wire_bytes"],
+                                                   "num_params": b["num_params"]}})
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: int = 3) -> None:
+    """Per rank, a few steps: compute phases on one lane, buckets on the lanes below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({t["rank"] for t in timelines})
+    fig, axes = plt.subplots(len(ranks) or 1, 1, figsize=(12, 1.6 + 1.4 * max(1, len(ranks))), squeeze=False)
+    colors = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2"}
+    origin = min((t["start_ns"] for t in timelines), default=0)
+    for axis, rank in zip(axes[:, 0], ranks or [0]):
+        steps = [t for t in timelines if t["rank"] == rank][:max_steps]
+        for t in steps:
+            base = (t["start_ns"] - origin) / 1e6
+            for name, start, end in _phases(t):
+                axis.broken_barh([(base + start, max(0.0, end - start))], (10, 8), facecolors=colors[name])
+            for b in t["buckets"]:
+                lane = 0 if b["index"] % 2 == 0 else -9
+                axis.broken_barh([(base + b["launch_ms"], b["done_ms"] - b["launch_ms"])], (lane, 8),
+                                 facecolors="#DD8452", edgecolors="black", linewidth=0.4)
+                axis.text(base + b["launch_ms"], lane + 4, f"b{b['index']}", va="center", fontsize=7)
+        axis.set_yticks([14, 0, -5])
+        axis.set_yticklabels(["compute", "comm", ""])
+        axis.set_ylabel(f"rank {rank}")
+        axis.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*colors.values(), "#DD8452"]]
+    fig.legend(handles, [*colors.keys(), "bucket all-reduce"], loc="upper right", ncol=4, fontsize=8)
+    fig.suptitle("Compute and gradient communication per rank (bucket launch -> done)")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Optional[Path]) -> None:
+    """With a WandbLogger: the bucket table and, if written, the timeline image."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+    if not loggers:
+        return
+    import wandb  # only imported when a WandbLogger is in use
+
+    columns = ["index", "bytes", "num_params", "duration_ms", "busbw_gbps"]
+    table = wandb.Table(columns=columns, data=[[b[c] for c in columns] for b in profile["buckets"]])
+    payload: dict[str, Any] = {"comm/buckets": table}
+    image = export_dir / "comm_timeline.png" if export_dir is not None else None
+    if image is not None and image.exists():
+        payload["comm/timeline"] = wandb.Image(str(image))
+    for logger in loggers:
+        logger.experiment.log(payload)

@@ -1,0 +1,456 @@
+"""``CommProfiler``: where a DDP step's time goes — compute, communication, and how much
+of the communication hides behind backward.
+
+Logged metrics (through the LightningModule's ``log``, so every Lightning logger gets them;
+values are medians over the profiled steps since the last log, gathered from every rank):
+
+==============================  ==============================================================
+key                             meaning
+==============================  ==============================================================
+``comm/step_ms``                a synchronising training step, start to end (slowest rank)
+``comm/forward_ms``             forward pass and loss (slowest rank)
+``comm/backward_compute_ms``    backward until the last gradient was ready (slowest rank)
+``comm/comm_ms``                first bucket launched -> last bucket done (slowest rank)
+``comm/exposed_ms``             communication after backward compute ended: time the step
+                                waited for the network (slowest rank)
+``comm/overlap_ratio``          share of ``comm_ms`` hidden behind backward compute (0..1)
+``comm/optimizer_ms``           optimizer step (slowest rank)
+``comm/bytes_per_step``         gradient bytes reduced per step
+``comm/wire_bytes_per_step``    bytes actually sent per step (after fp16/bf16 casting)
+``comm/compression_ratio``      ``bytes_per_step / wire_bytes_per_step`` (when known)
+``comm/algbw_gbps``             ``wire bytes / comm_ms`` in GB/s (1e9 B/s)
+``comm/busbw_gbps``             ``algbw * 2(n-1)/n``: nccl-tests' bus bandwidth of all-reduce
+``comm/busbw_fraction``         ``busbw`` / the machine's peak from ``lightning-mgpu bench-comm``
+                                (when ``sweep=`` is given)
+``comm/straggler_ms``           slowest minus fastest rank's median compute (forward + backward
+                                compute): how long the others wait for the slowest
+==============================  ==============================================================
+
+Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
+callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read
+one step later, so no step synchronises for the profiler. The first ``warmup_steps``
+synchronising steps are not profiled (DDP's first step, which builds and then rebuilds its
+buckets, never is). With gradient accumulation only the synchronising step of each
+accumulation window is profiled: the others do not communicate. Memory is bounded: medians
+come from the last ``history`` steps; full timelines are kept for ``timeline_steps`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_mgpu.comm.timing import (
+    BucketInterval,
+    BucketTimer,
+    Clock,
+    Stamp,
+    StepBreakdown,
+    StepTimeline,
+    clock_for,
+    step_breakdown,
+)
+from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
+
+_GB = 1e9
+
+
+def allreduce_bus_factor(world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of all-reduce: 2(n-1)/n (0 for a single rank)."""
+    return 2.0 * (world_size - 1) / world_size if world_size > 0 else 0.0
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _p90(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)])
+
+
+class CommProfiler(L.Callback):
+    """Measure DDP communication per step and per bucket, on CPU and GPU.
+
+    Args:
+        warmup_steps: synchronising steps to skip before profiling (at least 1: DDP's first
+            step, with its bucket rebuild, is always skipped).
+        every_n_steps: gather the figures from every rank and log them every this many
+            profiled steps.
+        export_dir: if given, rank 0 writes ``comm_profile.json``, ``comm_buckets.csv``,
+            ``comm_timeline.png`` and ``comm_trace.json`` (Chrome trace) there at the end.
+        timeline_steps: profiled steps per rank kept whole for the timeline plot and trace.
+        history: profiled steps whose figures are kept for the medians (bounds memory).
+        sweep: path to a ``lightning-mgpu bench-comm --json`` result; the summary then
+            reports DDP's achieved bus bandwidth as a fraction of that machine's peak.
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 5,
+        every_n_steps: int = 50,
+        export_dir: Optional[Union[str, Path]] = None,
+        *,
+        timeline_steps: int = 4,
+        history: int = 10_000,
+        sweep: Optional[Union[str, Path]] = None,
+    ) -> None:
+        for name, value, minimum in (
+            ("warmup_steps", warmup_steps, 1),
+            ("every_n_steps", every_n_steps, 1),
+            ("timeline_steps", timeline_steps, 0),
+            ("history", history, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"CommProfiler: {name} must be an integer >= {minimum}, got {value!r}")
+        self.warmup_steps = warmup_steps
+        self.every_n_steps = every_n_steps
+        self.export_dir = Path(export_dir) if export_dir is not None else None
+        self.timeline_steps = timeline_steps
+        self.history = history
+        self.peak_busbw_gbps = _read_sweep_peak(sweep) if sweep is not None else None
+        self.summary: Optional[dict[str, Any]] = None
+        """After fit: the ``summary`` of comm_profile.json (every rank), for code and tests."""
+        self.ranks: list[dict[str, float]] = []
+        """After fit: each rank's own medians (the ``ranks`` of comm_profile.json)."""
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._timer: Optional[BucketTimer] = None
+        self._clock: Optional[Clock] = None
+        self._measures_comm = False
+        self._sync_steps_seen = 0
+        self._marks: dict[str, Stamp] = {}
+        self._pending: Optional[tuple[int, dict[str, Stamp], list[Any], list[Any]]] = None
+        self._since_log: list[StepBreakdown] = []
+        self._steps: deque[StepBreakdown] = deque(maxlen=self.history)
+        self._step_numbers: deque[int] = deque(maxlen=self.history)
+        self._bucket_durations: dict[tuple[int, int], deque[float]] = {}
+        self._bucket_params: dict[tuple[int, int], int] = {}
+        self._timelines: list[StepTimeline] = []
+        self._straggler_ms: deque[float] = deque(maxlen=self.history)
+        self._forward_hook: Optional[torch.utils.hooks.RemovableHandle] = None
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_run_state()
+        strategy = trainer.strategy
+        self._clock = clock_for(strategy.root_device)
+        if isinstance(strategy, TunedDDPStrategy):
+            self._timer = BucketTimer(self._clock)
+            if strategy.compression in ("fp16", "bf16"):
+                self._timer.wire_ratio = 0.5
+            elif strategy.compression == "powersgd":
+                self._timer.wire_ratio = None
+            strategy.add_comm_hook_wrapper(self._timer.wrap)
+            self._measures_comm = True
+        else:
+            rank_zero_warn(
+                f"CommProfiler: the strategy is {type(strategy).__name__}; communication is measured only with "
+                "TunedDDPStrategy (strategy='ddp_tuned', 'ddp_tuned_fp16', ...). Step, forward, backward and "
+                "optimizer times are still reported; the comm/* bucket figures will be 0."
+            )
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The forward ends when DDP's wrapper returns (training_step, loss included): the
+        # instant DDP itself starts its backward-compute clock, so the figures compare.
+        model = trainer.strategy.model
+        if self._clock is not None and isinstance(model, DistributedDataParallel):
+            self._forward_hook = model.register_forward_hook(lambda *_: self._stamp("forward_end"))
+
+    # ------------------------------------------------------------------ per step
+
+    def _stamp(self, name: str) -> None:
+        assert self._clock is not None
+        self._marks[name] = self._clock.stamp()
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._clock is None:
+            return
+        self._marks = {}
+        self._stamp("start")
+        self._marks["start_ns"] = _host_ns()
+        if self._timer is not None:
+            self._timer.take()  # drop anything left from a step that did not reach the optimizer
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._clock is not None and "forward_end" not in self._marks:  # no DDP wrapper to hook
+            self._stamp("forward_end")
+
+    @override
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._clock is not None:
+            self._stamp("backward_end")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._clock is not None:
+            self._stamp("optimizer_start")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._clock is None or "optimizer_start" not in self._marks:
+            return  # no optimizer step in this batch (accumulating): DDP did not communicate
+        self._stamp("end")
+        launches, dones, compute_end = self._timer.take() if self._timer is not None else ([], [], None)
+        if compute_end is not None:
+            self._marks["compute_end"] = compute_end
+        self._sync_steps_seen += 1
+        if self._sync_steps_seen <= self.warmup_steps:
+            return
+        step = (trainer.global_step, self._marks, launches, dones)
+        if self._clock.device_type == "cuda":
+            # CUDA events are read one step later, so that no step waits for the GPU here.
+            step, self._pending = self._pending, step
+        if step is not None:
+            self._record(trainer.global_rank, *step)
+        if len(self._since_log) >= self.every_n_steps:
+            self._log(trainer, pl_module)
+
+    def _record(self, rank: int, step: int, marks: dict[str, Stamp], launches: list[Any], dones: list[Any]) -> None:
+        assert self._clock is not None
+        clock, start = self._clock, marks["start"]
+        buckets: tuple[BucketInterval, ...] = ()
+        if self._timer is not None:
+            buckets = self._timer.intervals(start, launches, dones)
+        timeline = StepTimeline(
+            step=step,
+            rank=rank,
+            start_ns=int(marks["start_ns"]),  # type: ignore[arg-type]
+            forward_end_ms=clock.elapsed_ms(start, marks["forward_end"]),
+            compute_end_ms=clock.elapsed_ms(start, marks["compute_end"]) if "compute_end" in marks else None,
+            backward_end_ms=clock.elapsed_ms(start, marks["backward_end"]),
+            optimizer_start_ms=clock.elapsed_ms(start, marks["optimizer_start"]),
+            step_ms=clock.elapsed_ms(start, marks["end"]),
+            buckets=buckets,
+        )
+        breakdown = step_breakdown(timeline)
+        self._steps.append(breakdown)
+        self._step_numbers.append(step)
+        self._since_log.append(breakdown)
+        if len(self._timelines) < self.timeline_steps:
+            self._timelines.append(timeline)
+        layout = tuple(b.bytes for b in buckets)
+        for bucket in buckets:
+            key = (hash(layout), bucket.index)
+            if key not in self._bucket_durations:
+                self._bucket_durations[key] = deque(maxlen=self.history)
+                self._bucket_params[key] = bucket.num_params
+            self._bucket_durations[key].append(bucket.duration_ms)
+        self._layout = layout
+
+    # ------------------------------------------------------------------ gather and log
+
+    def _gather(self, trainer: L.Trainer, local: Any) -> list[Any]:
+        """Every rank's ``local``; a collective that every rank enters (never rank-zero-only)."""
+        if trainer.world_size == 1 or not dist.is_available() or not dist.is_initialized():
+            return [local]
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, local)
+        return gathered
+
+    def _local_medians(self, steps: list[StepBreakdown]) -> dict[str, float]:
+        fields = ("step_ms", "forward_ms", "backward_compute_ms", "comm_ms", "exposed_comm_ms", "optimizer_ms")
+        medians = {name: _median([getattr(s, name) for s in steps]) for name in fields}
+        medians["overlap_ratio"] = _median([s.overlap_ratio for s in steps])
+        medians["bytes"] = _median([s.bytes for s in steps])
+        medians["wire_bytes"] = _median([s.wire_bytes for s in steps])
+        medians["compute_ms"] = _median([s.forward_ms + s.backward_compute_ms for s in steps])
+        return medians
+
+    def _combine(self, per_rank: list[dict[str, float]], world_size: int) -> dict[str, float]:
+        """Slowest rank for times, and bandwidth from the slowest rank's communication."""
+        slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+        metrics = {
+            "comm/step_ms": slowest["step_ms"],
+            "comm/forward_ms": slowest["forward_ms"],
+            "comm/backward_compute_ms": slowest["backward_compute_ms"],
+            "comm/comm_ms": slowest["comm_ms"],
+            "comm/exposed_ms": slowest["exposed_comm_ms"],
+            "comm/overlap_ratio": min(r["overlap_ratio"] for r in per_rank),
+            "comm/optimizer_ms": slowest["optimizer_ms"],
+            "comm/bytes_per_step": slowest["bytes"],
+            "comm/wire_bytes_per_step": slowest["wire_bytes"],
+            "comm/straggler_ms": slowest["compute_ms"] - min(r["compute_ms"] for r in per_rank),
+        }
+        algbw = slowest["wire_bytes"] / (slowest["comm_ms"] / 1e3) / _GB if slowest["comm_ms"] > 0 else 0.0
+        metrics["comm/algbw_gbps"] = algbw
+        metrics["comm/busbw_gbps"] = algbw * allreduce_bus_factor(world_size)
+        if self._timer is not None and self._timer.wire_ratio is not None and slowest["wire_bytes"] > 0:
+            metrics["comm/compression_ratio"] = slowest["bytes"] / slowest["wire_bytes"]
+        if self.peak_busbw_gbps:
+            metrics["comm/busbw_fraction"] = metrics["comm/busbw_gbps"] / self.peak_busbw_gbps
+        return metrics
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        per_rank = self._gather(trainer, self._local_medians(self._since_log))
+        metrics = self._combine(per_rank, trainer.world_size)
+        self._straggler_ms.append(metrics["comm/straggler_ms"])
+        self._since_log = []
+        # Identical on every rank (all gathered the same values): no further sync needed.
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    # ------------------------------------------------------------------ end of fit
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        if self._clock is None:
+            return
+        if self._pending is not None:
+            self._record(trainer.global_rank, *self._pending)
+            self._pending = None
+        local = {
+            "medians": self._local_medians(list(self._steps)) if self._steps else None,
+            "steps": [(n, s.step_ms, s.comm_ms, s.exposed_comm_ms) for n, s in zip(self._step_numbers, self._steps)],
+            "buckets": self._local_buckets(),
+            "timelines": [t.as_dict() for t in self._timelines],
+        }
+        gathered = self._gather(trainer, local)
+        profiled = [g for g in gathered if g["medians"] is not None]
+        if not profiled:
+            rank_zero_warn(
+                f"CommProfiler: no step was profiled (warmup_steps={self.warmup_steps}, and DDP's first step is "
+                "always skipped). Train longer or lower warmup_steps."
+            )
+            return
+        profile = self._profile(trainer, gathered)
+        self.summary, self.ranks = profile["summary"], profile["ranks"]
+        if trainer.global_rank == 0:
+            self._report(trainer, profile, gathered)
+
+    def _local_buckets(self) -> list[dict[str, Any]]:
+        """Median duration per bucket of the layout in force at the end (DDP may rebuild once)."""
+        layout = getattr(self, "_layout", ())
+        out = []
+        for index, nbytes in enumerate(layout):
+            key = (hash(layout), index)
+            durations = list(self._bucket_durations.get(key, ()))
+            out.append(
+                {
+                    "index": index,
+                    "bytes": nbytes,
+                    "num_params": self._bucket_params.get(key, 0),
+                    "duration_ms": _median(durations),
+                }
+            )
+        return out
+
+    def _profile(self, trainer: L.Trainer, gathered: list[dict[str, Any]]) -> dict[str, Any]:
+        world_size = trainer.world_size
+        per_rank = [g["medians"] for g in gathered if g["medians"] is not None]
+        metrics = self._combine(per_rank, world_size)
+        rank0_steps = gathered[0]["steps"]
+        factor = allreduce_bus_factor(world_size)
+        buckets = []
+        for position, bucket in enumerate(gathered[0]["buckets"]):
+            # the slowest rank's median duration of this bucket
+            duration = max(g["buckets"][position]["duration_ms"] for g in gathered if len(g["buckets"]) > position)
+            wire = bucket["bytes"] * (self._timer.wire_ratio or 1.0) if self._timer is not None else bucket["bytes"]
+            busbw = wire / (duration / 1e3) / _GB * factor if duration > 0 else 0.0
+            buckets.append({**bucket, "duration_ms": duration, "busbw_gbps": busbw})
+        straggler = _median(list(self._straggler_ms)) if self._straggler_ms else metrics["comm/straggler_ms"]
+        summary = {
+            "steps": len(rank0_steps),
+            "step_ms": {"median": metrics["comm/step_ms"], "p90": _p90([s[1] for s in rank0_steps])},
+            "forward_ms": metrics["comm/forward_ms"],
+            "backward_compute_ms": metrics["comm/backward_compute_ms"],
+            "comm_ms": metrics["comm/comm_ms"],
+            "exposed_comm_ms": metrics["comm/exposed_ms"],
+            "overlap_ratio": metrics["comm/overlap_ratio"],
+            "optimizer_ms": metrics["comm/optimizer_ms"],
+            "bytes_per_step": int(metrics["comm/bytes_per_step"]),
+            "wire_bytes_per_step": int(metrics["comm/wire_bytes_per_step"]),
+            "compression_ratio": metrics.get("comm/compression_ratio"),
+            "algbw_gbps": metrics["comm/algbw_gbps"],
+            "busbw_gbps": metrics["comm/busbw_gbps"],
+            "busbw_fraction": metrics.get("comm/busbw_fraction"),
+            "straggler_ms": straggler,
+            "measures_comm": self._measures_comm,
+        }
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        return {
+            "world_size": world_size,
+            "backend": backend,
+            "device_type": trainer.strategy.root_device.type,
+            "summary": summary,
+            "ranks": [{"rank": rank, **medians} for rank, medians in enumerate(per_rank)],
+            "buckets": buckets,
+            "steps": [
+                {"step": n, "step_ms": step_ms, "comm_ms": comm_ms, "exposed_comm_ms": exposed}
+                for n, step_ms, comm_ms, exposed in rank0_steps
+            ],
+        }
+
+    def _report(self, trainer: L.Trainer, profile: dict[str, Any], gathered: list[dict[str, Any]]) -> None:
+        from lightning_mgpu.callbacks import _comm_report
+
+        _comm_report.print_summary(profile)
+        timelines = [t for g in gathered for t in g["timelines"]]
+        if self.export_dir is not None:
+            self.export_dir.mkdir(parents=True, exist_ok=True)
+            (self.export_dir / "comm_profile.json").write_text(json.dumps(profile, indent=2))
+            _comm_report.write_buckets_csv(self.export_dir / "comm_buckets.csv", profile["buckets"])
+            _comm_report.write_chrome_trace(self.export_dir / "comm_trace.json", timelines)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _comm_report.write_timeline_png(self.export_dir / "comm_timeline.png", timelines)
+            rank_zero_info(f"CommProfiler: wrote comm_profile.json, comm_buckets.csv, comm_timeline.png, "
+                           f"comm_trace.json to {self.export_dir}")
+        _comm_report.log_to_wandb(trainer, profile, self.export_dir)
+
+    # ------------------------------------------------------------------ state
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"sync_steps_seen": self._sync_steps_seen}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sync_steps_seen = int(state_dict.get("sync_steps_seen", 0))
+
+
+def _host_ns() -> int:
+    return time.perf_counter_ns()
+
+
+def _read_sweep_peak(path: Union[str, Path]) -> float:
+    try:
+        data = json.loads(Path(path).read_text())
+        peak = float(data["peak_busbw_gbps"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"CommProfiler: sweep={str(path)!r} is not a readable `lightning-mgpu bench-comm --json` result "
+            f"with a 'peak_busbw_gbps' entry ({error})"
+        ) from error
+    if not peak > 0:
+        raise ValueError(f"CommProfiler: sweep={str(path)!r} has peak_busbw_gbps={peak}, expected > 0")
+    return peak

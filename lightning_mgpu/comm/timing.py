@@ -1,0 +1,263 @@
+"""Timing DDP's gradient communication, bucket by bucket, without disturbing it.
+
+The pieces:
+
+* :class:`HostClock` / :class:`CudaClock` make *stamps*: a host time on CPU, a recorded
+  ``torch.cuda.Event`` on GPU. Stamps are resolved to milliseconds later, at step end
+  (host) or one step later (CUDA events: no synchronize per bucket, none on the hot path).
+* :class:`BucketTimer` wraps a DDP communication hook. On the autograd thread it stamps the
+  bucket's launch; a ``Future.then`` callback (on gloo's thread: kept to one stamp and one
+  list append) stamps its completion.
+* :func:`step_breakdown` turns one step's marks and bucket intervals into the numbers the
+  profiler reports: communication span, backward compute, exposed communication, overlap.
+
+Definitions (times in ms, relative to the step's start):
+
+* backward compute ends when autograd has finished the backward graph: stamped by an
+  autograd-engine callback queued at the first bucket, which runs just before DDP's own
+  finalize callback (so it is the instant DDP's logging calls ``backward_compute_end``);
+  never earlier than the last bucket's launch;
+* communication span: first bucket launched -> last bucket done;
+* busy communication: the union of the bucket intervals (buckets may run concurrently);
+* exposed communication: the part of the span after backward compute ended;
+* overlap ratio: the share of the span hidden behind backward compute.
+
+No ``from __future__ import annotations``: DDP inspects the wrapped hook's annotations.
+"""
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+Stamp = Union[int, "torch.cuda.Event"]
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+# ----------------------------------------------------------------------------- clocks
+
+
+class HostClock:
+    """Stamps are ``time.perf_counter_ns()``; valid on CPU, where work is synchronous."""
+
+    device_type = "cpu"
+
+    def stamp(self) -> Stamp:
+        return time.perf_counter_ns()
+
+    def ready(self, stamp: Stamp) -> bool:
+        return True
+
+    def elapsed_ms(self, start: Stamp, end: Stamp) -> float:
+        assert isinstance(start, int) and isinstance(end, int)
+        return (end - start) / 1e6
+
+
+class CudaClock:
+    """Stamps are CUDA events recorded on the current stream; read them after the step."""
+
+    device_type = "cuda"
+
+    def stamp(self) -> Stamp:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, stamp: Stamp) -> bool:
+        assert not isinstance(stamp, int)
+        return bool(stamp.query())
+
+    def elapsed_ms(self, start: Stamp, end: Stamp) -> float:
+        assert not isinstance(start, int) and not isinstance(end, int)
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+
+Clock = Union[HostClock, CudaClock]
+
+
+def clock_for(device: torch.device) -> Clock:
+    return CudaClock() if device.type == "cuda" else HostClock()
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class BucketInterval:
+    """One bucket's communication in one step, in ms from the step's start."""
+
+    index: int
+    bytes: int
+    wire_bytes: int
+    num_params: int
+    launch_ms: float
+    done_ms: float
+
+    @property
+    def duration_ms(self) -> float:
+        return self.done_ms - self.launch_ms
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """Everything measured in one synchronising step on one rank (ms from the step's start)."""
+
+    step: int
+    rank: int
+    start_ns: int
+    """Host time of the step's start (perf_counter_ns), to place steps on a common axis."""
+    forward_end_ms: float
+    compute_end_ms: Optional[float]
+    """When autograd finished the backward graph (None: no DDP bucket fired)."""
+    backward_end_ms: float
+    optimizer_start_ms: float
+    step_ms: float
+    buckets: tuple[BucketInterval, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["buckets"] = [asdict(b) for b in self.buckets]
+        return data
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    step_ms: float
+    forward_ms: float
+    backward_compute_ms: float
+    comm_ms: float
+    comm_busy_ms: float
+    exposed_comm_ms: float
+    overlap_ratio: float
+    optimizer_ms: float
+    bytes: int
+    wire_bytes: int
+
+
+def union_ms(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping [start, end] intervals."""
+    total = 0.0
+    current_start: Optional[float] = None
+    current_end = 0.0
+    for start, end in sorted(intervals):
+        if end < start:
+            raise ValueError(f"interval ends before it starts: ({start}, {end})")
+        if current_start is None or start > current_end:
+            if current_start is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_start is not None:
+        total += current_end - current_start
+    return total
+
+
+def step_breakdown(timeline: StepTimeline) -> StepBreakdown:
+    """The reported numbers of one step (see the module docstring for the definitions)."""
+    buckets = timeline.buckets
+    forward_ms = timeline.forward_end_ms
+    optimizer_ms = max(0.0, timeline.step_ms - timeline.optimizer_start_ms)
+    if not buckets:
+        backward = max(0.0, timeline.backward_end_ms - forward_ms)
+        return StepBreakdown(timeline.step_ms, forward_ms, backward, 0.0, 0.0, 0.0, 0.0, optimizer_ms, 0, 0)
+    first_launch = min(b.launch_ms for b in buckets)
+    last_launch = max(b.launch_ms for b in buckets)
+    compute_end = last_launch if timeline.compute_end_ms is None else max(timeline.compute_end_ms, last_launch)
+    last_done = max(b.done_ms for b in buckets)
+    comm_ms = last_done - first_launch
+    exposed = max(0.0, last_done - compute_end)
+    overlap = 1.0 - exposed / comm_ms if comm_ms > 0 else 0.0
+    return StepBreakdown(
+        step_ms=timeline.step_ms,
+        forward_ms=forward_ms,
+        backward_compute_ms=max(0.0, compute_end - forward_ms),
+        comm_ms=comm_ms,
+        comm_busy_ms=union_ms([(b.launch_ms, b.done_ms) for b in buckets]),
+        exposed_comm_ms=exposed,
+        overlap_ratio=overlap,
+        optimizer_ms=optimizer_ms,
+        bytes=sum(b.bytes for b in buckets),
+        wire_bytes=sum(b.wire_bytes for b in buckets),
+    )
+
+
+# ----------------------------------------------------------------------------- the hook wrapper
+
+
+class BucketTimer:
+    """Wraps a DDP communication hook to stamp each bucket's launch and completion.
+
+    ``wire_ratio`` is bytes on the wire per byte of gradient (0.5 for fp16/bf16 casting
+    hooks, 1.0 for a plain all-reduce); ``None`` when unknown (PowerSGD).
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.wire_ratio: Optional[float] = 1.0
+        self.compute_end: Optional[Stamp] = None
+        self._launches: list[tuple[int, int, int, Stamp]] = []
+        self._dones: list[tuple[int, Stamp]] = []
+        self._num_params: dict[tuple[int, int], int] = {}
+
+    def wrap(self, hook: CommHook) -> CommHook:
+        timer = self
+
+        def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            index = bucket.index()
+            buffer = bucket.buffer()
+            nbytes = buffer.numel() * buffer.element_size()
+            key = (index, nbytes)
+            if key not in timer._num_params:
+                timer._num_params[key] = len(bucket.parameters())
+            if not timer._launches:
+                # Runs when autograd has finished the whole backward graph, before DDP's own
+                # finalize callback (queued after the last bucket): DDP's "compute end".
+                torch.autograd.Variable._execution_engine.queue_callback(timer._mark_compute_end)
+            launch = timer.clock.stamp()
+            future = hook(state, bucket)
+
+            def on_done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                timer._dones.append((index, timer.clock.stamp()))  # gloo's thread: one stamp, one append
+                return fut.value()
+
+            timer._launches.append((index, nbytes, timer._num_params[key], launch))
+            return future.then(on_done)
+
+        timed_hook.__name__ = timed_hook.__qualname__ = f"timed_{getattr(hook, '__name__', 'hook')}"
+        return timed_hook
+
+    def _mark_compute_end(self) -> None:
+        self.compute_end = self.clock.stamp()
+
+    def take(self) -> tuple[list[tuple[int, int, int, Stamp]], list[tuple[int, Stamp]], Optional[Stamp]]:
+        """Launches, completions and the backward-compute end recorded since the last call."""
+        launches, dones, compute_end = self._launches, self._dones, self.compute_end
+        self._launches, self._dones, self.compute_end = [], [], None
+        return launches, dones, compute_end
+
+    def intervals(
+        self, step_start: Stamp, launches: list[tuple[int, int, int, Stamp]], dones: list[tuple[int, Stamp]]
+    ) -> tuple[BucketInterval, ...]:
+        done_by_index = {index: stamp for index, stamp in dones}
+        out = []
+        for index, nbytes, num_params, launch in launches:
+            done = done_by_index.get(index)
+            if done is None:  # not complete: DDP waits for every bucket, so this is a bug upstream
+                continue
+            wire = int(nbytes * self.wire_ratio) if self.wire_ratio is not None else nbytes
+            out.append(
+                BucketInterval(
+                    index=index,
+                    bytes=nbytes,
+                    wire_bytes=wire,
+                    num_params=num_params,
+                    launch_ms=self.clock.elapsed_ms(step_start, launch),
+                    done_ms=self.clock.elapsed_ms(step_start, done),
+                )
+            )
+        out.sort(key=lambda b: b.index)
+        return tuple(out)

@@ -1,0 +1,146 @@
+"""Fit an MLP under CommProfiler and record DDP's own timers next to it, as JSON.
+
+    python tests/scripts/fit_profiled.py --out result.json --devices 2 --steps 30 --export-dir prof/
+
+Rank 0 writes ``--out``: the profiler's summary and, per step, DDP's logging data
+(``_get_ddp_logging_data()`` with sample rate 1: backward compute, communication and
+overlap times), so that tests can compare the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import CommProfiler, TunedDDPStrategy
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(256, width), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 16))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class DDPTimers(L.Callback):
+    """Reads DDP's own per-iteration timers (they describe the previous iteration)."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.rows: list[dict[str, float]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            model._set_ddp_runtime_logging_sample_rate(1)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel) or trainer.global_step <= self.skip + 1:
+            return
+        data = model._get_ddp_logging_data()
+        keys = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+        if all(key in data for key in keys):
+            # read after step g's optimizer step, it describes the step before: g - 1
+            self.rows.append({"step": trainer.global_step - 1, **{key: data[key] / 1e6 for key in keys}})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="ddp_tuned")
+    parser.add_argument("--strategy-kwargs", default="{}")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--export-dir", default=None)
+    args = parser.parse_args()
+
+    L.seed_everything(0, verbose=False)
+    x = torch.randn(4096, 256)
+    y = torch.randn(4096, 16)
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size)
+    kwargs = json.loads(args.strategy_kwargs)
+    strategy: Any = TunedDDPStrategy(**kwargs) if kwargs else args.strategy
+    profiler = CommProfiler(
+        warmup_steps=args.warmup, every_n_steps=args.every, export_dir=args.export_dir, timeline_steps=args.steps
+    )
+    timers = DDPTimers(skip=args.warmup)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=[profiler, timers],
+        logger=L.pytorch.loggers.CSVLogger("logs"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(MLP(args.width, args.depth), loader)
+    if trainer.global_rank != 0:
+        return
+
+    def median(key: str) -> Optional[float]:
+        values = [row[key] for row in timers.rows]
+        return statistics.median(values) if values else None
+
+    # The profiler's own per-step timelines on rank 0, in DDP's definitions:
+    # compute = forward end -> backward compute end; comm = first launch -> last done;
+    # DDP's "overlap" = first launch -> backward compute end.
+    ours = {}
+    for t in profiler._timelines:
+        if not t.buckets or t.compute_end_ms is None:
+            continue
+        first = min(b.launch_ms for b in t.buckets)
+        ours[t.step] = {
+            "backward_compute_time": t.compute_end_ms - t.forward_end_ms,
+            "backward_comm_time": max(b.done_ms for b in t.buckets) - first,
+            "backward_compute_comm_overlap_time": t.compute_end_ms - first,
+        }
+    pairs = [(ours[row["step"]], row) for row in timers.rows if row["step"] in ours]
+    result = {
+        "pairs": [{"step": d["step"], "ours": o, "ddp": {k: v for k, v in d.items() if k != "step"}} for o, d in pairs],
+        "summary": profiler.summary,
+        "rank0": profiler.ranks[0] if profiler.ranks else None,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "ddp": {
+            "rows": len(timers.rows),
+            "backward_compute_ms": median("backward_compute_time"),
+            "comm_ms": median("backward_comm_time"),
+            "overlap_ms": median("backward_compute_comm_overlap_time"),
+        },
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters()),
+        "logged": sorted(k for k in trainer.logged_metrics if k.startswith("comm/")),
+    }
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
