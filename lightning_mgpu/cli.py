@@ -1,6 +1,7 @@
 """The ``lightning-mgpu`` console script.
 
-Subcommands land with the features behind them; this version has ``strategies``.
+Subcommands land with the features behind them; this version has ``strategies`` and
+``bench-comm`` (an nccl-tests-style all_reduce sweep, see :mod:`lightning_mgpu.comm.sweep`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 def _cmd_strategies(args: argparse.Namespace) -> int:
@@ -37,6 +38,55 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _cmd_bench_comm(args: argparse.Namespace) -> int:
+    from lightning_mgpu.comm import sweep
+
+    parser: argparse.ArgumentParser = args.subparser
+    # Flags left out fall back to SweepSettings' defaults, the one place they are defined.
+    given: dict[str, Any] = {
+        "device": args.device,
+        "backend": args.backend,
+        "nproc": args.nproc,
+        "factor": args.factor,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "timeout_s": args.timeout,
+    }
+    for name, flag, text in (("min_bytes", "--min-bytes", args.min_bytes), ("max_bytes", "--max-bytes", args.max_bytes)):
+        try:
+            given[name] = None if text is None else sweep.parse_size(text)
+        except ValueError as exc:
+            parser.error(f"argument {flag}: {exc}")
+    try:
+        settings = sweep.SweepSettings(**{name: value for name, value in given.items() if value is not None})
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        report = sweep.run_sweep(settings, progress=not args.quiet)
+    except sweep.BenchCommError as exc:
+        if exc.details:
+            print(exc.details, file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    sweep.print_report(report)
+    if args.json:
+        print(f"wrote {sweep.write_report(report, args.json)}")
+    if report["wrong_total"]:
+        print(f"{parser.prog}: error: all_reduce returned {report['wrong_total']} wrong element(s)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-mgpu",
@@ -46,6 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
     strategies = sub.add_parser("strategies", help="list the strategy names this package registers")
     strategies.add_argument("--json", action="store_true", help="print JSON instead of a table")
     strategies.set_defaults(func=_cmd_strategies)
+
+    bench = sub.add_parser(
+        "bench-comm",
+        help="all_reduce bandwidth sweep, nccl-tests style (size, time, algbw, busbw, #wrong)",
+        description="Time all_reduce of float32 tensors from --min-bytes to --max-bytes in --nproc processes "
+        "it starts itself (127.0.0.1 only), check the results, and print algbw / busbw as nccl-tests does.",
+    )
+    bench.add_argument("--nproc", type=_positive_int, default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    bench.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, gloo on cpu")
+    bench.add_argument("--min-bytes", default=None, metavar="SIZE", help="smallest message (default 1KiB)")
+    bench.add_argument("--max-bytes", default=None, metavar="SIZE", help="largest message (default 256MiB)")
+    bench.add_argument("--factor", type=int, default=None, help="size multiplier between steps (default 2)")
+    bench.add_argument(
+        "--iters", type=int, default=None, help="timed all_reduces per size; large sizes get fewer (default 20)"
+    )
+    bench.add_argument("--warmup", type=int, default=None, help="untimed all_reduces per size first (default 5)")
+    bench.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long (default 300)"
+    )
+    bench.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON here")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines while measuring")
+    bench.set_defaults(func=_cmd_bench_comm, subparser=bench)
     return parser
 
 

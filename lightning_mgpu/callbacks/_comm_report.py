@@ -68,12 +68,26 @@ def write_buckets_csv(path: Path, buckets: list[dict[str, Any]]) -> None:
             writer.writerow({key: bucket[key] for key in columns})
 
 
+PHASE_COLORS = {
+    "forward": "#4C72B0",
+    "backward compute": "#55A868",
+    "waiting for communication": "#C44E52",
+    "optimizer": "#8172B2",
+}
+
+
 def _phases(t: dict[str, Any]) -> list[tuple[str, float, float]]:
-    return [
-        ("forward", 0.0, t["forward_end_ms"]),
-        ("backward", t["forward_end_ms"], t["backward_end_ms"]),
-        ("optimizer", t["optimizer_start_ms"], t["step_ms"]),
-    ]
+    """The step's compute-lane phases; the wait is the exposed communication."""
+    compute_end = t.get("compute_end_ms")
+    if compute_end is None:
+        backward = [("backward compute", t["forward_end_ms"], t["backward_end_ms"])]
+    else:
+        compute_end = max(t["forward_end_ms"], min(compute_end, t["backward_end_ms"]))
+        backward = [
+            ("backward compute", t["forward_end_ms"], compute_end),
+            ("waiting for communication", compute_end, t["backward_end_ms"]),
+        ]
+    return [("forward", 0.0, t["forward_end_ms"]), *backward, ("optimizer", t["optimizer_start_ms"], t["step_ms"])]
 
 
 def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
@@ -111,8 +125,10 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
     import matplotlib.pyplot as plt
 
     ranks = sorted({t["rank"] for t in timelines})
-    fig, axes = plt.subplots(len(ranks) or 1, 1, figsize=(12, 1.6 + 1.4 * max(1, len(ranks))), squeeze=False)
-    colors = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2"}
+    fig, axes = plt.subplots(
+        len(ranks) or 1, 1, figsize=(12, 1.9 + 1.5 * max(1, len(ranks))), squeeze=False, sharex=True
+    )
+    colors = PHASE_COLORS
     origin = min((t["start_ns"] for t in timelines), default=0)
     for axis, rank in zip(axes[:, 0], ranks or [0]):
         steps = [t for t in timelines if t["rank"] == rank][:max_steps]
@@ -129,11 +145,12 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
         axis.set_yticklabels(["compute", "comm", ""])
         axis.set_ylabel(f"rank {rank}")
         axis.grid(axis="x", alpha=0.3)
-    axes[-1, 0].set_xlabel("ms")
+    axes[-1, 0].set_xlabel("ms since the first profiled step began")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*colors.values(), "#DD8452"]]
-    fig.legend(handles, [*colors.keys(), "bucket all-reduce"], loc="upper right", ncol=4, fontsize=8)
-    fig.suptitle("Compute and gradient communication per rank (bucket launch -> done)")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.legend(handles, [*colors.keys(), "bucket all-reduce (launch -> done)"], loc="lower center", ncol=5,
+               fontsize=8, frameon=False)
+    fig.suptitle("Where each step's time goes, per rank: compute lane above, gradient buckets below")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

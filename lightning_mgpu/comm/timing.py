@@ -195,8 +195,10 @@ class BucketTimer:
     hooks, 1.0 for a plain all-reduce); ``None`` when unknown (PowerSGD).
     """
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, queue_callback: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
         self.clock = clock
+        # autograd's "run this when the backward graph is done"; injectable for tests
+        self._queue_callback = queue_callback or torch.autograd.Variable._execution_engine.queue_callback
         self.wire_ratio: Optional[float] = 1.0
         self.compute_end: Optional[Stamp] = None
         self._launches: list[tuple[int, int, int, Stamp]] = []
@@ -216,7 +218,7 @@ class BucketTimer:
             if not timer._launches:
                 # Runs when autograd has finished the whole backward graph, before DDP's own
                 # finalize callback (queued after the last bucket): DDP's "compute end".
-                torch.autograd.Variable._execution_engine.queue_callback(timer._mark_compute_end)
+                timer._queue_callback(timer._mark_compute_end)
             launch = timer.clock.stamp()
             future = hook(state, bucket)
 

@@ -1,0 +1,658 @@
+"""An nccl-tests-style all_reduce sweep: ``lightning-mgpu bench-comm``.
+
+How fast can this machine all-reduce, message size by message size? The answer is the
+ceiling DDP's gradient buckets are measured against::
+
+    lightning-mgpu bench-comm                                  # CPU: 2 processes, gloo, 1 KiB .. 256 MiB
+    lightning-mgpu bench-comm --json bench/results/bench_comm_cpu.json
+    lightning-mgpu bench-comm --device cuda                    # every visible GPU, NCCL, CUDA-event timing
+    lightning-mgpu bench-comm --nproc 4 --min-bytes 8 --max-bytes 1GiB --factor 4 --iters 50
+
+For each message size (``--min-bytes`` to ``--max-bytes``, multiplied by ``--factor`` each
+step) every rank all-reduces (sum, in place) a float32 tensor of that size:
+
+1. ``warmup`` untimed all-reduces (connections, allocator, NCCL channels settle);
+2. a barrier, then a batch of ``iters`` back-to-back all-reduces with a timestamp
+   between each: host clock (``time.perf_counter_ns``) on CPU, where gloo's
+   ``all_reduce`` returns once the result is in place; on CUDA a ``torch.cuda.Event``
+   recorded on the current stream after each launch, read once after the batch (no host
+   synchronisation inside it), so the times are device times;
+3. each rank takes the median of its per-iteration times; the **slowest rank's median**
+   is the row's time (a collective is not done before its last rank is). nccl-tests
+   averages over its batch and, by default (``-a 1``), over ranks; our choice matches its
+   ``-a 3`` (max) and uses the median so that one preempted iteration on a shared
+   machine does not move the number;
+4. algbw and busbw from :mod:`lightning_mgpu.comm.bandwidth` (nccl-tests' definitions,
+   GB/s = 10^9 bytes/s; busbw = algbw x 2(n-1)/n for all_reduce);
+5. a correctness check, nccl-tests' ``#wrong`` column: one more all-reduce of a known
+   pattern (rank ``r`` holds ``1 + (i + r) mod 251`` at index ``i``, so every rank
+   contributes differently and a misplaced chunk shows), compared exactly with the
+   expected sum (small integers: float32 sums them exactly in any order). ``#wrong`` is
+   the number of wrong elements, summed over ranks. Any wrong element makes the command
+   exit with status 1.
+
+The timed tensor holds zeros: its contents do not change what a float32 sum costs, and
+zeros stay finite however many times they are summed.
+
+Iterations per size (the rule that keeps a default CPU sweep at about 10-40 s on 2 cores):
+
+* timed:  ``min(iters, max(5, 1 GiB // size))`` - at most 1 GiB all-reduced per size,
+  but never fewer than 5 iterations (or ``--iters`` if smaller). Defaults: 20 up to
+  32 MiB, 16 at 64 MiB, 8 at 128 MiB, 5 at 256 MiB.
+* warm-up: ``min(warmup, max(1, 256 MiB // size))`` - defaults: 5 up to 32 MiB, then
+  4, 2, 1.
+
+Processes: the command starts ``--nproc`` workers itself with
+``torch.multiprocessing`` (spawn), one per GPU on CUDA. They meet through a
+``TCPStore`` that the launching process serves on 127.0.0.1 with a port the OS picks
+(so two concurrent runs never collide), and gloo / NCCL are pinned to the loopback
+interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless you set them). A
+run never hangs: the process group's timeout and an overall deadline are both
+``--timeout``; past it, or as soon as one worker dies, every worker is stopped and the
+error names the rank and what happened to it.
+
+JSON (``--json PATH``; ``schema_version`` 1). The communication profiler reads
+``peak_busbw_gbps`` from it to express DDP's achieved busbw as a fraction of the
+machine's ceiling::
+
+    {"schema_version": 1,
+     "collective": "all_reduce", "dtype": "float32", "op": "sum", "in_place": true,
+     "world_size": int, "backend": "gloo" | "nccl", "device_type": "cpu" | "cuda",
+     "machine": {"torch": str, "python": str, "platform": str, "cpu_count": int,
+                 "lightning_mgpu": str, "device_name": str,
+                 "cuda": str | null, "nccl": str | null, "gpu_count": int},
+     "settings": {"min_bytes": int, "max_bytes": int, "factor": int, "iters": int,
+                  "warmup": int, "timeout_s": float, "timing": "host_clock" | "cuda_events",
+                  "iteration_rule": str},
+     "rows": [{"bytes": int, "count": int, "iters": int, "warmup": int,
+               "time_us": f,          # slowest rank's median time per all_reduce
+               "algbw_gbps": f, "busbw_gbps": f,
+               "wrong": int,          # wrong elements, all ranks together
+               "rank_time_us": [f, ...]}, ...],   # each rank's median, by rank
+     "bus_factor": f,                 # 2(n-1)/n
+     "peak_busbw_gbps": f, "peak_busbw_bytes": int,
+     "latency_us": f, "latency_bytes": int,       # time at the smallest size
+     "wrong_total": int, "duration_s": f}
+
+Rows are in increasing size. Times are microseconds, bandwidths GB/s (10^9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from lightning_mgpu.comm.bandwidth import algbw_gbps, bus_factor, busbw_gbps
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# ---------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------
+DEFAULT_MIN_BYTES = 1 * KiB
+DEFAULT_MAX_BYTES = 256 * MiB
+DEFAULT_FACTOR = 2
+DEFAULT_ITERS = 20  # nccl-tests' defaults: 20 timed, 5 warm-up
+DEFAULT_WARMUP = 5
+DEFAULT_CPU_NPROC = 2
+DEFAULT_TIMEOUT_S = 300.0
+
+TIMED_BYTES_PER_SIZE = 1 * GiB
+MIN_TIMED_ITERS = 5
+WARMUP_BYTES_PER_SIZE = 256 * MiB
+ITERATION_RULE = (
+    f"timed iterations = min(iters, max({MIN_TIMED_ITERS}, {TIMED_BYTES_PER_SIZE // MiB} MiB // size)); "
+    f"warm-up = min(warmup, max(1, {WARMUP_BYTES_PER_SIZE // MiB} MiB // size))"
+)
+
+BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+LOOPBACK = "127.0.0.1"
+SCHEMA_VERSION = 1
+COLLECTIVE = "all_reduce"
+ELEMENT_BYTES = 4  # float32
+CHECK_PERIOD = 251  # prime, so a chunk landing at a wrong offset never lines up with the pattern
+STOP_GRACE_S = 5.0
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"4096"``, ``"1KiB"``, ``"1K"``, ``"256MiB"``, ``"1GiB"`` (K/M/G are powers of 1024, as in nccl-tests)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmg](?:ib)?|b)?\s*", str(text), flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(
+            f"cannot read {text!r} as a size; use a number of bytes or KiB/MiB/GiB (powers of 1024), e.g. 1KiB or 256MiB"
+        )
+    number, unit = int(match.group(1)), (match.group(2) or "b").lower()
+    return number * {"b": 1, "k": KiB, "m": MiB, "g": GiB}[unit[0]]
+
+
+def format_size(nbytes: int) -> str:
+    """``1024`` -> ``"1 KiB"``, ``268435456`` -> ``"256 MiB"``, ``1000`` -> ``"1000 B"``."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """``min_bytes``, ``min_bytes * factor``, ... up to and including ``max_bytes`` when reached."""
+    if min_bytes < 1 or factor < 2 or max_bytes < min_bytes:
+        raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}")
+    sizes = [min_bytes]
+    while sizes[-1] * factor <= max_bytes:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def timed_iterations(nbytes: int, iters: int) -> int:
+    """Timed all-reduces at this size: big messages get fewer (see the module docstring)."""
+    return min(iters, max(MIN_TIMED_ITERS, TIMED_BYTES_PER_SIZE // nbytes))
+
+
+def warmup_iterations(nbytes: int, warmup: int) -> int:
+    return min(warmup, max(1, WARMUP_BYTES_PER_SIZE // nbytes))
+
+
+@dataclass(kw_only=True)
+class SweepSettings:
+    """What ``lightning-mgpu bench-comm`` measures; each field is the flag of the same name.
+
+    ``None`` for ``device``, ``backend`` or ``nproc`` picks the default for the machine:
+    CUDA with NCCL on every visible GPU when CUDA is available, else CPU with gloo and 2
+    processes. Invalid values raise ``ValueError`` naming the flag.
+    """
+
+    device: Optional[str] = None
+    """"cpu" or "cuda"."""
+    backend: Optional[str] = None
+    """"gloo" (any device) or "nccl" (CUDA only)."""
+    nproc: Optional[int] = None
+    """Number of processes (the world size); one GPU each on CUDA."""
+    min_bytes: int = DEFAULT_MIN_BYTES
+    """Smallest message, in bytes; a multiple of 4 (float32 elements)."""
+    max_bytes: int = DEFAULT_MAX_BYTES
+    """Largest message, in bytes (included when the sizes land on it)."""
+    factor: int = DEFAULT_FACTOR
+    """Each size is the previous one times this."""
+    iters: int = DEFAULT_ITERS
+    """Timed all-reduces per size, before the large-size rule lowers it."""
+    warmup: int = DEFAULT_WARMUP
+    """Untimed all-reduces per size, before the large-size rule lowers it."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Deadline for the whole run, and the process group's collective timeout."""
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"--device cuda: no CUDA device is available (torch {torch.__version__}); use --device cpu"
+            )
+        if self.backend is None:
+            self.backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use --backend gloo on CPU")
+        if self.nproc is None:
+            self.nproc = torch.cuda.device_count() if self.device == "cuda" else DEFAULT_CPU_NPROC
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"--nproc must be an integer >= 1, got {self.nproc!r}")
+        if self.device == "cuda" and self.nproc > torch.cuda.device_count():
+            raise ValueError(
+                f"--nproc {self.nproc} is more than the {torch.cuda.device_count()} visible CUDA device(s); "
+                "bench-comm runs one process per GPU"
+            )
+        if self.min_bytes < ELEMENT_BYTES or self.min_bytes % ELEMENT_BYTES:
+            raise ValueError(
+                f"--min-bytes must be a positive multiple of {ELEMENT_BYTES} bytes (float32 elements), got {self.min_bytes}"
+            )
+        if self.max_bytes < self.min_bytes:
+            raise ValueError(
+                f"--max-bytes ({format_size(self.max_bytes)}) is smaller than --min-bytes ({format_size(self.min_bytes)})"
+            )
+        if self.factor < 2:
+            raise ValueError(f"--factor must be an integer >= 2, got {self.factor}")
+        if self.iters < 1:
+            raise ValueError(f"--iters must be >= 1, got {self.iters}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+
+    @property
+    def sizes(self) -> list[int]:
+        return message_sizes(self.min_bytes, self.max_bytes, self.factor)
+
+
+class BenchCommError(RuntimeError):
+    """The sweep could not finish: a worker died, timed out, or left no result. ``details``: a worker's traceback."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring one size (runs in every worker)
+# ---------------------------------------------------------------------------------------
+def _check_block(rank: int, device: torch.device) -> torch.Tensor:
+    """One period of rank ``rank``'s check pattern: ``1 + (j + rank) mod CHECK_PERIOD``."""
+    return ((torch.arange(CHECK_PERIOD, device=device) + rank) % CHECK_PERIOD + 1).to(torch.float32)
+
+
+def _expected_block(world_size: int, device: torch.device) -> torch.Tensor:
+    return sum((_check_block(rank, device) for rank in range(world_size)), torch.zeros(CHECK_PERIOD, device=device))
+
+
+def _by_period(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffer as whole periods (rows x CHECK_PERIOD) and the tail, without copying."""
+    whole = buffer.numel() // CHECK_PERIOD * CHECK_PERIOD
+    return buffer[:whole].view(-1, CHECK_PERIOD), buffer[whole:]
+
+
+def fill_check_pattern(buffer: torch.Tensor, rank: int) -> None:
+    """Write rank ``rank``'s contribution of the correctness check into ``buffer`` (in place)."""
+    block = _check_block(rank, buffer.device)
+    periods, tail = _by_period(buffer)
+    periods.copy_(block.expand_as(periods))
+    tail.copy_(block[: tail.numel()])
+
+
+def count_wrong(buffer: torch.Tensor, world_size: int) -> int:
+    """Elements of an all-reduced check buffer that differ from the exact sum over ``world_size`` ranks."""
+    expected = _expected_block(world_size, buffer.device)
+    periods, tail = _by_period(buffer)
+    wrong = (periods != expected).sum() + (tail != expected[: tail.numel()]).sum()
+    return int(wrong.item())
+
+
+def time_iterations(
+    run_once: Callable[[], Any],
+    iters: int,
+    *,
+    device: torch.device,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> list[float]:
+    """Seconds taken by each of ``iters`` back-to-back calls of ``run_once``.
+
+    CUDA: an event recorded after every launch, all read after the batch, so the host
+    never waits inside it. CPU: ``clock()`` (nanoseconds) between calls.
+    """
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        for index in range(iters):
+            run_once()
+            events[index + 1].record()
+        events[-1].synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in zip(events[:-1], events[1:])]
+    stamps = [clock()]
+    for _ in range(iters):
+        run_once()
+        stamps.append(clock())
+    return [(end - begin) / 1e9 for begin, end in zip(stamps[:-1], stamps[1:])]
+
+
+def _line_up(device: torch.device) -> None:
+    """Start every rank's timed batch together: a barrier, with the device idle on both sides of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        torch.cuda.synchronize(device)
+    else:
+        dist.barrier()
+
+
+def measure_size(
+    nbytes: int, *, iters: int, warmup: int, rank: int, world_size: int, device: torch.device
+) -> tuple[float, int]:
+    """This rank's median seconds per all_reduce of ``nbytes``, and its wrong elements in the check."""
+    buffer = torch.zeros(nbytes // ELEMENT_BYTES, dtype=torch.float32, device=device)
+    for _ in range(warmup):
+        dist.all_reduce(buffer)
+    _line_up(device)
+    seconds = time_iterations(lambda: dist.all_reduce(buffer), iters, device=device)
+
+    fill_check_pattern(buffer, rank)
+    dist.all_reduce(buffer)
+    wrong = count_wrong(buffer, world_size)
+    return statistics.median(seconds), wrong
+
+
+def size_row(
+    nbytes: int, rank_seconds: Sequence[float], rank_wrong: Sequence[int], *, iters: int, warmup: int
+) -> dict[str, Any]:
+    """One table row from every rank's median time and wrong count: the slowest rank decides."""
+    world_size = len(rank_seconds)
+    seconds = max(rank_seconds)
+    return {
+        "bytes": nbytes,
+        "count": nbytes // ELEMENT_BYTES,
+        "iters": iters,
+        "warmup": warmup,
+        "time_us": seconds * 1e6,
+        "algbw_gbps": algbw_gbps(nbytes, seconds),
+        "busbw_gbps": busbw_gbps(COLLECTIVE, nbytes, seconds, world_size),
+        "wrong": int(sum(rank_wrong)),
+        "rank_time_us": [s * 1e6 for s in rank_seconds],
+    }
+
+
+def summarize_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Peak busbw (and where), the small-message latency and the wrong elements of a whole sweep."""
+    if not rows:
+        raise ValueError("no rows to summarize")
+    peak = max(rows, key=lambda row: row["busbw_gbps"])
+    smallest = min(rows, key=lambda row: row["bytes"])
+    return {
+        "peak_busbw_gbps": peak["busbw_gbps"],
+        "peak_busbw_bytes": peak["bytes"],
+        "latency_us": smallest["time_us"],
+        "latency_bytes": smallest["bytes"],
+        "wrong_total": sum(row["wrong"] for row in rows),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------------
+def _loopback_interface() -> Optional[str]:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    return next((name for name in names if name == "lo" or name.startswith("lo")), None)
+
+
+def _pin_to_loopback(backend: str) -> None:
+    """gloo and NCCL open sockets of their own besides the store's; keep them on the loopback interface."""
+    variable = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}[backend]
+    interface = _loopback_interface()
+    if variable not in os.environ and interface is not None:
+        os.environ[variable] = interface
+
+
+def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, Any]:
+    from lightning_mgpu import __version__
+
+    facts: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "lightning_mgpu": __version__,
+        "device_name": platform.processor() or platform.machine(),
+        "cuda": None,
+        "nccl": None,
+        "gpu_count": 0,
+    }
+    if device.type == "cuda":
+        facts["device_name"] = torch.cuda.get_device_name(device)
+        facts["cuda"] = torch.version.cuda
+        facts["gpu_count"] = torch.cuda.device_count()
+        if settings.backend == "nccl":
+            facts["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
+    return facts
+
+
+def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_path: str, progress: bool) -> None:
+    world_size = int(settings.nproc or 1)
+    _pin_to_loopback(str(settings.backend))
+    if settings.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the cores; more intra-op threads than that only fight over them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    timeout = timedelta(seconds=settings.timeout_s)
+    store = dist.TCPStore(LOOPBACK, store_port, is_master=False, timeout=timeout)
+    device_id = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, **device_id
+    )
+    try:
+        rows = []
+        for nbytes in settings.sizes:
+            iters = timed_iterations(nbytes, settings.iters)
+            warmup = warmup_iterations(nbytes, settings.warmup)
+            seconds, wrong = measure_size(
+                nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device
+            )
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, (seconds, wrong))  # outside the timed batch
+            row = size_row(
+                nbytes, [item[0] for item in gathered], [item[1] for item in gathered], iters=iters, warmup=warmup
+            )
+            rows.append(row)
+            if progress and rank == 0:
+                print(
+                    f"bench-comm: {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
+                    f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if rank == 0:
+            payload = {"machine": _machine_facts(settings, device), "rows": rows}
+            partial = Path(result_path + ".partial")
+            partial.write_text(json.dumps(payload))
+            partial.replace(result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# Launching
+# ---------------------------------------------------------------------------------------
+def _stop(processes: Sequence[Any], grace_s: float) -> None:
+    """SIGTERM whatever still runs, SIGKILL what ignores it (a rank stuck inside a collective may)."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+def launch_workers(
+    worker: Callable[..., None], args: tuple[Any, ...], *, nproc: int, timeout_s: float, grace_s: float = STOP_GRACE_S
+) -> None:
+    """Run ``worker(rank, *args)`` in ``nproc`` spawned processes; return when all succeeded.
+
+    Raises :class:`BenchCommError` naming the rank as soon as one fails (the others are
+    stopped), or when they are not all done within ``timeout_s`` (all are stopped).
+    ``worker`` must be importable by the children (defined at a module's top level).
+    """
+    context = torch_mp.start_processes(worker, args=args, nprocs=nproc, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                raise BenchCommError(
+                    f"did not finish within --timeout {timeout_s:g} s; stopped rank(s) {running}, which were still "
+                    "running (a rank stuck in a collective, or a machine too busy: raise --timeout or lower --max-bytes)"
+                )
+            try:
+                if context.join(timeout=min(remaining, 1.0), grace_period=grace_s):
+                    return
+            except torch_mp.ProcessRaisedException as exc:
+                raise BenchCommError(
+                    f"rank {exc.error_index} (pid {exc.error_pid}) failed: {_last_line(exc.msg)}", details=exc.msg.strip()
+                ) from None
+            except torch_mp.ProcessExitedException as exc:
+                how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+                raise BenchCommError(
+                    f"rank {exc.error_index} (pid {exc.error_pid}) {how} without a Python error "
+                    "(out of memory? a crash inside the backend?); the other ranks were stopped"
+                ) from None
+    finally:
+        _stop(context.processes, grace_s)
+
+
+def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, Any]:
+    """Run the sweep in ``settings.nproc`` fresh processes and return the report (the JSON schema above)."""
+    started = time.monotonic()
+    # The rendezvous store lives here, in the launching process, on a port the OS picks:
+    # no window in which another program could take a port we chose in advance.
+    store = dist.TCPStore(
+        LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s)
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-comm-") as workdir:
+        result_path = os.path.join(workdir, "rank0.json")
+        launch_workers(
+            _sweep_worker,
+            (settings, store.port, result_path, progress),
+            nproc=int(settings.nproc or 1),
+            timeout_s=settings.timeout_s,
+        )
+        if not os.path.exists(result_path):
+            raise BenchCommError("the workers finished but rank 0 wrote no result")
+        measured = json.loads(Path(result_path).read_text())
+    del store
+    world_size = int(settings.nproc or 1)
+    rows = measured["rows"]
+    settings_record = {key: value for key, value in asdict(settings).items() if key not in ("device", "backend", "nproc")}
+    settings_record["timing"] = "cuda_events" if settings.device == "cuda" else "host_clock"
+    settings_record["iteration_rule"] = ITERATION_RULE
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "collective": COLLECTIVE,
+        "dtype": "float32",
+        "op": "sum",
+        "in_place": True,
+        "world_size": world_size,
+        "backend": settings.backend,
+        "device_type": settings.device,
+        "machine": measured["machine"],
+        "settings": settings_record,
+        "rows": rows,
+        "bus_factor": bus_factor(COLLECTIVE, world_size),
+        **summarize_rows(rows),
+        "duration_s": time.monotonic() - started,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------
+def summary_line(report: dict[str, Any]) -> str:
+    """``peak busbw 1.83 GB/s at 64 MiB; small-message latency 312.4 us (1 KiB); 0 wrong; 19 sizes in 12.3 s``."""
+    line = (
+        f"peak busbw {report['peak_busbw_gbps']:.2f} GB/s at {format_size(report['peak_busbw_bytes'])}; "
+        f"small-message latency {report['latency_us']:,.1f} µs ({format_size(report['latency_bytes'])}); "
+        f"{report['wrong_total']} wrong; {len(report['rows'])} sizes in {report['duration_s']:.1f} s"
+    )
+    if report["world_size"] == 1:
+        line += " (one process: nothing crosses a link, so busbw is 0 by definition)"
+    return line
+
+
+def print_report(report: dict[str, Any], *, console: Any = None) -> None:
+    """The nccl-tests-like table, then the one-line summary."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # piped to a log: don't squeeze the table into 80 columns
+    machine = report["machine"]
+    title = f"all_reduce (float32, sum, in place): {report['world_size']} ranks, {report['backend']}, {report['device_type']}"
+    notes = (
+        f"time: the slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × "
+        f"{report['bus_factor']:.2f} · GB/s = 10^9 B/s · torch {machine.get('torch')} on {machine.get('device_name')}"
+    )
+    table = Table(title=title)
+    for index, column in enumerate(("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    for row in report["rows"]:
+        table.add_row(
+            format_size(row["bytes"]),
+            f"{row['count']:,}",
+            str(row["iters"]),
+            f"{row['time_us']:,.1f}",
+            f"{row['algbw_gbps']:.2f}",
+            f"{row['busbw_gbps']:.2f}",
+            str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
+        )
+    console.print(table)
+    console.print(notes, style="dim", highlight=False)
+    style = "bold" if report["wrong_total"] == 0 else "bold red"
+    console.print(summary_line(report), style=style, highlight=False)
+
+
+def write_report(report: dict[str, Any], path: os.PathLike[str] | str) -> Path:
+    """Write the report as JSON (parents created; via a temporary file, so never half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(target)
+    return target
+
+
+def load_report(path: os.PathLike[str] | str) -> dict[str, Any]:
+    """Read a bench-comm JSON file, refusing one written with another schema version."""
+    report: dict[str, Any] = json.loads(Path(path).read_text())
+    if report.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: schema_version {report.get('schema_version')!r}, expected {SCHEMA_VERSION}; "
+            "re-run `lightning-mgpu bench-comm --json PATH`"
+        )
+    if not math.isfinite(float(report.get("peak_busbw_gbps", float("nan")))):
+        raise ValueError(f"{path}: no finite peak_busbw_gbps")
+    return report
+
+
+__all__ = [
+    "BenchCommError",
+    "SweepSettings",
+    "count_wrong",
+    "fill_check_pattern",
+    "format_size",
+    "launch_workers",
+    "load_report",
+    "measure_size",
+    "message_sizes",
+    "parse_size",
+    "print_report",
+    "run_sweep",
+    "size_row",
+    "summarize_rows",
+    "summary_line",
+    "time_iterations",
+    "timed_iterations",
+    "warmup_iterations",
+    "write_report",
+]

@@ -1,0 +1,129 @@
+"""CommProfiler on real processes over gloo: agreement with DDP's own timers, outputs, edge cases."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SCRIPTS, run_python
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+WARMUP = 3
+DESIGN_SUMMARY_KEYS = {
+    "steps", "step_ms", "forward_ms", "backward_compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio",
+    "bytes_per_step", "algbw_gbps", "busbw_gbps", "straggler_ms",
+}
+LOGGED = {
+    "comm/step_ms", "comm/forward_ms", "comm/backward_compute_ms", "comm/comm_ms", "comm/exposed_ms",
+    "comm/overlap_ratio", "comm/optimizer_ms", "comm/bytes_per_step", "comm/wire_bytes_per_step",
+    "comm/algbw_gbps", "comm/busbw_gbps", "comm/straggler_ms",
+}
+
+
+def profile_run(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    out = tmp_path / "result.json"
+    args = [str(SCRIPTS / "fit_profiled.py"), "--out", str(out), "--warmup", str(WARMUP), *flags]
+    proc = run_python(args, cwd=tmp_path, timeout=180)
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["stdout"] = proc.stdout + proc.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("profiled")
+    result = profile_run(tmp, "--steps", "30", "--export-dir", str(tmp / "export"))
+    result["export"] = tmp / "export"
+    return result
+
+
+def test_agrees_with_ddps_own_timers_within_15_percent(two_ranks: dict[str, Any]) -> None:
+    """Same step, same rank: our stamps vs DDP's logging data (sample rate 1)."""
+    pairs = two_ranks["pairs"]
+    assert len(pairs) >= 20
+    for key in ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time"):
+        rel = [abs(p["ours"][key] / p["ddp"][key] - 1) for p in pairs if p["ddp"][key] > 0]
+        assert len(rel) >= 20, key
+        assert statistics.median(rel) < 0.15, (key, statistics.median(rel))
+
+
+def test_bytes_per_step_are_the_gradient_bytes_exactly(two_ranks: dict[str, Any]) -> None:
+    summary = two_ranks["summary"]
+    assert summary["bytes_per_step"] == two_ranks["gradient_bytes"]
+    assert summary["wire_bytes_per_step"] == two_ranks["gradient_bytes"]
+    assert summary["compression_ratio"] == 1.0
+    assert summary["steps"] == 30 - WARMUP
+    assert summary["comm_ms"] > 0 and summary["busbw_gbps"] > 0
+    assert 0.0 <= summary["overlap_ratio"] <= 1.0
+    assert summary["exposed_comm_ms"] <= summary["comm_ms"]
+    assert summary["busbw_gbps"] == pytest.approx(summary["algbw_gbps"])  # 2(n-1)/n = 1 for n = 2
+
+
+def test_logs_documented_metrics_and_prints_a_summary(two_ranks: dict[str, Any]) -> None:
+    assert LOGGED <= set(two_ranks["logged"])
+    assert "CommProfiler: 2 rank(s), gloo on cpu" in two_ranks["stdout"]
+    assert "exposed (step waits)" in two_ranks["stdout"]
+
+
+def test_exports(two_ranks: dict[str, Any]) -> None:
+    export: Path = two_ranks["export"]
+    profile = json.loads((export / "comm_profile.json").read_text())
+    assert profile["world_size"] == 2 and profile["backend"] == "gloo" and profile["device_type"] == "cpu"
+    assert DESIGN_SUMMARY_KEYS <= set(profile["summary"])
+    assert set(profile["summary"]["step_ms"]) == {"median", "p90"}
+    assert len(profile["steps"]) == 30 - WARMUP
+    assert set(profile["steps"][0]) == {"step", "step_ms", "comm_ms", "exposed_comm_ms"}
+    buckets = profile["buckets"]
+    assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) >= 2
+    assert sum(b["bytes"] for b in buckets) == two_ranks["gradient_bytes"]
+    assert all({"index", "bytes", "num_params", "duration_ms", "busbw_gbps"} <= set(b) for b in buckets)
+    with open(export / "comm_buckets.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["bytes"]) for r in rows] == [b["bytes"] for b in buckets]
+    trace = json.loads((export / "comm_trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert any(e["name"].startswith("bucket ") for e in spans)
+    assert any(e["name"] == "waiting for communication" for e in spans)
+    assert all(e["dur"] >= 0 for e in spans)
+    png = (export / "comm_timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_fp16_halves_the_wire_bytes(tmp_path: Path) -> None:
+    result = profile_run(tmp_path, "--steps", "10", "--strategy", "ddp_tuned_fp16")
+    summary = result["summary"]
+    assert summary["bytes_per_step"] == result["gradient_bytes"]
+    assert summary["wire_bytes_per_step"] == result["gradient_bytes"] // 2
+    assert summary["compression_ratio"] == 2.0
+
+
+def test_gradient_accumulation_profiles_only_synchronising_steps(tmp_path: Path) -> None:
+    result = profile_run(tmp_path, "--steps", "10", "--accumulate", "3")
+    assert result["global_step"] == 10
+    assert result["summary"]["steps"] == 10 - WARMUP  # one per optimizer step, not per batch
+    assert result["summary"]["bytes_per_step"] == result["gradient_bytes"]
+
+
+def test_world_size_one(tmp_path: Path) -> None:
+    result = profile_run(tmp_path, "--steps", "8", "--devices", "1")
+    summary = result["summary"]
+    assert result["world_size"] == 1
+    assert summary["steps"] == 8 - WARMUP
+    assert summary["busbw_gbps"] == 0.0  # 2(n-1)/n = 0: nothing crosses a wire
+    assert summary["straggler_ms"] == 0.0
+
+
+def test_other_strategies_get_step_timings_and_a_clear_warning(tmp_path: Path) -> None:
+    result = profile_run(tmp_path, "--steps", "8", "--devices", "1", "--strategy", "auto")
+    summary = result["summary"]
+    assert "communication is measured only with TunedDDPStrategy" in result["stdout"]
+    assert summary["measures_comm"] is False
+    assert summary["steps"] == 8 - WARMUP
+    assert summary["step_ms"]["median"] > 0 and summary["comm_ms"] == 0.0
