@@ -94,6 +94,8 @@ from bench.common import (  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings
 CONFIGS = ("raw", "ddp", "ddp_tuned")
+# Every configuration a worker can run; "+profiler" adds CommProfiler (bench/profiler_overhead.py).
+WORKERS = (*CONFIGS, "ddp_tuned+profiler")
 TARGETS = {  # (numerator, denominator): the largest acceptable ratio of median step times
     ("ddp_tuned", "ddp"): 1.02,
     ("ddp_tuned", "raw"): 1.05,
@@ -193,7 +195,7 @@ def _train_lightning(
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
-    import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
+    import lightning_mgpu  # registers strategy="ddp_tuned"
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
@@ -232,13 +234,18 @@ def _train_lightning(
             result["buckets"] = ddp_bucket_layout(ddp_model)
 
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    strategy, _, extra = args.worker.partition("+")
+    callbacks: list[L.Callback] = [TimeEachStep()]
+    if extra == "profiler":
+        # Logs every 50 profiled steps (a gather across ranks), as a user's run would.
+        callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=args.warmup, every_n_steps=50))
     trainer = L.Trainer(
         accelerator="cuda" if device.type == "cuda" else "cpu",
         devices=local_world_size,
         num_nodes=int(os.environ["WORLD_SIZE"]) // local_world_size,
-        strategy=args.worker,
+        strategy=strategy,
         max_steps=total_steps,
-        callbacks=[TimeEachStep()],
+        callbacks=callbacks,
         # We compare training loops: no console output, logging or checkpoint writing.
         enable_progress_bar=False,
         logger=False,
@@ -314,9 +321,9 @@ def check_same_buckets(launches: list[dict[str, Any]]) -> dict[str, Any]:
     return reference["buckets"]
 
 
-def summarize_rounds(launches: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def summarize_rounds(launches: list[dict[str, Any]], configs: tuple[str, ...] = CONFIGS) -> dict[str, dict[str, Any]]:
     summary: dict[str, dict[str, Any]] = {}
-    for config in CONFIGS:
+    for config in configs:
         mine = [launch for launch in launches if launch["config"] == config]
         medians = [launch["step"]["median"] for launch in mine]
         center = summarize(medians)["median"]
@@ -331,17 +338,25 @@ def summarize_rounds(launches: list[dict[str, Any]]) -> dict[str, dict[str, Any]
     return summary
 
 
-def compare(summary: dict[str, dict[str, Any]], launches: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Ratios of median step times against the targets, plus the same ratio round by round."""
+def compare(
+    summary: dict[str, dict[str, Any]],
+    launches: list[dict[str, Any]],
+    limits: Optional[dict[tuple[str, str], float]] = None,
+    measure: str = "step",
+) -> dict[str, dict[str, Any]]:
+    """Ratios of median ``measure`` times ("step" or "iteration") against the limits, plus
+    the same ratio round by round."""
     targets = {}
-    for (numerator, denominator), limit in TARGETS.items():
-        ratio = summary[numerator]["step_ms_median"] / summary[denominator]["step_ms_median"]
+    for (numerator, denominator), limit in (limits or TARGETS).items():
+        ratio = summary[numerator][f"{measure}_ms_median"] / summary[denominator][f"{measure}_ms_median"]
         per_round = []
         for round_index in sorted({launch["round"] for launch in launches}):
-            medians = {l["config"]: l["step"]["median"] for l in launches if l["round"] == round_index}
+            medians = {l["config"]: l[measure]["median"] for l in launches if l["round"] == round_index}
             per_round.append(medians[numerator] / medians[denominator])
         targets[f"{numerator}/{denominator}"] = {
             "ratio": ratio,
+            "measure": measure,
+            "step_ratio": summary[numerator]["step_ms_median"] / summary[denominator]["step_ms_median"],
             # End to end: counts Lightning's per-batch broadcast, which the step span leaves out.
             "iteration_ratio": summary[numerator]["iteration_ms_median"] / summary[denominator]["iteration_ms_median"],
             "limit": limit,
@@ -354,6 +369,26 @@ def compare(summary: dict[str, dict[str, Any]], launches: list[dict[str, Any]]) 
             else max(summary[numerator]["relative_spread"], summary[denominator]["relative_spread"]) > limit - 1,
         }
     return targets
+
+
+def run_rounds(configs: tuple[str, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``args.rounds`` rounds, each launching every configuration once in a rotated order."""
+    launches: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
+        for round_index in range(args.rounds):
+            order = configs[round_index % len(configs) :] + configs[: round_index % len(configs)]
+            for position, config in enumerate(order):
+                label = f"round{round_index + 1}_{config}"
+                report = launch(config, args, Path(scratch), label)
+                report.update(label=label, round=round_index, position=position)
+                launches.append(report)
+                check_same_buckets(launches)
+                print(
+                    f"round {round_index + 1}/{args.rounds}  {config:<18} step median {report['step']['median']:8.2f} ms"
+                    f"  p90 {report['step']['p90']:8.2f} ms  iteration {report['iteration']['median']:8.2f} ms"
+                    f"  ({report['launch_wall_s']:.1f} s)"
+                )
+    return launches
 
 
 def main() -> None:
@@ -370,22 +405,8 @@ def main() -> None:
     )
     print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
 
-    launches: list[dict[str, Any]] = []
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as scratch:
-        for round_index in range(args.rounds):
-            order = CONFIGS[round_index % len(CONFIGS) :] + CONFIGS[: round_index % len(CONFIGS)]
-            for position, config in enumerate(order):
-                label = f"round{round_index + 1}_{config}"
-                report = launch(config, args, Path(scratch), label)
-                report.update(label=label, round=round_index, position=position)
-                launches.append(report)
-                check_same_buckets(launches)
-                print(
-                    f"round {round_index + 1}/{args.rounds}  {config:<10} step median {report['step']['median']:8.2f} ms"
-                    f"  p90 {report['step']['p90']:8.2f} ms  iteration {report['iteration']['median']:8.2f} ms"
-                    f"  ({report['launch_wall_s']:.1f} s)"
-                )
+    launches = run_rounds(CONFIGS, args)
     buckets = check_same_buckets(launches)
     summary = summarize_rounds(launches)
     targets = compare(summary, launches)
@@ -478,20 +499,24 @@ def print_report(
     print(f"\n{elapsed:.0f} s in all; wrote {out}")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def parse_args(
+    argv: Optional[list[str]] = None, *, description: Optional[str] = None, default_out: Path = DEFAULT_OUT
+) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=description or __doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of one launch per configuration ({ROUNDS})")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per launch ({STEPS})")
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps before them, >= 2 ({WARMUP})")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"per rank ({BATCH_SIZE})")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report (%(default)s)")
+    parser.add_argument("--out", type=Path, default=default_out, help="JSON report (%(default)s)")
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl")
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per launch (2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (cores // nproc)")
     parser.add_argument("--launch-timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds per launch")
     # Internal: set by `launch` for the processes torch.distributed.run starts.
-    parser.add_argument("--worker", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=WORKERS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 

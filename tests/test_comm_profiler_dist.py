@@ -127,3 +127,15 @@ def test_other_strategies_get_step_timings_and_a_clear_warning(tmp_path: Path) -
     assert summary["measures_comm"] is False
     assert summary["steps"] == 8 - WARMUP
     assert summary["step_ms"]["median"] > 0 and summary["comm_ms"] == 0.0
+
+
+def test_wandb_gets_the_bucket_table_and_the_timeline(tmp_path: Path) -> None:
+    """Offline W&B run: the table and the image land in the run's media."""
+    pytest.importorskip("wandb")
+    result = profile_run(tmp_path, "--steps", "8", "--export-dir", str(tmp_path / "export"), "--wandb")
+    tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/comm/buckets_*.table.json"))
+    images = list(tmp_path.glob("wandb/offline-run-*/files/media/images/comm/timeline_*.png"))
+    assert len(tables) == 1 and len(images) == 1, result["stdout"]
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["index", "bytes", "num_params", "duration_ms", "busbw_gbps"]
+    assert sum(row[1] for row in table["data"]) == result["gradient_bytes"]

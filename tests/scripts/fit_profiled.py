@@ -62,6 +62,14 @@ class DDPTimers(L.Callback):
             self.rows.append({"step": trainer.global_step - 1, **{key: data[key] / 1e6 for key in keys}})
 
 
+def _logger(use_wandb: bool) -> Any:
+    if use_wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        return WandbLogger(project="lightning_mgpu_tests", save_dir=".", offline=True)
+    return L.pytorch.loggers.CSVLogger("logs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -76,6 +84,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--export-dir", default=None)
+    parser.add_argument("--wandb", action="store_true", help="log to an offline WandbLogger under ./wandb")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -95,7 +104,7 @@ def main() -> None:
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
         callbacks=[profiler, timers],
-        logger=L.pytorch.loggers.CSVLogger("logs"),
+        logger=_logger(args.wandb),
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
