@@ -110,9 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-bytes", default=None, metavar="SIZE", help="largest message (default 256MiB)")
     bench.add_argument("--factor", type=int, default=None, help="size multiplier between steps (default 2)")
     bench.add_argument(
-        "--iters", type=int, default=None, help="timed all_reduces per size; large sizes get fewer (default 20)"
+        "--iters",
+        type=int,
+        default=None,
+        help="timed all_reduces per size (default 20); large sizes get fewer: min(iters, max(5, 1GiB // size))",
     )
-    bench.add_argument("--warmup", type=int, default=None, help="untimed all_reduces per size first (default 5)")
+    bench.add_argument(
+        "--warmup", type=int, default=None, help="untimed all_reduces first (default 5): min(warmup, max(1, 256MiB // size))"
+    )
     bench.add_argument(
         "--timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long (default 300)"
     )

@@ -16,7 +16,8 @@ step) every rank all-reduces (sum, in place) a float32 tensor of that size:
    between each: host clock (``time.perf_counter_ns``) on CPU, where gloo's
    ``all_reduce`` returns once the result is in place; on CUDA a ``torch.cuda.Event``
    recorded on the current stream after each launch, read once after the batch (no host
-   synchronisation inside it), so the times are device times;
+   synchronisation inside it), so the times are device times (when the host cannot launch
+   small all-reduces as fast as the GPU runs them, the gaps show, as in nccl-tests);
 3. each rank takes the median of its per-iteration times; the **slowest rank's median**
    is the row's time (a collective is not done before its last rank is). nccl-tests
    averages over its batch and, by default (``-a 1``), over ranks; our choice matches its
@@ -60,7 +61,8 @@ machine's ceiling::
      "world_size": int, "backend": "gloo" | "nccl", "device_type": "cpu" | "cuda",
      "machine": {"torch": str, "python": str, "platform": str, "cpu_count": int,
                  "lightning_mgpu": str, "device_name": str,
-                 "cuda": str | null, "nccl": str | null, "gpu_count": int},
+                 "cuda": str | null, "nccl": str | null, "gpu_count": int,
+                 "load_average": [f, f, f] | null},
      "settings": {"min_bytes": int, "max_bytes": int, "factor": int, "iters": int,
                   "warmup": int, "timeout_s": float, "timing": "host_clock" | "cuda_events",
                   "iteration_rule": str},
@@ -406,13 +408,16 @@ def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, A
         "cuda": None,
         "nccl": None,
         "gpu_count": 0,
+        # Other work on the machine shows up in CPU numbers; this says how much there was.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if device.type == "cuda":
         facts["device_name"] = torch.cuda.get_device_name(device)
         facts["cuda"] = torch.version.cuda
         facts["gpu_count"] = torch.cuda.device_count()
         if settings.backend == "nccl":
-            facts["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
+            version = torch.cuda.nccl.version()  # (major, minor, patch); a plain int in old torch builds
+            facts["nccl"] = ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
     return facts
 
 
@@ -590,8 +595,8 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
     machine = report["machine"]
     title = f"all_reduce (float32, sum, in place): {report['world_size']} ranks, {report['backend']}, {report['device_type']}"
     notes = (
-        f"time: the slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × "
-        f"{report['bus_factor']:.2f} · GB/s = 10^9 B/s · torch {machine.get('torch')} on {machine.get('device_name')}"
+        f"time: slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × {report['bus_factor']:.2f}"
+        f" · GB/s = 10^9 B/s · torch {machine.get('torch')}, {machine.get('device_name')}"
     )
     table = Table(title=title)
     for index, column in enumerate(("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")):
@@ -607,9 +612,9 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
             str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
         )
     console.print(table)
-    console.print(notes, style="dim", highlight=False)
+    console.print(notes, style="dim", highlight=False, soft_wrap=True)
     style = "bold" if report["wrong_total"] == 0 else "bold red"
-    console.print(summary_line(report), style=style, highlight=False)
+    console.print(summary_line(report), style=style, highlight=False, soft_wrap=True)
 
 
 def write_report(report: dict[str, Any], path: os.PathLike[str] | str) -> Path:
