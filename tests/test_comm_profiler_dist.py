@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SCRIPTS, run_python
+from tests.conftest import REPO, SCRIPTS, run_python
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -96,12 +96,15 @@ def test_exports(two_ranks: dict[str, Any]) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_fp16_halves_the_wire_bytes(tmp_path: Path) -> None:
-    result = profile_run(tmp_path, "--steps", "10", "--strategy", "ddp_tuned_fp16")
+def test_fp16_halves_the_wire_bytes_and_busbw_is_put_against_the_sweep(tmp_path: Path) -> None:
+    sweep = REPO / "bench" / "results" / "bench_comm_cpu.json"
+    result = profile_run(tmp_path, "--steps", "10", "--strategy", "ddp_tuned_fp16", "--sweep", str(sweep))
     summary = result["summary"]
     assert summary["bytes_per_step"] == result["gradient_bytes"]
     assert summary["wire_bytes_per_step"] == result["gradient_bytes"] // 2
     assert summary["compression_ratio"] == 2.0
+    peak = json.loads(sweep.read_text())["peak_busbw_gbps"]
+    assert summary["busbw_fraction"] == pytest.approx(summary["busbw_gbps"] / peak)
 
 
 def test_gradient_accumulation_profiles_only_synchronising_steps(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mgpu.callbacks.comm_profiler import CommProfiler, allreduce_bus_factor
+from lightning_mgpu.callbacks.comm_profiler import CommProfiler
+from lightning_mgpu.comm.sweep import SCHEMA_VERSION
+from tests.conftest import REPO
 from lightning_mgpu.comm.timing import BucketInterval, BucketTimer, HostClock, StepTimeline, step_breakdown, union_ms
 
 
@@ -77,11 +79,6 @@ def test_step_without_buckets_reports_compute_only() -> None:
     b = step_breakdown(timeline())
     assert (b.comm_ms, b.exposed_comm_ms, b.overlap_ratio, b.bytes) == (0.0, 0.0, 0.0, 0)
     assert b.backward_compute_ms == pytest.approx(10.0)
-
-
-@pytest.mark.parametrize(("world_size", "factor"), [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
-def test_allreduce_bus_factor_is_nccl_tests(world_size: int, factor: float) -> None:
-    assert allreduce_bus_factor(world_size) == pytest.approx(factor)
 
 
 class FakeClock(HostClock):
@@ -156,6 +153,11 @@ def test_profiler_rejects_bad_arguments(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="sweep="):
         CommProfiler(sweep=tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
-    bad.write_text('{"peak_busbw_gbps": 0}')
+    bad.write_text(f'{{"schema_version": {SCHEMA_VERSION}, "peak_busbw_gbps": 0}}')
     with pytest.raises(ValueError, match="expected > 0"):
         CommProfiler(sweep=bad)
+
+
+def test_profiler_reads_a_bench_comm_result() -> None:
+    profiler = CommProfiler(sweep=REPO / "bench" / "results" / "bench_comm_cpu.json")
+    assert profiler.peak_busbw_gbps is not None and profiler.peak_busbw_gbps > 0

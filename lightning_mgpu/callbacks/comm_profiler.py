@@ -53,6 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_mgpu.comm.bandwidth import bus_factor
 from lightning_mgpu.comm.timing import (
     BucketInterval,
     BucketTimer,
@@ -66,11 +67,6 @@ from lightning_mgpu.comm.timing import (
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 _GB = 1e9
-
-
-def allreduce_bus_factor(world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor of all-reduce: 2(n-1)/n (0 for a single rank)."""
-    return 2.0 * (world_size - 1) / world_size if world_size > 0 else 0.0
 
 
 def _median(values: list[float]) -> float:
@@ -301,7 +297,7 @@ class CommProfiler(L.Callback):
         }
         algbw = slowest["wire_bytes"] / (slowest["comm_ms"] / 1e3) / _GB if slowest["comm_ms"] > 0 else 0.0
         metrics["comm/algbw_gbps"] = algbw
-        metrics["comm/busbw_gbps"] = algbw * allreduce_bus_factor(world_size)
+        metrics["comm/busbw_gbps"] = algbw * bus_factor("all_reduce", world_size)
         if self._timer is not None and self._timer.wire_ratio is not None and slowest["wire_bytes"] > 0:
             metrics["comm/compression_ratio"] = slowest["bytes"] / slowest["wire_bytes"]
         if self.peak_busbw_gbps:
@@ -369,7 +365,7 @@ class CommProfiler(L.Callback):
         per_rank = [g["medians"] for g in gathered if g["medians"] is not None]
         metrics = self._combine(per_rank, world_size)
         rank0_steps = gathered[0]["steps"]
-        factor = allreduce_bus_factor(world_size)
+        factor = bus_factor("all_reduce", world_size)
         buckets = []
         for position, bucket in enumerate(gathered[0]["buckets"]):
             # the slowest rank's median duration of this bucket
@@ -443,9 +439,10 @@ def _host_ns() -> int:
 
 
 def _read_sweep_peak(path: Union[str, Path]) -> float:
+    from lightning_mgpu.comm.sweep import load_report
+
     try:
-        data = json.loads(Path(path).read_text())
-        peak = float(data["peak_busbw_gbps"])
+        peak = float(load_report(path)["peak_busbw_gbps"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"CommProfiler: sweep={str(path)!r} is not a readable `lightning-mgpu bench-comm --json` result "

@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--export-dir", default=None)
+    parser.add_argument("--sweep", default=None, help="a bench-comm --json result for busbw_fraction")
     parser.add_argument("--wandb", action="store_true", help="log to an offline WandbLogger under ./wandb")
     args = parser.parse_args()
 
@@ -94,7 +95,11 @@ def main() -> None:
     kwargs = json.loads(args.strategy_kwargs)
     strategy: Any = TunedDDPStrategy(**kwargs) if kwargs else args.strategy
     profiler = CommProfiler(
-        warmup_steps=args.warmup, every_n_steps=args.every, export_dir=args.export_dir, timeline_steps=args.steps
+        warmup_steps=args.warmup,
+        every_n_steps=args.every,
+        export_dir=args.export_dir,
+        timeline_steps=args.steps,
+        sweep=args.sweep,
     )
     timers = DDPTimers(skip=args.warmup)
     trainer = L.Trainer(
