@@ -83,6 +83,10 @@ def test_exports(two_ranks: dict[str, Any]) -> None:
     assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) >= 2
     assert sum(b["bytes"] for b in buckets) == two_ranks["gradient_bytes"]
     assert all({"index", "bytes", "num_params", "duration_ms", "busbw_gbps"} <= set(b) for b in buckets)
+    for b in buckets:  # launch and completion are measured from the start of backward
+        assert 0 <= b["launch_ms"] <= b["done_ms"]
+        assert b["duration_ms"] > 0 and b["algbw_gbps"] == pytest.approx(b["busbw_gbps"])  # n = 2
+    assert buckets[0]["launch_ms"] <= buckets[-1]["launch_ms"]  # launched in index order
     with open(export / "comm_buckets.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["bytes"]) for r in rows] == [b["bytes"] for b in buckets]
@@ -140,5 +144,7 @@ def test_wandb_gets_the_bucket_table_and_the_timeline(tmp_path: Path) -> None:
     images = list(tmp_path.glob("wandb/offline-run-*/files/media/images/comm/timeline_*.png"))
     assert len(tables) == 1 and len(images) == 1, result["stdout"]
     table = json.loads(tables[0].read_text())
-    assert table["columns"] == ["index", "bytes", "num_params", "duration_ms", "busbw_gbps"]
+    assert table["columns"] == [
+        "index", "bytes", "num_params", "launch_ms", "done_ms", "duration_ms", "algbw_gbps", "busbw_gbps"
+    ]
     assert sum(row[1] for row in table["data"]) == result["gradient_bytes"]

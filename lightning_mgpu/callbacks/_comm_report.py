@@ -50,17 +50,21 @@ def print_summary(profile: dict[str, Any]) -> None:
     console = Console()
     console.print(table)
     if profile["buckets"]:
-        buckets = Table(title="buckets (launch order; slowest rank's median)")
-        for column in ("#", "MiB", "params", "ms", "busbw GB/s"):
+        buckets = Table(title="buckets (launch order; slowest rank's medians; times from backward start)")
+        for column in ("#", "MiB", "params", "launch ms", "done ms", "duration ms", "busbw GB/s"):
             buckets.add_column(column, justify="right")
         for b in profile["buckets"]:
-            buckets.add_row(str(b["index"]), f"{b['bytes'] / _MIB:.2f}", str(b["num_params"]),
-                            f"{b['duration_ms']:.2f}", f"{b['busbw_gbps']:.3f}")
+            buckets.add_row(str(b["index"]), f"{b['bytes'] / _MIB:.2f}", str(b["num_params"]), f"{b['launch_ms']:.2f}",
+                            f"{b['done_ms']:.2f}", f"{b['duration_ms']:.2f}", f"{b['busbw_gbps']:.3f}")
         console.print(buckets)
 
 
+BUCKET_COLUMNS = ["index", "bytes", "num_params", "launch_ms", "done_ms", "duration_ms", "algbw_gbps", "busbw_gbps"]
+"""Per-bucket columns of comm_buckets.csv and the W&B table; times in ms from backward start."""
+
+
 def write_buckets_csv(path: Path, buckets: list[dict[str, Any]]) -> None:
-    columns = ["index", "bytes", "num_params", "duration_ms", "busbw_gbps"]
+    columns = BUCKET_COLUMNS
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
@@ -164,7 +168,7 @@ def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Option
         return
     import wandb  # only imported when a WandbLogger is in use
 
-    columns = ["index", "bytes", "num_params", "duration_ms", "busbw_gbps"]
+    columns = BUCKET_COLUMNS
     table = wandb.Table(columns=columns, data=[[b[c] for c in columns] for b in profile["buckets"]])
     payload: dict[str, Any] = {"comm/buckets": table}
     image = export_dir / "comm_timeline.png" if export_dir is not None else None

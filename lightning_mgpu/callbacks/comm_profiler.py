@@ -136,7 +136,8 @@ class CommProfiler(L.Callback):
         self._since_log: list[StepBreakdown] = []
         self._steps: deque[StepBreakdown] = deque(maxlen=self.history)
         self._step_numbers: deque[int] = deque(maxlen=self.history)
-        self._bucket_durations: dict[tuple[int, int], deque[float]] = {}
+        # per (layout, bucket index): (launch, done) in ms from the start of backward
+        self._bucket_times: dict[tuple[int, int], deque[tuple[float, float]]] = {}
         self._bucket_params: dict[tuple[int, int], int] = {}
         self._timelines: list[StepTimeline] = []
         self._straggler_ms: deque[float] = deque(maxlen=self.history)
@@ -253,12 +254,13 @@ class CommProfiler(L.Callback):
         if len(self._timelines) < self.timeline_steps:
             self._timelines.append(timeline)
         layout = tuple(b.bytes for b in buckets)
+        backward_start = timeline.forward_end_ms
         for bucket in buckets:
             key = (hash(layout), bucket.index)
-            if key not in self._bucket_durations:
-                self._bucket_durations[key] = deque(maxlen=self.history)
+            if key not in self._bucket_times:  # a new layout (DDP rebuilt): fresh statistics
+                self._bucket_times[key] = deque(maxlen=self.history)
                 self._bucket_params[key] = bucket.num_params
-            self._bucket_durations[key].append(bucket.duration_ms)
+            self._bucket_times[key].append((bucket.launch_ms - backward_start, bucket.done_ms - backward_start))
         self._layout = layout
 
     # ------------------------------------------------------------------ gather and log
@@ -344,18 +346,21 @@ class CommProfiler(L.Callback):
             self._report(trainer, profile, gathered)
 
     def _local_buckets(self) -> list[dict[str, Any]]:
-        """Median duration per bucket of the layout in force at the end (DDP may rebuild once)."""
+        """Medians per bucket of the layout in force at the end (DDP may rebuild once):
+        launch and completion in ms from the start of backward, and duration."""
         layout = getattr(self, "_layout", ())
         out = []
         for index, nbytes in enumerate(layout):
             key = (hash(layout), index)
-            durations = list(self._bucket_durations.get(key, ()))
+            times = list(self._bucket_times.get(key, ()))
             out.append(
                 {
                     "index": index,
                     "bytes": nbytes,
                     "num_params": self._bucket_params.get(key, 0),
-                    "duration_ms": _median(durations),
+                    "launch_ms": _median([launch for launch, _ in times]),
+                    "done_ms": _median([done for _, done in times]),
+                    "duration_ms": _median([done - launch for launch, done in times]),
                 }
             )
         return out
@@ -368,11 +373,13 @@ class CommProfiler(L.Callback):
         factor = bus_factor("all_reduce", world_size)
         buckets = []
         for position, bucket in enumerate(gathered[0]["buckets"]):
-            # the slowest rank's median duration of this bucket
-            duration = max(g["buckets"][position]["duration_ms"] for g in gathered if len(g["buckets"]) > position)
+            # the slowest rank's medians: the collective finishes when its last rank does
+            ranks = [g["buckets"][position] for g in gathered if len(g["buckets"]) > position]
+            slowest = {key: max(r[key] for r in ranks) for key in ("launch_ms", "done_ms", "duration_ms")}
             wire = bucket["bytes"] * (self._timer.wire_ratio or 1.0) if self._timer is not None else bucket["bytes"]
-            busbw = wire / (duration / 1e3) / _GB * factor if duration > 0 else 0.0
-            buckets.append({**bucket, "duration_ms": duration, "busbw_gbps": busbw})
+            duration = slowest["duration_ms"]
+            algbw = wire / (duration / 1e3) / _GB if duration > 0 else 0.0
+            buckets.append({**bucket, **slowest, "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
         straggler = _median(list(self._straggler_ms)) if self._straggler_ms else metrics["comm/straggler_ms"]
         summary = {
             "steps": len(rank0_steps),
