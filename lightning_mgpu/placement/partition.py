@@ -174,12 +174,9 @@ def stage_costs(
     """
     layer_costs = _numbers("costs", costs, unit_hint="a layer's time")
     sizes = list(sizes)
-    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in sizes) or sum(
-        sizes
-    ) != len(layer_costs):
-        raise ValueError(
-            f"sizes must be positive integers summing to len(costs) = {len(layer_costs)}, got {sizes}"
-        )
+    positive_integers = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in sizes)
+    if not positive_integers or sum(sizes) != len(layer_costs):
+        raise ValueError(f"sizes must be positive integers summing to len(costs) = {len(layer_costs)}, got {sizes}")
     cuts: list[float] = []
     if cut_costs is not None:
         cuts = _numbers("cut_costs", cut_costs, unit_hint="a transfer time")
@@ -285,7 +282,7 @@ class _Problem:
                     continue
                 best_start = window[0]
                 cost = exit_[boundary] - entry[best_start]
-                if cost < threshold:
+                if cost <= threshold:
                     reached[boundary] = best_start
                     any_reached = True
                 elif next_threshold is None or cost < next_threshold:
@@ -367,9 +364,7 @@ class _Problem:
             first = self.first[stage - 1]
             ends = completable[stage]
             end = start + 1
-            while not (
-                ends[end] and (first is None or first[end] <= start) and exit_[end] - entry[start] <= threshold
-            ):
+            while not (ends[end] and (first is None or first[end] <= start) and exit_[end] - entry[start] <= threshold):
                 end += 1
             sizes.append(end - start)
             start = end
@@ -441,7 +436,9 @@ def _explain_infeasible(memory: list[float], capacities: list[float]) -> str:
     )
 
 
-def _least_overflow(memory_units: list[int], capacity_of: list[Optional[int]], num_stages: int) -> tuple[int, list[int]]:
+def _least_overflow(
+    memory_units: list[int], capacity_of: list[Optional[int]], num_stages: int
+) -> tuple[int, list[int]]:
     """Smallest X (memory units) such that capacities + X admit a split, and that split."""
 
     def problem(extra: int) -> _Problem:
