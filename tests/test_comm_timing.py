@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_mgpu.callbacks.comm_profiler import CommProfiler
+from lightning_mgpu.comm.compression import PrescaledAllreduce
 from lightning_mgpu.comm.sweep import SCHEMA_VERSION
 from tests.conftest import REPO
 from lightning_mgpu.comm.timing import BucketInterval, BucketTimer, HostClock, StepTimeline, step_breakdown, union_ms
@@ -161,3 +162,19 @@ def test_profiler_rejects_bad_arguments(tmp_path: Any) -> None:
 def test_profiler_reads_a_bench_comm_result() -> None:
     profiler = CommProfiler(sweep=REPO / "bench" / "results" / "bench_comm_cpu.json")
     assert profiler.peak_busbw_gbps is not None and profiler.peak_busbw_gbps > 0
+
+
+def test_prescaling_puts_the_average_on_the_loss_for_one_backward_only() -> None:
+    prescaler = PrescaledAllreduce(world_size=4)
+    weight = torch.ones(3, requires_grad=True)
+    seen: list[bool] = []
+    weight.register_hook(lambda grad: seen.append(prescaler._prescaled))  # what a bucket hook would see
+    loss = (weight * 2).sum()
+    prescaler.prescale(loss)
+    loss.backward()
+    assert torch.equal(weight.grad, torch.full((3,), 0.5))  # 2 / 4: already averaged
+    assert seen == [True] and prescaler._prescaled is False  # reset when the backward ended
+    weight.grad = None
+    (weight * 2).sum().backward()  # a raw backward: not prescaled, the hook must divide
+    assert torch.equal(weight.grad, torch.full((3,), 2.0))
+    assert seen == [True, False]

@@ -142,3 +142,13 @@ def test_two_nodes_with_torchrun_on_loopback(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
     assert_ranks_agree(result)
+
+
+def test_profiled_training_ends_on_the_same_parameters(tmp_path: Path) -> None:
+    """CommProfiler's hook path (average applied on the loss) trains bit for bit like DDP's built-in one."""
+    plain = fit_tiny(tmp_path, "--steps", "6")
+    profiled = fit_tiny(tmp_path, "--steps", "6", "--profiler")
+    assert plain["comm_hook"] in (None, "", "builtin_allreduce")
+    assert profiled["comm_hook"] == "timed_averaging_allreduce"
+    assert profiled["losses"] == plain["losses"]
+    assert profiled["params_per_rank"] == plain["params_per_rank"]

@@ -78,3 +78,58 @@ def resolve_compression(
         )
         return CommHookSpec(powerSGD_hook.powerSGD_hook, state, None)
     raise ValueError(f"compression={compression!r} is not one of {COMPRESSIONS}")
+
+
+class PrescaledAllreduce:
+    """DDP's plain averaging all-reduce as a Python hook, without an extra pass over the bucket.
+
+    DDP's built-in all-reduce divides each gradient by the world size while copying it into
+    its bucket; a Python hook must divide the bucket itself: one more pass over every
+    gradient byte (on CPU, ~3% of an 8M-parameter MLP's step, the whole cost of a Python
+    hook). Here :meth:`prescale` puts the 1/n on the loss instead, so autograd produces the
+    gradients already divided and the hook only sums. A backward that did not start from a
+    prescaled loss (a raw ``loss.backward()``) is detected, and its buckets are divided
+    as usual: the result is the average either way.
+
+    With gradient accumulation every backward of the window must go through the strategy
+    (Lightning's own ``backward`` / ``manual_backward``, which DDP needs anyway).
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._prescaled = False  # True during a backward that started from a prescaled loss
+        self.on_done: Optional[Callable[[int], None]] = None
+        """Called with the bucket index when its all-reduce completed (before DDP sees it)."""
+
+    def prescale(self, loss: torch.Tensor) -> None:
+        if self.world_size == 1 or not loss.requires_grad:
+            return
+        engine = torch.autograd.Variable._execution_engine
+
+        def scale_root(grad: torch.Tensor) -> torch.Tensor:
+            self._prescaled = True
+            engine.queue_callback(self._end_of_backward)
+            return grad / self.world_size
+
+        loss.register_hook(scale_root)
+
+    def _end_of_backward(self) -> None:
+        self._prescaled = False
+
+    def averaging_allreduce(
+        self, process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The DDP communication hook: sum the bucket, dividing it first only if needed."""
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        if not self._prescaled:
+            buffer.div_(self.world_size)
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        on_done, index = self.on_done, bucket.index()
+
+        def unwrap(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            if on_done is not None:
+                on_done(index)
+            return fut.value()[0]
+
+        return future.then(unwrap)

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_mgpu.comm.compression import PrescaledAllreduce
+
 Stamp = Union[int, "torch.cuda.Event"]
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -207,6 +209,12 @@ class BucketTimer:
 
     def wrap(self, hook: CommHook) -> CommHook:
         timer = self
+        # Our own averaging all-reduce reports completion from the callback it already has:
+        # one future per bucket instead of two.
+        owner = getattr(hook, "__self__", None)
+        fused = isinstance(owner, PrescaledAllreduce)
+        if fused:
+            owner.on_done = lambda index: timer._dones.append((index, timer.clock.stamp()))
 
         def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             index = bucket.index()
@@ -227,6 +235,11 @@ class BucketTimer:
                 return fut.value()
 
             timer._launches.append((index, nbytes, timer._num_params[key], launch))
+            if fused:
+                return future
+            # ``then``, not ``add_done_callback``: DDP waits on the returned future, so the
+            # stamp is guaranteed to be taken before the step goes on (a done-callback may
+            # run after the waiter has woken up and land in the next step's record).
             return future.then(on_done)
 
         timed_hook.__name__ = timed_hook.__qualname__ = f"timed_{getattr(hook, '__name__', 'hook')}"
@@ -250,6 +263,9 @@ class BucketTimer:
             done = done_by_index.get(index)
             if done is None:  # not complete: DDP waits for every bucket, so this is a bug upstream
                 continue
+            launch_ms, done_ms = self.clock.elapsed_ms(step_start, launch), self.clock.elapsed_ms(step_start, done)
+            if done_ms < launch_ms:  # never let a stray stamp break training: drop it
+                continue
             wire = int(nbytes * self.wire_ratio) if self.wire_ratio is not None else nbytes
             out.append(
                 BucketInterval(
@@ -257,8 +273,8 @@ class BucketTimer:
                     bytes=nbytes,
                     wire_bytes=wire,
                     num_params=num_params,
-                    launch_ms=self.clock.elapsed_ms(step_start, launch),
-                    done_ms=self.clock.elapsed_ms(step_start, done),
+                    launch_ms=launch_ms,
+                    done_ms=done_ms,
                 )
             )
         out.sort(key=lambda b: b.index)

@@ -39,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mgpu.comm.compression import COMPRESSIONS, resolve_compression
+from lightning_mgpu.comm.compression import COMPRESSIONS, PrescaledAllreduce, resolve_compression
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ class TunedDDPStrategy(DDPStrategy):
         )
         self._wire_dtype: Optional[torch.dtype] = None
         self._comm_hook_wrappers: list[Callable[[Callable], Callable]] = []
+        self._prescaler: Optional[PrescaledAllreduce] = None
 
     # ------------------------------------------------------------------ properties
 
@@ -331,13 +332,24 @@ class TunedDDPStrategy(DDPStrategy):
         if hook is None and self._ddp_comm_wrapper is None and not self._comm_hook_wrappers:
             return  # DDP's built-in C++ all-reduce: the fastest path
         assert isinstance(self.model, DistributedDataParallel)
-        if hook is None:
+        if hook is None and self._ddp_comm_wrapper is None:
+            # A Python hook only because a wrapper (e.g. CommProfiler) asked for one: keep
+            # DDP's averaging all-reduce, with the 1/n on the loss (see pre_backward).
+            self._prescaler = PrescaledAllreduce(self.world_size)
+            hook, state = self._prescaler.averaging_allreduce, None
+        elif hook is None:
             hook, state = default_hooks.allreduce_hook, None
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
         for wrapper in self._comm_hook_wrappers:
             hook = wrapper(hook)
         self.model.register_comm_hook(state=state, hook=hook)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._prescaler is not None:
+            self._prescaler.prescale(closure_loss)
 
     # ------------------------------------------------------------------ checkpoints
 

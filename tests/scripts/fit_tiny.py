@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=1, help="hidden width x width layers")
+    parser.add_argument("--profiler", action="store_true", help="add CommProfiler(warmup_steps=1)")
     parser.add_argument("--ckpt", default=None, help="save a checkpoint here after fit")
     parser.add_argument("--stock", action="store_true", help="Lightning's own DDPStrategy(**strategy_kwargs)")
     args = parser.parse_args()
@@ -140,6 +141,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.callbacks.append(Probe(args.out))
+    if args.profiler:
+        trainer.callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=1, every_n_steps=2))
     trainer.fit(model, loader)
     if args.ckpt:
         trainer.save_checkpoint(args.ckpt)
