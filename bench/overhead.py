@@ -371,6 +371,25 @@ def compare(
     return targets
 
 
+def report_header(args: argparse.Namespace, configs: tuple[str, ...]) -> dict[str, Any]:
+    """The machine and the settings every launch-based benchmark records."""
+    return {
+        "machine": machine_facts(
+            backend=_backend(args.accelerator),
+            world_size=args.nproc,
+            device_type=args.accelerator,
+            threads_per_rank=args.threads,
+        ),
+        "settings": {
+            "configs": list(configs),
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "batch_size_per_rank": args.batch_size,
+        },
+    }
+
+
 def run_rounds(configs: tuple[str, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
     """``args.rounds`` rounds, each launching every configuration once in a rotated order."""
     launches: list[dict[str, Any]] = []
@@ -414,20 +433,12 @@ def main() -> None:
     final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
     elapsed = time.perf_counter() - started
 
+    header = report_header(args, CONFIGS)
     payload = {
         "benchmark": "overhead",
-        "machine": machine_facts(
-            backend=_backend(args.accelerator),
-            world_size=args.nproc,
-            device_type=args.accelerator,
-            threads_per_rank=args.threads,
-        ),
+        "machine": header["machine"],
         "settings": {
-            "configs": list(CONFIGS),
-            "rounds": args.rounds,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "batch_size_per_rank": args.batch_size,
+            **header["settings"],
             "learning_rate": LEARNING_RATE,
             "mlp_widths": list(MLP_WIDTHS),
             "parameters": parameters,

@@ -30,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import overhead  # noqa: E402
-from bench.common import machine_facts, print_table, write_json  # noqa: E402
+from bench.common import print_table, write_json  # noqa: E402
 
 CONFIGS = ("ddp_tuned", "ddp_tuned+profiler")
 LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): 1.03}
@@ -50,20 +50,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     summary = overhead.summarize_rounds(launches, CONFIGS)
     targets = overhead.compare(summary, launches, LIMITS, measure="iteration")
     elapsed = time.perf_counter() - started
+    header = overhead.report_header(args, CONFIGS)
     payload: dict[str, Any] = {
         "benchmark": "profiler_overhead",
-        "machine": machine_facts(
-            backend="nccl" if args.accelerator == "cuda" else "gloo",
-            world_size=args.nproc,
-            device_type=args.accelerator,
-            threads_per_rank=args.threads,
-        ),
+        "machine": header["machine"],
         "settings": {
-            "configs": list(CONFIGS),
-            "rounds": args.rounds,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "batch_size_per_rank": args.batch_size,
+            **header["settings"],
             "profiler": "CommProfiler(warmup_steps=--warmup, every_n_steps=50)",
             "measure": "iteration: one step start to the next (rank 0)",
         },

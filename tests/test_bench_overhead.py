@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_python
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"raw", "ddp", "ddp_tuned"}
 MLP_PARAMETERS = 8_656_128
@@ -67,3 +69,25 @@ def test_overhead_quick_run(tmp_path: Path) -> None:
     for target in report["targets"].values():
         assert target["met"] == (target["ratio"] <= target["limit"])
     assert "ddp_tuned" in completed.stdout and "× raw" in completed.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
+    """bench/profiler_overhead.py reuses overhead.py's launches; the profiled run computes the same thing."""
+    out = tmp_path / "profiler_overhead.json"
+    script = str(REPO_ROOT / "bench" / "profiler_overhead.py")
+    completed = run_python([script, "--quick", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
+    report = json.loads(out.read_text())
+    launches = report["launches"]
+    assert {launch["config"] for launch in launches} == {"ddp_tuned", "ddp_tuned+profiler"}
+    assert {tuple(launch["lightning_callbacks"]) for launch in launches} == {
+        ("TimeEachStep",),
+        ("TimeEachStep", "CommProfiler"),
+    }
+    # The profiler's hook path (1/n on the loss) trains bit for bit like DDP's built-in all-reduce.
+    assert len({launch["final_loss"] for launch in launches}) == 1
+    target = report["targets"]["ddp_tuned+profiler/ddp_tuned"]
+    assert target["measure"] == "iteration" and target["limit"] == 1.03
+    assert target["met"] == (target["ratio"] <= target["limit"])
+    assert "CommProfiler cost" in completed.stdout
