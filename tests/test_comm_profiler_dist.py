@@ -148,3 +148,12 @@ def test_wandb_gets_the_bucket_table_and_the_timeline(tmp_path: Path) -> None:
         "index", "bytes", "num_params", "launch_ms", "done_ms", "duration_ms", "algbw_gbps", "busbw_gbps"
     ]
     assert sum(row[1] for row in table["data"]) == result["gradient_bytes"]
+
+
+def test_fitting_twice_registers_one_timed_hook_each_time(tmp_path: Path) -> None:
+    """A second fit on the same trainer must not stack a second timer on the first (stale, leaking)."""
+    result = profile_run(tmp_path, "--steps", "8", "--fits", "2")
+    assert result["comm_hooks"] == ["timed_averaging_allreduce", "timed_averaging_allreduce"]
+    assert result["global_step"] == 16
+    assert result["summary"]["steps"] == 8 - WARMUP  # the second fit's own profile
+    assert result["summary"]["bytes_per_step"] == result["gradient_bytes"]

@@ -395,6 +395,9 @@ class TunedDDPStrategy(DDPStrategy):
                 f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)."
             )
         super().teardown()
+        # Wrappers belong to one fit (callbacks add them again in their setup).
+        self._comm_hook_wrappers.clear()
+        self._prescaler = None
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()

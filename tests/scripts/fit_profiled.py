@@ -45,11 +45,13 @@ class DDPTimers(L.Callback):
     def __init__(self, skip: int) -> None:
         self.skip = skip
         self.rows: list[dict[str, float]] = []
+        self.comm_hooks: list[Any] = []  # the hook DDP registered, per fit
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
             model._set_ddp_runtime_logging_sample_rate(1)
+            self.comm_hooks.append(model._get_ddp_logging_data().get("comm_hook"))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         model = trainer.strategy.model
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--export-dir", default=None)
     parser.add_argument("--sweep", default=None, help="a bench-comm --json result for busbw_fraction")
+    parser.add_argument("--fits", type=int, default=1, help="call trainer.fit this many times")
     parser.add_argument("--wandb", action="store_true", help="log to an offline WandbLogger under ./wandb")
     args = parser.parse_args()
 
@@ -115,7 +118,11 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(MLP(args.width, args.depth), loader)
+    model = MLP(args.width, args.depth)
+    for fit in range(args.fits):
+        if fit:  # the same trainer again, as a user resuming in a notebook would
+            trainer.fit_loop.epoch_loop.max_steps += args.steps
+        trainer.fit(model, loader)
     if trainer.global_rank != 0:
         return
 
@@ -143,6 +150,7 @@ def main() -> None:
         "rank0": profiler.ranks[0] if profiler.ranks else None,
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
+        "comm_hooks": timers.comm_hooks,
         "ddp": {
             "rows": len(timers.rows),
             "backward_compute_ms": median("backward_compute_time"),
