@@ -15,6 +15,7 @@ Three things stock ``DDPStrategy`` does not do:
 
 from __future__ import annotations
 
+import atexit
 import gc
 import inspect
 import logging
@@ -295,6 +296,11 @@ class TunedDDPStrategy(DDPStrategy):
         return {"bucket_cap_mb_list": [self.first_bucket_cap_mb, self.bucket_cap_mb]}
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        _destroy_process_group_at_exit()
+
+    @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         with _temporarily(self, "_ddp_kwargs", self.ddp_kwargs):
             return super()._setup_model(model)
@@ -401,6 +407,31 @@ class TunedDDPStrategy(DDPStrategy):
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, before it finalizes.
+
+    Lightning keeps the process group after ``fit`` (``trainer.test`` may follow). With gloo
+    on CPython 3.11, a process group still alive when the interpreter finalizes can abort
+    the process ("terminate called without an active exception": a gloo thread that needs
+    the GIL is ``pthread_exit``-ed by the finalizing interpreter). ``atexit`` handlers run
+    while Python is still whole, so the group is torn down cleanly there.
+    """
+    global _EXIT_HANDLER_REGISTERED
+    if _EXIT_HANDLER_REGISTERED:
+        return
+    _EXIT_HANDLER_REGISTERED = True
+
+    def release() -> None:
+        gc.collect()  # DDP wrappers in reference cycles hold the group
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(release)
 
 
 def _reducer_param_names(model: DistributedDataParallel) -> list[str]:
