@@ -13,6 +13,7 @@ checksum of the final parameters from every rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from typing import Any
@@ -146,6 +147,11 @@ def main() -> None:
     trainer.fit(model, loader)
     if args.ckpt:
         trainer.save_checkpoint(args.ckpt)
+    # With --stock (Lightning's own DDPStrategy) nobody destroys the process group before the
+    # interpreter finalizes, which can abort a gloo process at exit: do it here.
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
