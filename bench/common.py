@@ -19,7 +19,6 @@ puts ``bench/`` there.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -197,12 +196,9 @@ def machine_facts(*, backend: str, world_size: int, device_type: str, threads_pe
 
 def write_json(path: os.PathLike[str] | str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` to ``path`` (parents created), via a temporary file so a crash never leaves half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    partial.write_text(json.dumps(payload, indent=2) + "\n")
-    partial.replace(target)
-    return target
+    from lightning_mgpu.comm.sweep import write_report
+
+    return write_report(payload, path)
 
 
 def print_table(

@@ -463,16 +463,8 @@ def _numbers(name: str, values: object, *, unit_hint: str) -> list[float]:
         )
     result = []
     for index, value in enumerate(values):
-        if isinstance(value, (str, bytes, bool)):
-            number = math.nan
-            readable = False
-        else:
-            try:
-                number = float(value)  # type: ignore[arg-type]
-                readable = True
-            except (TypeError, ValueError):
-                number, readable = math.nan, False
-        if not readable:
+        number = _as_float(value)
+        if number is None:
             raise ValueError(
                 f"{name}[{index}] is {value!r:.80} ({type(value).__name__}), not a number; "
                 f"every entry of {name} must be a finite number >= 0 ({unit_hint})"
@@ -546,16 +538,20 @@ def _memory_and_capacity(
     return memory_values, capacities
 
 
-def _capacity_value(value: object, name: str) -> float:
+def _as_float(value: object) -> Optional[float]:
+    """``float(value)`` for a number (NaN and inf included), None for anything else; strings
+    and booleans are not numbers here, although ``float()`` would take them."""
     if isinstance(value, (str, bytes, bool)):
-        readable = False
-    else:
-        try:
-            number = float(value)  # type: ignore[arg-type]
-            readable = True
-        except (TypeError, ValueError):
-            readable = False
-    if not readable:
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _capacity_value(value: object, name: str) -> float:
+    number = _as_float(value)
+    if number is None:
         raise ValueError(f"{name} is {value!r:.80} ({type(value).__name__}), not a number")
     if math.isnan(number) or number <= 0:
         raise ValueError(
