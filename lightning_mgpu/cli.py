@@ -1,12 +1,15 @@
 """The ``lightning-mgpu`` console script.
 
-Subcommands land with the features behind them; this version has ``strategies`` and
-``bench-comm`` (an nccl-tests-style all_reduce sweep, see :mod:`lightning_mgpu.comm.sweep`).
+``strategies`` and ``bench-comm`` (an nccl-tests-style all_reduce sweep, see
+:mod:`lightning_mgpu.comm.sweep`) live here; ``doctor``, ``tune`` and ``plan`` live next to
+the features behind them, each module exposing ``register(subparsers)`` (listed in
+``_FEATURE_COMMANDS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Any, Optional, Sequence
@@ -124,7 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON here")
     bench.add_argument("--quiet", action="store_true", help="no progress lines while measuring")
     bench.set_defaults(func=_cmd_bench_comm, subparser=bench)
+    for module_name in _FEATURE_COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if not module_name.startswith(str(exc.name)):  # a real import error inside the module: show it
+                raise
+            continue  # feature not built yet
+        module.register(sub)
     return parser
+
+
+# Modules that add a subcommand with ``register(subparsers)``; their heavy imports stay
+# inside the command so that ``lightning-mgpu --help`` is fast.
+_FEATURE_COMMANDS = (
+    "lightning_mgpu.doctor_env",  # doctor
+    "lightning_mgpu.tuning.cli",  # tune
+    "lightning_mgpu.placement.cli",  # plan
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
