@@ -1,0 +1,443 @@
+"""``HybridParallelStrategy`` (``strategy="hybrid"``): a model split over K devices per process,
+micro-batch pipelining inside each replica, DDP across replicas.
+
+Each process owns ``devices_per_replica`` (K) consecutive devices of the ones the Trainer
+was given: ``Trainer(devices=8, strategy=HybridParallelStrategy(devices_per_replica=2))``
+runs 4 processes (replicas), process ``r`` on devices ``2r`` and ``2r + 1``. On CPU,
+``accelerator="cpu", devices=4`` gives 2 processes with two "cpu" stages each; stages run
+in their own threads, so pipelining is real there too.
+
+What is split: one ``nn.Sequential`` of the LightningModule (``split_module``, default:
+its only ``nn.Sequential`` child). Everything else stays on the replica's first device,
+where Lightning also puts the batch; the pipelined module returns its output there, so
+the loss code does not change. The split is planned by
+:func:`~lightning_mgpu.placement.plan.make_plan` (``balance``) from per-layer costs measured
+by :func:`~lightning_mgpu.placement.profile.profile_layers` on one micro-batch of a sample
+(``sample_input``, else the module's ``example_input_array`` pushed through the model; with
+neither, ``"time"``/``"memory"`` fall back to ``"params"`` with a warning). Rank 0 plans
+and broadcasts, so every replica has the same layout (DDP needs that).
+
+Inside a replica, :class:`~lightning_mgpu.placement.pipeline.Pipeline` runs the GPipe
+schedule; the stages' backward runs right after ``loss.backward()`` (``post_backward``)
+and accumulates each parameter's gradient once, so DDP's reducer works unchanged (no
+``device_ids``: the module spans devices). K = 1 with ``microbatches=1`` is plain
+``ddp_tuned``.
+
+``state_dict`` keys never change: the ``nn.Sequential`` keeps its children (only its
+class is swapped for the fit and restored at teardown), and checkpoints are written
+with every tensor on the CPU, so they load into ``ddp_tuned``, a single device or another
+placement.
+
+Not supported (refused with a clear error): ``find_unused_parameters=True`` (the stages'
+parameters are reached by a second backward, not from the loss), ``SyncBatchNorm``
+inside the split module (its collectives would run in the stage threads in an order
+that differs between ranks), and parameters shared between the split module and the
+rest of the model. ``BatchNorm`` with ``microbatches > 1`` normalises per micro-batch
+(as in GPipe/torchgpipe): a warning says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline
+from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, make_plan
+from lightning_mgpu.placement.profile import LayerCost, profile_layers
+from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
+
+__all__ = ["HybridParallelStrategy"]
+
+_StrategyRegistry = type(StrategyRegistry)
+
+
+class _PipelinedSequential(nn.Sequential):
+    """The split ``nn.Sequential`` during a fit: same children (same state_dict), pipelined forward."""
+
+    _lightning_mgpu_pipeline: Pipeline
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Sequential's own name
+        return self._lightning_mgpu_pipeline.forward(input)
+
+
+class _Captured(Exception):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__("captured")
+        self.value = value
+
+
+class HybridParallelStrategy(TunedDDPStrategy):
+    """Model split over ``devices_per_replica`` devices, pipelined, with DDP across replicas.
+
+    Args:
+        devices_per_replica: K, devices per process; the Trainer's device count must be a
+            multiple of it (world size = devices / K per node).
+        balance: ``"time"`` (default), ``"memory"``, ``"params"``, or a list of K stage
+            sizes (layers per stage, in order).
+        microbatches: M, micro-batches per step in the fill-drain schedule (a batch
+            smaller than M runs as that many micro-batches of one sample).
+        checkpoint: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``.
+        split_module: attribute name (dotted for nested) of the ``nn.Sequential`` to split;
+            default: the LightningModule's only ``nn.Sequential`` child.
+        sample_input: one batch of the split module's input, used to measure per-layer
+            time and memory for ``balance="time"``/``"memory"``.
+        threads_per_stage: intra-op threads of each CPU stage (default: the process's
+            threads divided among its CPU stages).
+        **kwargs: everything :class:`TunedDDPStrategy` takes (``bucket_cap_mb``,
+            ``compression``, ``timeout``, ``process_group_backend``, DDP options).
+
+    Example::
+
+        trainer = Trainer(accelerator="gpu", devices=8,
+                          strategy=HybridParallelStrategy(devices_per_replica=2, microbatches=8))
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        devices_per_replica: int = 2,
+        balance: Union[str, Sequence[int]] = "time",
+        microbatches: int = 1,
+        checkpoint: str = "never",
+        split_module: Optional[str] = None,
+        *,
+        sample_input: Optional[torch.Tensor] = None,
+        threads_per_stage: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(devices_per_replica, bool) or not isinstance(devices_per_replica, int) or devices_per_replica < 1:
+            raise ValueError(f"devices_per_replica must be an integer >= 1, got {devices_per_replica!r}")
+        if isinstance(balance, str):
+            if balance not in BALANCE_MODES:
+                raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
+        else:
+            if not isinstance(balance, Sequence):
+                raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
+            check_sizes(balance, sum(balance) if all(isinstance(s, int) for s in balance) else -1, devices_per_replica)
+            balance = list(balance)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if split_module is not None and (not isinstance(split_module, str) or not split_module):
+            raise ValueError(f"split_module must be the attribute name of an nn.Sequential (a string), got {split_module!r}")
+        if sample_input is not None and not isinstance(sample_input, torch.Tensor):
+            raise ValueError(f"sample_input must be a tensor (a batch of the split module's input), got {type(sample_input).__name__}")
+        if threads_per_stage is not None and (
+            isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1
+        ):
+            raise ValueError(f"threads_per_stage must be an integer >= 1 or None, got {threads_per_stage!r}")
+        if kwargs.get("find_unused_parameters"):
+            raise ValueError(
+                "find_unused_parameters=True is not supported by the hybrid strategy: the split module's parameters "
+                "get their gradients from the pipeline's own backward, which DDP's search from the loss cannot see."
+            )
+        super().__init__(**kwargs)
+        self._devices_per_replica = devices_per_replica
+        self._balance = balance
+        self._microbatches = microbatches
+        self._checkpoint = checkpoint
+        self._split_module = split_module
+        self._sample_input = sample_input
+        self._threads_per_stage = threads_per_stage
+        self._pipeline: Optional[Pipeline] = None
+        self._plan: Optional[PlacementPlan] = None
+        self._split: Optional[nn.Sequential] = None
+        self._split_class: Optional[type] = None
+
+    # ------------------------------------------------------------------ devices
+    @property
+    def devices_per_replica(self) -> int:
+        return self._devices_per_replica
+
+    @property
+    def microbatches(self) -> int:
+        return self._microbatches
+
+    @property
+    def plan(self) -> Optional[PlacementPlan]:
+        """The placement in force (after setup)."""
+        return self._plan
+
+    @property
+    def num_processes(self) -> int:
+        if self.parallel_devices is None:
+            return 0
+        return len(self.parallel_devices) // self._devices_per_replica
+
+    @property
+    def replica_devices(self) -> list[torch.device]:
+        """The K devices this process's replica runs on."""
+        assert self.parallel_devices is not None
+        k = self._devices_per_replica
+        return list(self.parallel_devices[self.local_rank * k : (self.local_rank + 1) * k])
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank * self._devices_per_replica]
+
+    def _check_device_count(self) -> None:
+        count = len(self.parallel_devices or [])
+        k = self._devices_per_replica
+        if count == 0 or count % k:
+            raise ValueError(
+                f"HybridParallelStrategy(devices_per_replica={k}) needs a device count per node that is a multiple of {k}, "
+                f"but the Trainer has {count} device(s). Use Trainer(devices={max(k, count - count % k) or k}) or change "
+                "devices_per_replica."
+            )
+
+    def _configure_launcher(self) -> None:
+        self._check_device_count()
+        super()._configure_launcher()
+
+    def determine_ddp_device_ids(self) -> Optional[list[int]]:
+        return None  # the module spans several devices: DDP must not be given device_ids
+
+    # ------------------------------------------------------------------ placement
+    def model_to_device(self) -> None:
+        self._check_device_count()
+        module = self.lightning_module
+        assert module is not None
+        module.to(self.root_device)
+        if self._devices_per_replica == 1 and self._microbatches == 1:
+            return  # plain ddp_tuned
+        name, seq = self._find_split_module(module)
+        self._check_supported(module, name, seq)
+        plan = self._make_plan(module, name, seq)
+        self._plan = plan
+        stages, start = [], 0
+        for size, device in zip(plan.sizes, self.replica_devices):
+            stage = seq[start : start + size]
+            stage.to(device)
+            stages.append(stage)
+            start += size
+        self._pipeline = Pipeline(
+            stages,
+            self.replica_devices,
+            microbatches=self._microbatches,
+            checkpoint=self._checkpoint,
+            threads_per_stage=self._threads_per_stage,
+        )
+        self._split, self._split_class = seq, type(seq)
+        seq.__class__ = _PipelinedSequential
+        object.__setattr__(seq, "_lightning_mgpu_pipeline", self._pipeline)
+        rank_zero_info(f"{type(self).__name__}: split `{name}` as {plan.summary_line()}\n{plan}")
+
+    def _find_split_module(self, module: nn.Module) -> tuple[str, nn.Sequential]:
+        if self._split_module is not None:
+            try:
+                found = module.get_submodule(self._split_module)
+            except AttributeError:
+                found = None
+            if not isinstance(found, nn.Sequential):
+                what = "nothing" if found is None else type(found).__name__
+                raise ValueError(
+                    f"split_module={self._split_module!r}: {type(module).__name__}.{self._split_module} is {what}, "
+                    "not an nn.Sequential. Point split_module at the nn.Sequential holding the layers to split."
+                )
+            return self._split_module, found
+        candidates = [(n, child) for n, child in module.named_children() if isinstance(child, nn.Sequential)]
+        if len(candidates) != 1:
+            names = ", ".join(n for n, _ in candidates) or "none"
+            raise ValueError(
+                f"HybridParallelStrategy needs to know which nn.Sequential of {type(module).__name__} to split: it has "
+                f"{len(candidates)} nn.Sequential children ({names}). Pass split_module='<attribute name>'."
+            )
+        return candidates[0]
+
+    def _check_supported(self, module: nn.Module, name: str, seq: nn.Sequential) -> None:
+        k = self._devices_per_replica
+        if len(seq) < k:
+            raise ValueError(
+                f"`{name}` has {len(seq)} layer(s) but devices_per_replica={k}: every device needs at least one layer. "
+                f"Use devices_per_replica <= {len(seq)} or a deeper nn.Sequential."
+            )
+        if isinstance(self._balance, list):
+            check_sizes(self._balance, len(seq), k)
+        inside = {id(p) for p in seq.parameters()}
+        outside = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in inside and not n.startswith(name + ".")]
+        if outside:
+            raise ValueError(
+                f"parameters shared between `{name}` and the rest of the model are not supported by the hybrid strategy "
+                f"({', '.join(outside[:3])}): the pipeline would accumulate their gradient separately. Untie them or move "
+                "the sharing module inside the split nn.Sequential."
+            )
+        if any(isinstance(m, nn.SyncBatchNorm) for m in seq.modules()):
+            raise ValueError(
+                f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's stage threads, in an order "
+                "that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
+            )
+        if self._microbatches > 1 and any(isinstance(m, _BatchNorm) for m in seq.modules()):
+            rank_zero_warn(
+                f"`{name}` contains BatchNorm and microbatches={self._microbatches}: in training, BatchNorm normalises "
+                "each micro-batch with that micro-batch's statistics (as in GPipe) and updates its running statistics "
+                f"{self._microbatches} times per step, so results differ from full-batch training. Use microbatches=1, "
+                "a larger batch, or GroupNorm/LayerNorm for identical numerics."
+            )
+
+    def _make_plan(self, module: nn.Module, name: str, seq: nn.Sequential) -> PlacementPlan:
+        devices = self.replica_devices
+        balance: Union[str, list[int]] = self._balance
+        layers: list[LayerCost] = []
+        sizes: Optional[list[int]] = None
+        if self.global_rank == 0:
+            sample = self._sample_for(module, seq) if balance in ("time", "memory") else None
+            if balance in ("time", "memory") and sample is None:
+                rank_zero_warn(
+                    f"HybridParallelStrategy(balance={balance!r}) needs a sample to measure `{name}`: set "
+                    "`example_input_array` on the LightningModule or pass sample_input=. Balancing by parameter "
+                    "count instead."
+                )
+                balance = "params"
+            micro = None if sample is None else sample[: max(1, -(-sample.shape[0] // self._microbatches))]
+            layers = profile_layers(seq, micro) if micro is not None else _static_costs(seq)
+            capacity = [_capacity(device) for device in devices]
+            plan = make_plan(layers, devices, balance, microbatches=self._microbatches, capacity=capacity)
+            sizes = plan.sizes
+        payload = self.broadcast({"sizes": sizes, "balance": balance, "layers": [c.as_dict() for c in layers]}, src=0)
+        return PlacementPlan(
+            devices=[str(d) for d in devices],
+            sizes=payload["sizes"],
+            balance=payload["balance"],
+            microbatches=self._microbatches,
+            layers=[LayerCost.from_dict(c) for c in payload["layers"]],
+        )
+
+    def _sample_for(self, module: nn.Module, seq: nn.Sequential) -> Optional[torch.Tensor]:
+        if self._sample_input is not None:
+            return self._sample_input.to(self.root_device)
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            return None
+
+        def capture(_: nn.Module, args: tuple) -> None:
+            raise _Captured(args[0].detach())
+
+        handle = seq.register_forward_pre_hook(capture)
+        try:
+            with torch.random.fork_rng(devices=[d for d in {self.root_device} if d.type == "cuda"]), torch.no_grad():
+                example = _to_device(example, self.root_device)
+                if isinstance(example, (tuple, list)):
+                    module(*example)
+                elif isinstance(example, dict):
+                    module(**example)
+                else:
+                    module(example)
+        except _Captured as captured:
+            return captured.value
+        finally:
+            handle.remove()
+        return None  # the forward never reached the split module
+
+    # ------------------------------------------------------------------ training hooks
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._pipeline is not None:
+            self._pipeline.discard_pending()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._pipeline is not None:
+            self._pipeline.backward()
+        super().post_backward(closure_loss)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._pipeline is not None and self._pipeline.has_pending_backward:
+            pending = self._pipeline.pending_with_grad()
+            self._pipeline.discard_pending()
+            if pending:
+                raise RuntimeError(
+                    "the split module's backward did not run: loss.backward() was called directly. With the hybrid "
+                    "strategy call self.manual_backward(loss) (manual optimization), which runs the pipeline's backward."
+                )
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        return _to_device(state, torch.device("cpu")) if self._pipeline is not None else state
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        return _to_device(state, torch.device("cpu")) if self._pipeline is not None else state
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._pipeline is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        # torch moves each state tensor to its parameter's device; don't move it all to the root device after.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    def state_for_checkpoint(self) -> dict[str, Any]:
+        state = super().state_for_checkpoint()
+        if self._plan is not None:
+            state["hybrid"] = {
+                "devices_per_replica": self._devices_per_replica,
+                "sizes": list(self._plan.sizes),
+                "microbatches": self._microbatches,
+            }
+        return state
+
+    # ------------------------------------------------------------------ registration / teardown
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "hybrid",
+            cls,
+            description="model split over devices_per_replica devices, micro-batch pipelined, DDP across replicas",
+            override=True,
+        )
+
+    def teardown(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+        if self._split is not None and self._split_class is not None:
+            self._split.__class__ = self._split_class
+            self._split.__dict__.pop("_lightning_mgpu_pipeline", None)
+        self._pipeline, self._split, self._split_class = None, None, None
+        super().teardown()
+
+
+def _static_costs(seq: nn.Sequential) -> list[LayerCost]:
+    """Parameter counts only (no sample to run): enough for balance="params" or given sizes."""
+    costs = []
+    for index, (name, layer) in enumerate(seq.named_children()):
+        count = sum(p.numel() for p in layer.parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        costs.append(
+            LayerCost(
+                index=index, name=name, kind=type(layer).__name__, forward_ms=0.0, backward_ms=0.0, param_count=count,
+                param_bytes=nbytes, grad_bytes=nbytes, optimizer_bytes=2 * nbytes, activation_bytes=0, output_bytes=0,
+            )
+        )
+    return costs
+
+
+def _capacity(device: torch.device) -> Optional[float]:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items()) if not hasattr(value, "_metadata") else _keep_metadata(value, device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _keep_metadata(state: Any, device: torch.device) -> Any:
+    out = type(state)((k, _to_device(v, device)) for k, v in state.items())
+    out._metadata = state._metadata  # state_dict versions (e.g. BatchNorm's) survive the copy
+    return out
