@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
+from lightning_mgpu.callbacks.doctor import DistributedDoctor
 
 HERE = Path(__file__).resolve().parent
 # Lightning 2.6 on a recent torch trips over torch's own LeafSpec deprecation: harmless, and not ours.
@@ -87,6 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sample-chars", type=int, default=200, help="characters to generate after training")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/char_lm"), help="CSV logs (or W&B's files)")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases instead of CSV")
+    parser.add_argument("--doctor", action="store_true", help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)")
     parser.add_argument("--record", type=Path, default=None, help="save per-step losses and final weights (tests)")
     return parser.parse_args()
 
@@ -274,7 +276,8 @@ def main() -> None:
         max_epochs=args.epochs,
         gradient_clip_val=args.grad_clip,  # clip_grad_norm_ after DDP's average, as in train_plain.py
         logger=logger,
-        callbacks=[ProgressBar(leave=True)],  # leave: one line per epoch stays on screen
+        # leave: one line per epoch stays on screen
+        callbacks=[ProgressBar(leave=True)] + ([DistributedDoctor(strict=True)] if args.doctor else []),
         enable_checkpointing=False,
         enable_model_summary=False,  # the line printed below gives the parameter count
         log_every_n_steps=10,

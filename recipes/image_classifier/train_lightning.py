@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
+from lightning_mgpu.callbacks.doctor import DistributedDoctor
 
 NUM_CLASSES = 10
 
@@ -71,6 +72,7 @@ parser.add_argument("--devices", type=int, default=torch.cuda.device_count() or 
 parser.add_argument("--num-nodes", type=int, default=1, help="machines (with torchrun or SLURM)")
 parser.add_argument("--out-dir", default="runs/image_classifier", help="where Lightning writes its logs")
 parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases instead of CSV files")
+parser.add_argument("--doctor", action="store_true", help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)")
 
 
 class ConvNet(nn.Module):
@@ -217,6 +219,7 @@ def main() -> None:
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
+        callbacks=[DistributedDoctor(strict=True)] if args.doctor else [],
     )
     trainer.fit(lightning_module)
     if trainer.global_rank != 0:

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
+from lightning_mgpu.callbacks.doctor import DistributedDoctor
 
 # -----------------------------------------------------------------------------
 # Settings
@@ -58,6 +59,7 @@ parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (auto: 
 parser.add_argument("--devices", type=int, default=torch.cuda.device_count() or 2, help="processes per node")
 parser.add_argument("--num-nodes", type=int, default=1, help="machines (with torchrun or SLURM)")
 parser.add_argument("--out-dir", default="runs/regression", help="where Lightning writes its logs")
+parser.add_argument("--doctor", action="store_true", help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)")
 
 
 class LinearRegression(L.LightningModule):
@@ -129,6 +131,7 @@ def main() -> None:
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
+        callbacks=[DistributedDoctor(strict=True)] if args.doctor else [],
     )
     trainer.fit(lightning_module)
     if trainer.global_rank != 0:
