@@ -7,12 +7,20 @@ Importing the package registers its strategy names with Lightning, so that
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu.callbacks import CommProfiler
-from lightning_mgpu.strategies import BucketInfo, TunedDDPStrategy
+from lightning_mgpu.strategies import BucketInfo, HybridParallelStrategy, TunedDDPStrategy
 
 __version__ = "0.1.0"
 
-STRATEGY_NAMES = ("ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_powersgd")
+STRATEGY_NAMES = ("ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_powersgd", "hybrid")
 
 TunedDDPStrategy.register_strategies(StrategyRegistry)
+HybridParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["BucketInfo", "CommProfiler", "STRATEGY_NAMES", "TunedDDPStrategy", "__version__"]
+__all__ = [
+    "BucketInfo",
+    "CommProfiler",
+    "HybridParallelStrategy",
+    "STRATEGY_NAMES",
+    "TunedDDPStrategy",
+    "__version__",
+]

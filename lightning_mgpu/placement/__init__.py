@@ -6,4 +6,16 @@ planner can run anywhere, e.g. in ``lightning-mgpu plan`` before any device is t
 
 from lightning_mgpu.placement.partition import partition
 
-__all__ = ["partition"]
+__all__ = ["LayerCost", "PlacementPlan", "make_plan", "partition", "profile_layers"]
+
+
+def __getattr__(name: str):  # the torch-dependent parts load on first use
+    if name in ("LayerCost", "profile_layers"):
+        from lightning_mgpu.placement import profile
+
+        return getattr(profile, name)
+    if name in ("PlacementPlan", "make_plan"):
+        from lightning_mgpu.placement import plan
+
+        return getattr(plan, name)
+    raise AttributeError(f"module 'lightning_mgpu.placement' has no attribute {name!r}")
