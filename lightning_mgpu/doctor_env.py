@@ -1,0 +1,587 @@
+"""``lightning-mgpu doctor``: is this machine (and this shell) ready for multi-process training?
+
+Each line is ``ok``, ``warn`` or ``fail``; every warn and fail carries one sentence on how to
+fix it. The exit code is 1 when anything fails. ``--json`` prints the same as JSON::
+
+    {"version": 1, "status": "ok"|"warn"|"fail", "elapsed_s": float,
+     "counts": {"ok": int, "warn": int, "fail": int},
+     "checks": [{"name": str, "status": str, "value": str, "fix": str|null, "details": {...}}, ...]}
+
+What it checks: versions (Python, torch, Lightning, CUDA, NCCL, driver), visible devices and
+``CUDA_VISIBLE_DEVICES``, the distributed backends, a real 2-process gloo all_reduce over
+127.0.0.1 (and an NCCL one across every GPU when there are at least 2), the launcher
+environment (torchrun, SLURM or none), ``MASTER_ADDR``/``MASTER_PORT``, ``/dev/shm``, the
+open-file limit and the distributed-related environment variables (values that look like
+secrets are masked: API keys, tokens, passwords).
+
+Only light imports at module level: ``lightning-mgpu --help`` imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+STATUSES = ("ok", "warn", "fail")
+SMOKE_TIMEOUT_S = 20.0
+SMOKE_BYTES = 4 << 20  # all_reduce 4 MiB of float32
+SHM_MIN_BYTES = 1 << 30
+NOFILE_MIN = 4096
+# Launcher variables: a stale one in the shell confuses every launcher.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+ENV_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "MASTER_", "PL_", "WANDB_", "OMP_", "MKL_")
+ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+SLURM_NAMES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID",
+               "SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE", "SLURM_STEP_ID")  # fmt: skip
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION|SIGNATURE|PRIVATE", re.IGNORECASE)
+_SECRET_VALUE = re.compile(r"[A-Za-z0-9+/=_\-.]{24,}")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    value: str
+    fix: Optional[str] = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        if self.status != "ok" and not self.fix:
+            raise ValueError(f"check {self.name!r}: a {self.status} needs a fix sentence")
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def looks_secret(name: str, value: str) -> bool:
+    """A variable whose name says secret (``*_KEY``, ``*TOKEN*``, ...) or whose value looks like one
+    (24+ characters of key alphabet, letters and digits mixed, not a path)."""
+    if _SECRET_NAME.search(name):
+        return True
+    return (
+        bool(_SECRET_VALUE.fullmatch(value))
+        and not value.startswith(("/", "."))
+        and any(c.isdigit() for c in value)
+        and any(c.isalpha() for c in value)
+    )
+
+
+def mask(name: str, value: str) -> str:
+    return f"****({len(value)} chars)" if value and looks_secret(name, value) else value
+
+
+def relevant_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The distributed-related variables of ``environ``, secrets masked."""
+    shown = {}
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIXES) or name in ENV_NAMES or name in SLURM_NAMES:
+            shown[name] = mask(name, environ[name])
+    return shown
+
+
+# --------------------------------------------------------------------------- individual checks
+
+
+def check_versions() -> list[Check]:
+    import lightning
+    import torch
+
+    checks = [
+        Check("python", "ok", f"{sys.version.split()[0]} ({sys.executable})"),
+        Check("torch", "ok", f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})"),
+    ]
+    major_minor = tuple(int(p) for p in re.findall(r"\d+", lightning.__version__)[:2])
+    if major_minor < (2, 4):
+        checks.append(Check("lightning", "warn", lightning.__version__, fix="pip install 'lightning>=2.4' (this package "
+                            "needs Lightning 2.4 or newer)"))
+    else:
+        checks.append(Check("lightning", "ok", lightning.__version__))
+    return checks
+
+
+def _nvidia_smi(timeout: float = 5.0) -> Optional[list[list[str]]]:
+    """Rows of (index, name, driver, memory) from nvidia-smi, or None without it."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [[part.strip() for part in line.split(",")] for line in out.stdout.strip().splitlines() if line.strip()]
+
+
+def parse_visible_devices(value: Optional[str]) -> tuple[Optional[list[str]], Optional[str]]:
+    """(entries, problem) of a CUDA_VISIBLE_DEVICES value: None = unset (every GPU)."""
+    if value is None:
+        return None, None
+    entries = [e.strip() for e in value.split(",")] if value.strip() else []
+    if any(e == "" for e in entries):
+        return entries, f"CUDA_VISIBLE_DEVICES={value!r} has an empty entry"
+    if len(set(entries)) != len(entries):
+        return entries, f"CUDA_VISIBLE_DEVICES={value!r} lists a device twice"
+    for entry in entries:
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            return entries, f"CUDA_VISIBLE_DEVICES={value!r}: {entry!r} is neither an index nor a GPU-/MIG- UUID"
+    return entries, None
+
+
+def check_devices(environ: Mapping[str, str]) -> list[Check]:
+    import torch
+
+    smi = _nvidia_smi()
+    visible_value = environ.get("CUDA_VISIBLE_DEVICES")
+    entries, problem = parse_visible_devices(visible_value)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = [torch.cuda.get_device_name(i) for i in range(count)]
+    physical = len(smi) if smi is not None else None
+    details = {"cuda_visible_devices": visible_value, "torch_device_count": count, "names": names,
+               "nvidia_smi_gpus": physical}  # fmt: skip
+    checks = []
+    cuda_value = torch.version.cuda or "none (CPU build of torch)"
+    if torch.version.cuda is None and physical:
+        checks.append(Check("cuda", "warn", f"{cuda_value}; nvidia-smi sees {physical} GPU(s)",
+                            fix="install a CUDA build of torch (https://pytorch.org/get-started/locally/)"))
+    elif torch.version.cuda and physical and not torch.cuda.is_available():
+        checks.append(Check("cuda", "fail", f"CUDA {cuda_value} build, but torch cannot use the {physical} GPU(s)",
+                            fix="the driver is too old for this torch build or not loaded: update the NVIDIA driver, "
+                            "or install a torch build for the CUDA version nvidia-smi shows"))
+    else:
+        checks.append(Check("cuda", "ok", cuda_value))
+    nccl = "n/a"
+    if count:
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+        except Exception as error:  # noqa: BLE001 - reported, not fatal
+            nccl = f"unknown ({error})"
+    checks.append(Check("nccl", "ok", nccl))
+    driver = smi[0][2] if smi else ("no nvidia-smi" if smi is None else "nvidia-smi lists no GPU")
+    checks.append(Check("driver", "ok", driver))
+
+    described = f"{count} GPU(s){': ' + ', '.join(names) if names else ''}; CUDA_VISIBLE_DEVICES=" + (
+        "unset" if visible_value is None else repr(visible_value)
+    )
+    if problem:
+        checks.append(Check("devices", "warn", described, details=details,
+                            fix=f"{problem}: set it to distinct GPU indices or UUIDs, e.g. CUDA_VISIBLE_DEVICES=0,1"))
+    elif entries == [] and physical:
+        checks.append(Check("devices", "warn", described, details=details,
+                            fix=f"CUDA_VISIBLE_DEVICES is empty and hides all {physical} GPU(s): unset it "
+                            "(unless CPU training is what you want)"))
+    elif physical is not None and entries is None and count < physical:
+        checks.append(Check("devices", "warn", described, details=details,
+                            fix=f"torch sees {count} of the {physical} GPUs nvidia-smi lists: check the driver and "
+                            "that no other process holds them in exclusive mode"))
+    else:
+        checks.append(Check("devices", "ok", described + ("" if count else " (CPU processes will use gloo)"),
+                            details=details))
+    return checks
+
+
+def check_backends(gpu_count: int) -> Check:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return Check("backends", "fail", "torch.distributed is not available in this torch build",
+                     fix="install a torch build with distributed support (the official wheels have it)")
+    available = {name: bool(getattr(dist, f"is_{name}_available", lambda: False)())
+                 for name in ("gloo", "nccl", "mpi", "ucc")}  # fmt: skip
+    value = ", ".join(name for name, ok in available.items() if ok) or "none"
+    if not available["gloo"]:
+        return Check("backends", "fail", value, details=available,
+                     fix="this torch build has no gloo: CPU training and CPU-side collectives need it; install an "
+                     "official torch wheel")
+    if gpu_count and not available["nccl"]:
+        return Check("backends", "warn", value, details=available,
+                     fix="GPUs without NCCL: gradients would go through gloo (slow); install a CUDA build with NCCL")
+    return Check("backends", "ok", value, details=available)
+
+
+_SMOKE_CHILD = r"""
+import json, sys, time
+from datetime import timedelta
+started = time.perf_counter()
+import torch
+import torch.distributed as dist
+rank, world, port, backend, nbytes, timeout = sys.argv[1:7]
+rank, world, nbytes, timeout = int(rank), int(world), int(nbytes), float(timeout)
+imported = time.perf_counter()
+if backend == "nccl":
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+else:
+    device = torch.device("cpu")
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=timeout))
+joined = time.perf_counter()
+x = torch.full((nbytes // 4,), float(rank + 1), device=device)
+dist.all_reduce(x)
+expected = world * (world + 1) / 2
+wrong = int((x != expected).sum().item())
+times = []
+for _ in range(5):
+    if backend == "nccl":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    dist.all_reduce(x)
+    if backend == "nccl":
+        torch.cuda.synchronize()
+    times.append(time.perf_counter() - t)
+dist.destroy_process_group()
+print(json.dumps({"rank": rank, "wrong": wrong, "import_s": imported - started, "init_s": joined - imported,
+                  "allreduce_ms": 1e3 * sorted(times)[len(times) // 2]}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_allreduce_smoke(backend: str, world: int, timeout: float, nbytes: int = SMOKE_BYTES) -> dict[str, Any]:
+    """Start ``world`` processes on 127.0.0.1 that all_reduce ``nbytes`` and check the sum.
+
+    Returns {"ok": bool, "reason": str, "wall_s": float, "ranks": [...]}. Never waits longer than
+    ``timeout`` (plus a second to reap): processes still running then are killed.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if backend == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU test: never touch a GPU
+    port = free_port()
+    started = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SMOKE_CHILD, str(rank), str(world), str(port), backend, str(nbytes), str(timeout)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+    outputs: list[tuple[str, str]] = [("", "")] * world
+    deadline = started + timeout
+    timed_out = False
+    for rank, proc in enumerate(procs):
+        try:
+            outputs[rank] = proc.communicate(timeout=max(0.01, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for proc in procs:  # only the processes started here
+            if proc.poll() is None:
+                proc.kill()
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=1.0)
+                outputs[rank] = (out or "", err or "")
+            except subprocess.TimeoutExpired:
+                pass
+    wall = time.perf_counter() - started
+    ranks: list[dict[str, Any]] = []
+    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
+        line = next((l for l in reversed((out or "").splitlines()) if l.startswith("{")), None)
+        ranks.append(json.loads(line) if line else {"rank": rank, "returncode": proc.returncode,
+                                                       "stderr_tail": (err or "").strip().splitlines()[-3:]})
+    if timed_out:
+        return {"ok": False, "reason": f"no result within {timeout:g} s (a rank hung or started too slowly)",
+                "wall_s": wall, "ranks": ranks}  # fmt: skip
+    failed = [r for r in ranks if "wrong" not in r]
+    if failed:
+        tail = "; ".join(" / ".join(r.get("stderr_tail", [])) for r in failed)[-300:]
+        return {"ok": False, "reason": f"rank(s) {[r['rank'] for r in failed]} failed: {tail}", "wall_s": wall,
+                "ranks": ranks}
+    if any(r["wrong"] for r in ranks):
+        return {"ok": False, "reason": "all_reduce returned wrong values", "wall_s": wall, "ranks": ranks}
+    return {"ok": True, "reason": "", "wall_s": wall, "ranks": ranks}
+
+
+def check_smoke(backend: str, world: int, timeout: float) -> Check:
+    name = f"{backend} all_reduce"
+    result = run_allreduce_smoke(backend, world, timeout)
+    details = {"world_size": world, "bytes": SMOKE_BYTES, **result}
+    if result["ok"]:
+        ranks = result["ranks"]
+        ms = max(r["allreduce_ms"] for r in ranks)
+        init = max(r["init_s"] for r in ranks)
+        return Check(name, "ok", f"{world} processes on 127.0.0.1: {SMOKE_BYTES >> 20} MiB correct, {ms:.2f} ms "
+                     f"per all_reduce (rendezvous {init * 1e3:.0f} ms, {result['wall_s']:.1f} s with start-up)",
+                     details=details)  # fmt: skip
+    fix = (
+        "check that local processes can connect over TCP on 127.0.0.1 (firewall, sandbox), that no GLOO_/NCCL_ "
+        "variable points at a missing interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), and rerun with "
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=INFO for the cause"
+    )
+    return Check(name, "fail", result["reason"], fix=fix, details=details)
+
+
+def detect_launcher(environ: Mapping[str, str]) -> Check:
+    present = {k: environ[k] for k in (*ENV_NAMES, "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID") if k in environ}
+    slurm = {k: environ[k] for k in SLURM_NAMES if k in environ}
+    details = {"variables": {k: mask(k, v) for k, v in {**present, **slurm}.items()}}
+
+    def to_int(name: str) -> Optional[int]:
+        try:
+            return int(environ[name])
+        except (KeyError, ValueError):
+            return None
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        if name in environ and to_int(name) is None:
+            return Check("launcher", "fail", f"{name}={environ[name]!r} is not an integer", details=details,
+                         fix=f"unset {name} (a launcher sets it) or give it a whole number")
+    rank, world = to_int("RANK"), to_int("WORLD_SIZE")
+    if rank is not None and world is not None and not 0 <= rank < world:
+        return Check("launcher", "fail", f"RANK={rank} outside 0..WORLD_SIZE-1 (WORLD_SIZE={world})", details=details,
+                     fix="unset RANK and WORLD_SIZE in this shell; torchrun or SLURM set them per process")
+    if "TORCHELASTIC_RUN_ID" in environ or (rank is not None and "LOCAL_RANK" in environ):
+        return Check("launcher", "ok", f"torchrun (rank {rank} of {world})", details=details)
+    if slurm:
+        ntasks = int(slurm.get("SLURM_NTASKS", "1") or 1)
+        if "SLURM_PROCID" not in slurm and ntasks > 1:
+            return Check("launcher", "warn", f"SLURM job {slurm.get('SLURM_JOB_ID')} with {ntasks} tasks, but this "
+                         "process was not started by srun", details=details,
+                         fix="start training with srun (srun python train.py ...): Lightning takes ranks from "
+                         "srun's SLURM_PROCID/SLURM_LOCALID")  # fmt: skip
+        return Check("launcher", "ok", f"SLURM (job {slurm.get('SLURM_JOB_ID')}, {ntasks} task(s))", details=details)
+    stale = {k: v for k, v in present.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}  # those two: see "master"
+    if stale:
+        names = ", ".join(sorted(stale))
+        return Check("launcher", "warn", f"no launcher, but {names} set in the environment", details=details,
+                     fix=f"unset {names} unless you start the ranks yourself: stale values make Lightning and "
+                     "torchrun join the wrong job or wait for ranks that never come")  # fmt: skip
+    return Check("launcher", "ok", "none (plain process: Lightning starts the ranks itself)", details=details)
+
+
+def _resolve(host: str, timeout: float = 2.0) -> Optional[list[str]]:
+    """Addresses of ``host``, or None if it cannot be resolved within ``timeout`` seconds."""
+    result: list[Optional[list[str]]] = [None]
+
+    def work() -> None:
+        try:
+            result[0] = sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+        except OSError:
+            result[0] = None
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0]
+
+
+def _is_local(addresses: list[str]) -> bool:
+    local = {"127.0.0.1", "::1"}
+    local.update(_resolve(socket.gethostname(), 1.0) or [])
+    return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in local for a in addresses)
+
+
+def check_master(environ: Mapping[str, str], port_in_use: Optional[Callable[[int], bool]] = None) -> Check:
+    addr, port_text = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    details = {"MASTER_ADDR": addr, "MASTER_PORT": port_text}
+    if addr is None and port_text is None:
+        return Check("master", "ok", "MASTER_ADDR/MASTER_PORT unset (torchrun or Lightning choose them)", details=details)
+    port: Optional[int] = None
+    if port_text is not None:
+        try:
+            port = int(port_text)
+        except ValueError:
+            port = None
+        if port is None or not 1 <= port <= 65535:
+            return Check("master", "fail", f"MASTER_PORT={port_text!r} is not a port number", details=details,
+                         fix="set MASTER_PORT to a free port between 1024 and 65535 (e.g. 29500), or unset it")
+    if addr is not None:
+        addresses = _resolve(addr)
+        if addresses is None:
+            return Check("master", "fail", f"MASTER_ADDR={addr!r} does not resolve", details=details,
+                         fix="set MASTER_ADDR to the rank-0 node's hostname or IP address, reachable from every node")
+        details["addresses"] = addresses
+    value = f"MASTER_ADDR={addr!r}, MASTER_PORT={port_text!r}"
+    if addr is None or port is None:
+        missing = "MASTER_PORT" if port is None else "MASTER_ADDR"
+        return Check("master", "warn", value, details=details,
+                     fix=f"{missing} is unset while the other is set: set both (rank 0's address and a free port) "
+                     "or neither")
+    if port < 1024:
+        return Check("master", "warn", value + " (a privileged port)", details=details,
+                     fix=f"port {port} needs root to listen on: pick one between 1024 and 65535 (e.g. 29500)")
+    inside_job = "RANK" in environ or "SLURM_PROCID" in environ
+    if not inside_job and _is_local(details.get("addresses", [])):
+        in_use = (port_in_use or _port_in_use)(port)
+        if in_use:
+            return Check("master", "warn", value + " (in use on this machine)", details=details,
+                         fix=f"port {port} is taken (another job's rendezvous?): pick a free one or unset "
+                         "MASTER_PORT")
+    return Check("master", "ok", value, details=details)
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_shm(path: str = "/dev/shm") -> Check:
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return Check("/dev/shm", "ok", f"{path} not present (not Linux?): DataLoader workers share memory otherwise")
+    total, free = stats.f_frsize * stats.f_blocks, stats.f_frsize * stats.f_bavail
+    value = f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free)"
+    details = {"total_bytes": total, "free_bytes": free}
+    if total < SHM_MIN_BYTES:
+        return Check("/dev/shm", "warn", value, details=details,
+                     fix="DataLoader workers pass batches through /dev/shm and crash ('bus error') when it is full: "
+                     "give the container more (docker run --shm-size=16g, or --ipc=host)")
+    return Check("/dev/shm", "ok", value, details=details)
+
+
+def check_open_files() -> Check:
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return Check("open files", "ok", "n/a on this platform")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    value = f"soft {soft}, hard {hard if hard != resource.RLIM_INFINITY else 'unlimited'}"
+    if soft != resource.RLIM_INFINITY and soft < NOFILE_MIN:
+        target = hard if hard != resource.RLIM_INFINITY and hard < 65536 else 65536
+        return Check("open files", "warn", value, details={"soft": soft, "hard": hard},
+                     fix=f"DataLoader workers and NCCL open many descriptors ('Too many open files'): ulimit -n "
+                     f"{target} before training (or torch.multiprocessing.set_sharing_strategy('file_system'))")
+    return Check("open files", "ok", value, details={"soft": soft, "hard": hard})
+
+
+def check_environment(environ: Mapping[str, str]) -> Check:
+    shown = relevant_environment(environ)
+    value = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no distributed-related variables set"
+    slow = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+            "CUDA_LAUNCH_BLOCKING": "1"}  # fmt: skip
+    set_slow = [f"{k}={environ[k]}" for k, v in slow.items() if environ.get(k, "").upper() == v]
+    if set_slow:
+        return Check("environment", "warn", value, details={"variables": shown},
+                     fix=f"{', '.join(set_slow)} slows training (debugging settings): unset them for real runs")
+    return Check("environment", "ok", value, details={"variables": shown})
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = SMOKE_TIMEOUT_S) -> list[Check]:
+    import torch
+
+    checks = check_versions()
+    checks += check_devices(environ)
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    checks.append(check_backends(gpu_count))
+    if smoke:
+        checks.append(check_smoke("gloo", 2, timeout))
+        if gpu_count >= 2 and torch.distributed.is_nccl_available():
+            checks.append(check_smoke("nccl", gpu_count, timeout))
+        else:
+            checks.append(Check("nccl all_reduce", "ok", f"not run: needs 2 or more GPUs ({gpu_count} visible)"))
+    else:
+        checks.append(Check("all_reduce", "ok", "not run (--skip-allreduce)"))
+    checks.append(detect_launcher(environ))
+    checks.append(check_master(environ))
+    checks.append(check_shm())
+    checks.append(check_open_files())
+    checks.append(check_environment(environ))
+    return checks
+
+
+def report(checks: list[Check], elapsed_s: float) -> dict[str, Any]:
+    counts = {status: sum(c.status == status for c in checks) for status in STATUSES}
+    status = "fail" if counts["fail"] else "warn" if counts["warn"] else "ok"
+    return {"version": 1, "status": status, "elapsed_s": elapsed_s, "counts": counts,
+            "checks": [asdict(c) for c in checks]}  # fmt: skip
+
+
+def print_report(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    colours = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+    counts = result["counts"]
+    table = Table(
+        title=f"lightning-mgpu doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
+        f"({result['elapsed_s']:.1f} s)",
+        title_justify="left",
+    )
+    table.add_column("check", style="bold")
+    table.add_column("status")
+    table.add_column("value", overflow="fold")
+    for check in result["checks"]:
+        table.add_row(check["name"], f"[{colours[check['status']]}]{check['status']}[/]", check["value"])
+    console = Console()
+    console.print(table)
+    for check in result["checks"]:
+        if check["fix"]:
+            console.print(f"[{colours[check['status']]}]{check['status']}[/] {check['name']}: {check['fix']}")
+
+
+def print_rules() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_mgpu.callbacks._doctor_rules import table_rows
+
+    table = Table(title="DistributedDoctor rules (DistributedDoctor(disable=[id, ...]) turns one off)", show_lines=True)
+    for column in ("id", "catches", "how it is detected", "cost", "fix"):
+        table.add_column(column, overflow="fold")
+    for row in table_rows():
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    if args.rules:
+        print_rules()
+        return 0
+    if not args.timeout > 0:
+        args.subparser.error(f"argument --timeout: must be a number of seconds > 0, got {args.timeout}")
+    started = time.perf_counter()
+    checks = collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
+    result = report(checks, time.perf_counter() - started)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_report(result)
+    return 1 if result["status"] == "fail" else 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``doctor`` to the ``lightning-mgpu`` command line."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check this machine for multi-process training (versions, devices, backends, a real all_reduce, "
+        "launcher environment, limits)",
+        description="Check this machine and shell for multi-process training. Every line is ok, warn or fail, "
+        "with how to fix each warn and fail; the exit code is 1 when anything fails.",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--skip-allreduce", action="store_true", help="skip the multi-process all_reduce tests")
+    parser.add_argument("--timeout", type=float, default=SMOKE_TIMEOUT_S, metavar="SECONDS",
+                        help=f"limit for each all_reduce test, start-up included (default {SMOKE_TIMEOUT_S:g})")
+    parser.add_argument("--rules", action="store_true", help="list the DistributedDoctor callback's rules and exit")
+    parser.set_defaults(func=_cmd_doctor, subparser=parser)
