@@ -11,6 +11,11 @@ Three things stock ``DDPStrategy`` does not do:
   only on CUDA; here ``compression="fp16" | "bf16" | "powersgd"`` (or your own
   ``ddp_comm_hook``) is registered on CPU/gloo too.
 * **The bucket layout DDP built**, after its rebuild, as :attr:`bucket_layout`.
+* **Bucket sizes found by measuring.** ``bucket_cap_mb="auto"`` tries the sizes that give
+  distinct layouts during the first steps of ``fit`` and keeps the fastest
+  (:mod:`lightning_mgpu.tuning`); the model is re-wrapped in DDP between optimizer steps,
+  its communication hooks (compression, ``CommProfiler``'s timer) and PowerSGD's memory
+  carried over.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -34,13 +39,20 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu.comm.compression import COMPRESSIONS, PrescaledAllreduce, resolve_compression
+from lightning_mgpu.tuning import powersgd as powersgd_memory
+from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.plan import TuningSettings
+from lightning_mgpu.tuning.tuner import DONE, FINAL_STATES, RESUMED, WAITING, BucketTuner, LocalComm, TorchComm, host_clock
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +101,14 @@ class BucketInfo:
         return asdict(self)
 
 
-def _check_size_mb(name: str, value: object) -> Optional[float]:
+def _check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[float]:
+    allowed = "a positive number of MiB, 'auto' or None" if auto else "a positive number of MiB or None"
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a positive number of MiB or None, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of MiB or None, got {value!r}")
+        raise ValueError(f"{name} must be {allowed.replace('a positive', 'a positive, finite')}, got {value!r}")
     return float(value)
 
 
@@ -124,8 +137,10 @@ class TunedDDPStrategy(DDPStrategy):
 
     Args:
         bucket_cap_mb: Size cap of every gradient bucket after the first, in MiB. ``None``
-            keeps DDP's default (25 MiB). ``"auto"`` is reserved for bucket-size tuning,
-            which is not available yet.
+            keeps DDP's default (25 MiB). ``"auto"`` measures the sizes that give distinct
+            bucket layouts during the first training steps and keeps the fastest (see
+            ``tune_*``); afterwards :attr:`bucket_cap_mb` is the size chosen, checkpoints
+            carry it and a resumed fit reuses it without tuning again.
         first_bucket_cap_mb: Size cap of the first bucket (the gradients that are ready
             first), in MiB. ``None`` means 1 MiB, DDP's own default, or ``bucket_cap_mb``
             if that is smaller. Unlike torch's ``bucket_cap_mb=...``, setting
@@ -141,15 +156,24 @@ class TunedDDPStrategy(DDPStrategy):
             ``start_method``, ``process_group_backend``, ``ddp_comm_hook``, ...) and every
             other keyword argument of ``DistributedDataParallel`` (``static_graph``,
             ``gradient_as_bucket_view``, ``find_unused_parameters``, ...).
+        tune_steps: With ``"auto"``: the most training steps tuning may take (None: as many
+            as 2 rounds of 4 timed steps per distinct layout need, plus the untimed steps
+            after each re-wrap). Tuning runs only when the fit has at least 4 times the
+            steps it needs left; otherwise DDP's default is kept.
+        tune_candidates: With ``"auto"``: the sizes (MiB) to consider; default 1, 2, 4, ...,
+            256, and DDP's default 25 is always added. Sizes giving the same layout are
+            measured once.
+        tune_rounds: With ``"auto"``: how many times each layout is visited (in alternating
+            order, so that drift of the machine's speed does not pick the winner).
 
     Raises:
         ValueError: for any argument out of range or of the wrong type, naming it.
-        NotImplementedError: for ``bucket_cap_mb="auto"``.
 
     Example::
 
         trainer = Trainer(strategy="ddp_tuned", devices=4)
         trainer = Trainer(strategy=TunedDDPStrategy(bucket_cap_mb=50, compression="fp16"), devices=4)
+        trainer = Trainer(strategy=TunedDDPStrategy(bucket_cap_mb="auto"), devices=4)
     """
 
     strategy_name = "ddp_tuned"
@@ -174,15 +198,30 @@ class TunedDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        tune_steps: Optional[int] = None,
+        tune_candidates: Optional[Sequence[float]] = None,
+        tune_rounds: int = 2,
         **kwargs: Any,
     ) -> None:
-        if bucket_cap_mb == "auto":
-            raise NotImplementedError(
-                "bucket_cap_mb='auto' (bucket-size tuning) is not available in this version of lightning_mgpu. "
-                "Pass a size in MiB, e.g. TunedDDPStrategy(bucket_cap_mb=25), or None for DDP's default."
-            )
-        self._bucket_cap_mb = _check_size_mb("bucket_cap_mb", bucket_cap_mb)
+        self._auto = isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto"
+        self._bucket_cap_mb = None if self._auto else _check_size_mb("bucket_cap_mb", bucket_cap_mb, auto=True)
         self._first_bucket_cap_mb = _check_size_mb("first_bucket_cap_mb", first_bucket_cap_mb)
+        self._tuner: Optional[BucketTuner] = None
+        if self._auto:
+            settings = TuningSettings(
+                candidates_mb=DEFAULT_GRID_MB if tune_candidates is None else tune_candidates,  # type: ignore[arg-type]
+                steps=tune_steps,
+                rounds=tune_rounds,
+            )
+            self._tuner = BucketTuner(settings, default_mb=DDP_DEFAULT_BUCKET_CAP_MB, first_cap_for=self._first_cap_for)
+        else:
+            given = {"tune_steps": (tune_steps, None), "tune_candidates": (tune_candidates, None), "tune_rounds": (tune_rounds, 2)}
+            for name, (value, default) in given.items():
+                if value != default:
+                    raise ValueError(
+                        f"{name}={value!r} applies only to bucket_cap_mb='auto' (got bucket_cap_mb={bucket_cap_mb!r}); "
+                        f"pass TunedDDPStrategy(bucket_cap_mb='auto', {name}=...) or leave {name} out."
+                    )
         if (
             self._bucket_cap_mb is not None
             and self._first_bucket_cap_mb is not None
@@ -227,20 +266,44 @@ class TunedDDPStrategy(DDPStrategy):
         self._wire_dtype: Optional[torch.dtype] = None
         self._comm_hook_wrappers: list[Callable[[Callable], Callable]] = []
         self._prescaler: Optional[PrescaledAllreduce] = None
+        self._powersgd_keeper: Optional[powersgd_memory.PowerSGDLayoutKeeper] = None
+        self._pending_powersgd: Optional[dict[str, Any]] = None
+        self._extra_ddp_kwargs: dict[str, Any] = {}
+        self._at_step_boundary = True
+        self.rewraps: list[dict[str, Any]] = []
+        """Every re-wrap of this fit (``bucket_cap_mb="auto"``): global step, batch, new size."""
 
     # ------------------------------------------------------------------ properties
 
     @property
     def bucket_cap_mb(self) -> float:
-        """The bucket size cap in force, in MiB (DDP's default 25 when none was given)."""
+        """The bucket size cap in force, in MiB (DDP's default 25 when none was given).
+
+        With ``"auto"``: the size being measured while tuning, the size chosen after it.
+        """
         return self._bucket_cap_mb if self._bucket_cap_mb is not None else DDP_DEFAULT_BUCKET_CAP_MB
 
     @property
     def first_bucket_cap_mb(self) -> float:
         """The first bucket's size cap in force, in MiB."""
-        if self._first_bucket_cap_mb is not None:
-            return self._first_bucket_cap_mb
-        return min(DEFAULT_FIRST_BUCKET_CAP_MB, self.bucket_cap_mb)
+        return self._first_cap_for(self.bucket_cap_mb)
+
+    def _first_cap_for(self, bucket_cap_mb: float) -> float:
+        first = self._first_bucket_cap_mb if self._first_bucket_cap_mb is not None else DEFAULT_FIRST_BUCKET_CAP_MB
+        if not _SUPPORTS_BUCKET_LIST and not (self._bucket_cap_mb is None and self._first_bucket_cap_mb is None):
+            return bucket_cap_mb  # old torch: one size for every bucket (see _bucket_kwargs)
+        return min(first, bucket_cap_mb)
+
+    @property
+    def auto(self) -> bool:
+        """True for ``bucket_cap_mb="auto"``."""
+        return self._auto
+
+    @property
+    def tuning(self) -> Optional[dict[str, Any]]:
+        """With ``"auto"``: the search as plain data (status, chosen size, the candidates'
+        layouts and median step times); None otherwise. Stored in checkpoints."""
+        return None if self._tuner is None else self._tuner.record()
 
     @property
     def compression(self) -> Optional[str]:
@@ -284,7 +347,7 @@ class TunedDDPStrategy(DDPStrategy):
 
     def _bucket_kwargs(self) -> dict[str, Any]:
         if self._bucket_cap_mb is None and self._first_bucket_cap_mb is None:
-            return {}  # DDP's own default: 1 MiB first bucket, then 25 MiB
+            return {}  # DDP's own default: 1 MiB first bucket, then 25 MiB (also "auto" before it decides)
         if not _SUPPORTS_BUCKET_LIST:
             warnings.warn(
                 f"torch {torch.__version__} cannot size the first bucket separately; every bucket, the first "
@@ -302,7 +365,7 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        with _temporarily(self, "_ddp_kwargs", self.ddp_kwargs):
+        with _temporarily(self, "_ddp_kwargs", {**self.ddp_kwargs, **self._extra_ddp_kwargs}):
             return super()._setup_model(model)
 
     @override
@@ -345,6 +408,14 @@ class TunedDDPStrategy(DDPStrategy):
             hook, state = self._prescaler.averaging_allreduce, None
         elif hook is None:
             hook, state = default_hooks.allreduce_hook, None
+        if hook is powerSGD_hook.powerSGD_hook and powersgd_memory.supports(state):
+            # PowerSGD's memory is kept per bucket number: remap it when the layout changes
+            # (DDP's rebuild, a re-wrap by "auto", a resume). Innermost: it must see the
+            # buckets exactly as PowerSGD does.
+            if self._powersgd_keeper is None or self._powersgd_keeper.state is not state:
+                self._powersgd_keeper = powersgd_memory.PowerSGDLayoutKeeper(state, _reducer_named_params(self.model))
+                self._restore_powersgd()
+            hook = self._powersgd_keeper.wrap(hook)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
         for wrapper in self._comm_hook_wrappers:
@@ -357,22 +428,208 @@ class TunedDDPStrategy(DDPStrategy):
         if self._prescaler is not None:
             self._prescaler.prescale(closure_loss)
 
+    # ------------------------------------------------------------------ bucket-size tuning
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._at_step_boundary = True
+        self.rewraps = []
+        tuner = self._tuner
+        if tuner is None or tuner.status != WAITING:
+            if tuner is not None and tuner.status == RESUMED:
+                rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
+            return
+        module = self.lightning_module
+        assert module is not None and isinstance(self.model, DistributedDataParallel)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        tuner.comm = TorchComm(self.root_device) if distributed else LocalComm()
+        tuner.clock = host_clock(self.root_device)
+        if not module.automatic_optimization:
+            tuner.skip("manual optimization: the strategy cannot tell where an optimizer step ends")
+        else:
+            trainer = module.trainer
+            total = trainer.estimated_stepping_batches
+            remaining = None if math.isinf(total) else float(total - trainer.global_step)
+            tuner.begin([param for _, param in _reducer_named_params(self.model)], remaining_steps=remaining)
+        if tuner.status in FINAL_STATES:
+            rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._at_step_boundary:  # the first batch of an optimizer step (of an accumulation window)
+            self._at_step_boundary = False
+            if self._tuner is not None and self._tuner.active:
+                self._tuner.window_start()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._at_step_boundary = True
+        tuner = self._tuner
+        if tuner is not None and tuner.active:
+            # Every rank is here after the same step, with no gradient half-accumulated:
+            # the one place where the layout may change.
+            size = tuner.step_end(self._built_bucket_bytes)
+            if size is not None:
+                self._rewrap(size)
+            if not tuner.active:
+                self._report_tuning()
+        return output
+
+    def _built_bucket_bytes(self) -> Optional[tuple[int, ...]]:
+        layout = self.bucket_layout
+        return None if layout is None else tuple(b.bytes for b in layout)
+
+    def _rewrap(self, bucket_cap_mb: float) -> None:
+        """Wrap the LightningModule in a new DDP with ``bucket_cap_mb``, hooks carried over."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop._should_accumulate():  # cannot happen after an optimizer step; never risk it
+            raise RuntimeError(
+                f"{type(self).__name__}: refusing to re-wrap the model inside a gradient-accumulation window "
+                f"(global step {trainer.global_step}); please report this."
+            )
+        old = self.model
+        assert isinstance(old, DistributedDataParallel)
+        self.rewraps.append(
+            {
+                "global_step": trainer.global_step,
+                "batches_in_epoch": epoch_loop.batch_progress.current.ready,
+                "bucket_cap_mb": bucket_cap_mb,
+            }
+        )
+        self._bucket_cap_mb = bucket_cap_mb
+        remove_hooks = getattr(old.reducer, "_remove_autograd_hooks", None)
+        if remove_hooks is not None:
+            remove_hooks()  # the old reducer must not see the next backward
+        if self._powersgd_keeper is None and powersgd_memory.reset_bucket_memory(self._ddp_comm_state):
+            warnings.warn(
+                "bucket_cap_mb='auto' re-wrapped the model: the PowerSGD memory of this hook is kept per bucket "
+                "number and cannot be remapped (batch_tensors_with_same_shape=True or batched_powerSGD_hook), so "
+                "its error feedback and warm start were reset.",
+                stacklevel=2,
+            )
+        # Parameters are already equal on every rank: no broadcast of the weights again.
+        extra = {"init_sync": False} if "init_sync" in _DDP_PARAMETERS else {}
+        with _temporarily(self, "_extra_ddp_kwargs", extra):
+            new = self._setup_model(module)
+        _carry_module_hooks(old, new)  # e.g. CommProfiler's forward hook on the wrapper
+        self.model = new
+        self._register_ddp_hooks()
+        del old
+        gc.collect()  # DDP sits in reference cycles; free its buckets now, not at some later gc
+
+    def _report_tuning(self) -> None:
+        tuner = self._tuner
+        assert tuner is not None
+        rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
+        module = self.lightning_module
+        if tuner.status != DONE or module is None or not self.is_global_zero:
+            return
+        metrics: dict[str, float] = {"tuning/bucket_cap_mb": self.bucket_cap_mb}
+        index = tuner.chosen_index
+        if index is not None:
+            metrics["tuning/step_ms"] = tuner.results[index].step_ms
+            default = next((r for r in tuner.results if r.candidate.is_default), None)
+            if default is not None:
+                metrics["tuning/default_step_ms"] = default.step_ms
+        if tuner.gain is not None:
+            metrics["tuning/gain_vs_default"] = tuner.gain
+        for logger in module.trainer.loggers:
+            logger.log_metrics(metrics, step=module.trainer.global_step)
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_for_checkpoint(self) -> dict[str, Any]:
-        """What this strategy stores under ``checkpoint["lightning_mgpu"]``."""
-        return {
+        """What this strategy stores under ``checkpoint["lightning_mgpu"]`` (plain types only).
+
+        With ``"auto"``, also ``"tuning"``: the search's record (:attr:`tuning`).
+        """
+        state: dict[str, Any] = {
             "bucket_cap_mb": self.bucket_cap_mb,
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "compression": self._compression,
         }
+        if self._tuner is not None:
+            state["tuning"] = self._tuner.record()
+        return state
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        checkpoint.setdefault(CHECKPOINT_KEY, {}).update(self.state_for_checkpoint())
+        package = checkpoint.setdefault(CHECKPOINT_KEY, {})
+        package.update(self.state_for_checkpoint())
+        if self._powersgd_keeper is not None:
+            package["powersgd"] = self._gather_powersgd_state()  # a collective: every rank is here
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        package = checkpoint.get(CHECKPOINT_KEY)
+        if isinstance(package, dict):
+            self._restore_package_state(package)
+        return checkpoint
+
+    def _restore_package_state(self, package: dict[str, Any]) -> None:
+        """Before ``setup``: a tuned bucket size (reused, no tuning) and PowerSGD's memory."""
+        tuner = self._tuner
+        record = package.get("tuning")
+        if tuner is not None and tuner.status == WAITING and isinstance(record, dict):
+            size = package.get("bucket_cap_mb")
+            valid = isinstance(size, (int, float)) and not isinstance(size, bool) and math.isfinite(size) and size > 0
+            if record.get("status") in (DONE, RESUMED) and valid:
+                tuner.resume(float(size), record)
+                self._bucket_cap_mb = float(size)
+            # Saved before the search finished: search again (the steps are ordinary ones).
+        saved = package.get("powersgd")
+        if isinstance(saved, dict):
+            self._pending_powersgd = saved
+
+    def _gather_powersgd_state(self) -> dict[str, Any]:
+        keeper = self._powersgd_keeper
+        assert keeper is not None
+        state = keeper.state_dict()
+        error = state.pop("error")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(gathered, error)
+        else:
+            gathered = [error]
+        # Each rank's residual is its own; Q and the counters are the same everywhere.
+        return {**state, "world_size": self.world_size, "error_per_rank": gathered}
+
+    def _restore_powersgd(self) -> None:
+        saved, keeper = self._pending_powersgd, self._powersgd_keeper
+        if saved is None or keeper is None:
+            return
+        self._pending_powersgd = None
+        per_rank = saved.get("error_per_rank") or []
+        error = None
+        if saved.get("world_size") == self.world_size and self.global_rank < len(per_rank):
+            error = per_rank[self.global_rank]
+        else:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint's PowerSGD error feedback comes from {saved.get('world_size')} "
+                f"processes, this run has {self.world_size}; it starts again from zero."
+            )
+        rejected = keeper.load_state_dict(saved, error)
+        if rejected:
+            rank_zero_warn(
+                f"{type(self).__name__}: PowerSGD memory for {len(rejected)} parameter(s) did not match this model "
+                f"and was dropped (e.g. {rejected[0]!r})."
+            )
 
     # ------------------------------------------------------------------ registration
 
@@ -392,6 +649,10 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        tuner = self._tuner
+        if tuner is not None and tuner.active:  # the fit ended (or failed) before the search did
+            tuner.abandon(f"the fit ended after {tuner.steps_taken} tuning step(s)")
+            rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
         layout = self.bucket_layout
         if layout:
             sizes = ", ".join(f"{b.bytes / _MIB:.2f}" for b in layout)
@@ -404,6 +665,7 @@ class TunedDDPStrategy(DDPStrategy):
         # Wrappers belong to one fit (callbacks add them again in their setup).
         self._comm_hook_wrappers.clear()
         self._prescaler = None
+        self._powersgd_keeper = None
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()
@@ -434,18 +696,51 @@ def _destroy_process_group_at_exit() -> None:
     atexit.register(release)
 
 
-def _reducer_param_names(model: DistributedDataParallel) -> list[str]:
-    """Names of the parameters in the order DDP's reducer indexes them."""
+def _reducer_named_params(model: DistributedDataParallel) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) in the order DDP's reducer indexes them."""
     ignored = set(getattr(model, "parameters_to_ignore", ()))
     seen: set[int] = set()
-    names: list[str] = []
+    named: list[tuple[str, torch.Tensor]] = []
     for module_name, module in model.module.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name
             if param.requires_grad and full not in ignored and id(param) not in seen:
                 seen.add(id(param))
-                names.append(full)
-    return names
+                named.append((full, param))
+    return named
+
+
+def _reducer_param_names(model: DistributedDataParallel) -> list[str]:
+    """Names of the parameters in the order DDP's reducer indexes them."""
+    return [name for name, _ in _reducer_named_params(model)]
+
+
+_MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_is_full_backward_hook",
+)
+
+
+def _carry_module_hooks(old: Module, new: Module) -> None:
+    """Give ``new`` the hooks registered on the ``old`` wrapper module itself.
+
+    The very same dictionaries, so that a handle taken on the old wrapper still removes its
+    hook. DDP registers none on itself; if it ever does, both sets are kept.
+    """
+    for name in _MODULE_HOOK_DICTS:
+        hooks = getattr(old, name, None)
+        if hooks is None:
+            continue
+        own = getattr(new, name)
+        if isinstance(own, dict) and own:
+            hooks.update(own)
+        setattr(new, name, hooks)
 
 
 @contextmanager

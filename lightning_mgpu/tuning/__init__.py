@@ -1,0 +1,16 @@
+"""Bucket-size search for ``TunedDDPStrategy(bucket_cap_mb="auto")`` and ``lightning-mgpu tune``.
+
+* :mod:`~lightning_mgpu.tuning.layout`: the bucket layout a size gives, predicted from the
+  gradient-ready order, and one candidate per distinct layout;
+* :mod:`~lightning_mgpu.tuning.plan`: which steps measure which candidate (interleaved rounds);
+* :mod:`~lightning_mgpu.tuning.decision`: medians of the slowest rank's step times, the choice;
+* :mod:`~lightning_mgpu.tuning.tuner`: the state machine the strategy drives during ``fit``;
+* :mod:`~lightning_mgpu.tuning.powersgd`: PowerSGD memory that survives a layout change;
+* :mod:`~lightning_mgpu.tuning.cli`: the ``lightning-mgpu tune`` command (offline sweep).
+"""
+
+from lightning_mgpu.tuning.decision import CandidateResult
+from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB, Candidate, distinct_candidates, predict_buckets
+from lightning_mgpu.tuning.plan import TuningSettings
+
+__all__ = ["DEFAULT_GRID_MB", "Candidate", "CandidateResult", "TuningSettings", "distinct_candidates", "predict_buckets"]

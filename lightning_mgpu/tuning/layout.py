@@ -1,0 +1,156 @@
+"""Which gradient buckets DDP will build for a bucket size, before building them.
+
+DDP assigns gradients to buckets twice: once at construction (in reverse parameter order),
+and once more, for good, at the start of the second iteration, in the order the gradients
+became ready during the first ("bucket rebuild"). Both use one greedy rule, torch's
+``_compute_bucket_assignment_by_size``: walk the gradients in order, add each to the open
+bucket of its dtype and device, and close that bucket as soon as it holds at least its
+limit; bucket ``i`` has limit ``limits[min(i, len(limits) - 1)]`` (TunedDDPStrategy passes
+``[first_bucket_cap, bucket_cap]``).
+
+So, once the ready order has been seen, the layout every candidate size would give is
+known without measuring anything, and sizes that give the same layout are the same
+experiment: :func:`distinct_candidates` keeps one of each. :func:`predict_buckets` calls
+torch's own function when the installed torch has it, and :func:`assign_buckets` (a plain
+Python copy of the rule, tested against torch) otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+MIB = 1024 * 1024
+DEFAULT_GRID_MB: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+"""Candidate bucket sizes (MiB) tried by ``bucket_cap_mb="auto"``: a log grid, plus DDP's default."""
+
+
+def cap_bytes(cap_mb: float) -> int:
+    """A MiB size as DDP turns it into bytes (``int(cap_mb * 2**20)``, truncating)."""
+    return int(cap_mb * MIB)
+
+
+def bucket_limits(first_cap_mb: float, cap_mb: float) -> list[int]:
+    """The per-bucket byte limits DDP uses with ``bucket_cap_mb_list=[first_cap_mb, cap_mb]``."""
+    return [cap_bytes(first_cap_mb), cap_bytes(cap_mb)]
+
+
+def assign_buckets(
+    sizes: Sequence[int], limits: Sequence[int], keys: Optional[Sequence[Hashable]] = None
+) -> list[list[int]]:
+    """DDP's greedy bucket assignment, in plain Python.
+
+    Args:
+        sizes: bytes of each gradient, in the order DDP walks them (the ready order).
+        limits: byte limit of bucket 0, 1, ...; the last one applies to every later bucket.
+        keys: one hashable per gradient (dtype and device): gradients of different keys
+            never share a bucket. None: all the same.
+
+    Returns:
+        Buckets in the order DDP launches them, each a list of positions into ``sizes``.
+    """
+    if not limits:
+        raise ValueError("limits must hold at least one byte limit")
+    keys = keys if keys is not None else [None] * len(sizes)
+    if len(keys) != len(sizes):
+        raise ValueError(f"sizes and keys differ in length ({len(sizes)} and {len(keys)})")
+    closed: list[list[int]] = []
+    open_buckets: dict[Hashable, list[int]] = {}
+    open_bytes: dict[Hashable, int] = {}
+    closed_per_key: dict[Hashable, int] = {}
+    for position, (size, key) in enumerate(zip(sizes, keys)):
+        open_buckets.setdefault(key, []).append(position)
+        open_bytes[key] = open_bytes.get(key, 0) + size
+        done = closed_per_key.get(key, 0)
+        if open_bytes[key] >= limits[min(done, len(limits) - 1)]:
+            closed.append(open_buckets.pop(key))
+            open_bytes[key] = 0
+            closed_per_key[key] = done + 1
+    closed.extend(bucket for bucket in open_buckets.values() if bucket)
+    return closed
+
+
+def predict_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
+    """Buckets DDP builds for ``tensors`` walked in this order (positions into ``tensors``).
+
+    Uses torch's own ``_compute_bucket_assignment_by_size`` (the function DDP's rebuild
+    calls) when this torch has it; :func:`assign_buckets` otherwise.
+    """
+    import torch.distributed as dist
+
+    compute: Optional[Callable[..., Any]] = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    positions = list(range(len(tensors)))
+    if compute is not None:
+        buckets, _ = compute(list(tensors), list(limits), [False] * len(tensors), positions)
+        return [[int(i) for i in bucket] for bucket in buckets]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    keys = [(t.dtype, t.device) for t in tensors]
+    return assign_buckets(sizes, limits, keys)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One bucket layout worth measuring, and every candidate size that gives it."""
+
+    cap_mb: float
+    """The size applied when this layout is measured (DDP's default if it gives this layout)."""
+    equivalent_mb: tuple[float, ...]
+    """Every candidate size giving the same layout, ``cap_mb`` included, ascending."""
+    bucket_bytes: tuple[int, ...]
+    """Predicted bucket sizes in launch order."""
+    is_default: bool
+    """True for the layout of DDP's default size."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cap_mb": self.cap_mb,
+            "equivalent_mb": list(self.equivalent_mb),
+            "bucket_bytes": list(self.bucket_bytes),
+            "is_default": self.is_default,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        return cls(
+            cap_mb=float(data["cap_mb"]),
+            equivalent_mb=tuple(float(s) for s in data["equivalent_mb"]),
+            bucket_bytes=tuple(int(b) for b in data["bucket_bytes"]),
+            is_default=bool(data["is_default"]),
+        )
+
+
+def distinct_candidates(
+    sizes_mb: Sequence[float],
+    default_mb: float,
+    layout_for: Callable[[float], Sequence[int]],
+) -> list[Candidate]:
+    """Group candidate sizes by the layout they give; one :class:`Candidate` per layout.
+
+    Args:
+        sizes_mb: candidate sizes (MiB); ``default_mb`` is added if missing.
+        default_mb: DDP's default size: its layout is always measured (the baseline) and,
+            in its group, it is the size applied.
+        layout_for: predicted bucket sizes (bytes, launch order) for a size.
+
+    Returns:
+        The candidates, DDP's default first, then by ascending size.
+    """
+    groups: dict[tuple[int, ...], list[float]] = {}
+    for size in sorted({float(s) for s in sizes_mb} | {float(default_mb)}):
+        groups.setdefault(tuple(int(b) for b in layout_for(size)), []).append(size)
+    candidates = []
+    for layout, members in groups.items():
+        is_default = float(default_mb) in members
+        candidates.append(
+            Candidate(
+                cap_mb=float(default_mb) if is_default else members[0],
+                equivalent_mb=tuple(members),
+                bucket_bytes=layout,
+                is_default=is_default,
+            )
+        )
+    candidates.sort(key=lambda c: (not c.is_default, c.cap_mb))
+    return candidates

@@ -1,0 +1,147 @@
+"""Fit a small MLP with TunedDDPStrategy (``bucket_cap_mb="auto"`` or a fixed size); every rank
+reports what happened, as JSON, for tests/test_tuning_dist.py.
+
+    python tests/scripts/tune_fit.py --out-dir run/ --steps 120 \
+        --strategy-kwargs '{"bucket_cap_mb": "auto", "tune_candidates": [0.25, 1]}'
+
+The data do not come from the data loader's position: each micro-batch is drawn from a
+generator seeded by the global batch count and the rank, so a resumed fit sees exactly
+the batches an uninterrupted one would (whatever the loader does on restart).
+
+Every rank writes ``rank<R>.json`` (its strategy's bucket size, tuning record and
+re-wraps; the DDP wrapper seen at each batch); rank 0 also writes ``losses`` and
+``params.pt`` (the final parameters, flat) and checks that every rank holds the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_mgpu
+from lightning_mgpu import TunedDDPStrategy
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int, depth: int, batch_size: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(32, width), nn.Tanh()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.batch_size = batch_size
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        seen = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready  # restored on resume
+        generator = torch.Generator().manual_seed(1_000_003 * seen + 101 * self.global_rank)
+        x = torch.randn(self.batch_size, 32, generator=generator)
+        y = torch.sin(x[:, :1] * 2) + 0.1 * x[:, 1:2]
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Probe(L.Callback):
+    """Which DDP wrapper each batch runs on, and the final report."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.batches: list[dict[str, Any]] = []
+        self.forward_stamps = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress.total
+        self.batches.append(
+            {"batch": progress.ready, "global_step": trainer.global_step, "wrapper": id(trainer.strategy.model)}
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, TunedDDPStrategy) and isinstance(pl_module, MLP)
+        layout = strategy.bucket_layout
+        model = strategy.model
+        data = model._get_ddp_logging_data() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else {}
+        report: dict[str, Any] = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "bucket_cap_mb": strategy.bucket_cap_mb,
+            "first_bucket_cap_mb": strategy.first_bucket_cap_mb,
+            "tuning": strategy.tuning,
+            "rewraps": strategy.rewraps,
+            "batches": self.batches,
+            "built_bytes": None if layout is None else [b.bytes for b in layout],
+            "comm_hook": data.get("comm_hook"),
+            "powersgd_remaps": None if strategy._powersgd_keeper is None else strategy._powersgd_keeper.remaps,
+            "accumulate": trainer.accumulate_grad_batches,
+        }
+        profiler = next((c for c in trainer.callbacks if isinstance(c, lightning_mgpu.CommProfiler)), None)
+        if profiler is not None:
+            report["profile"] = {"summary": profiler.summary, "buckets": profiler._local_buckets()}
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        gathered = strategy.all_gather(flat)
+        if trainer.global_rank == 0:
+            report["losses"] = pl_module.losses
+            report["params_rank_max_diff"] = float((gathered - gathered[0]).abs().max())
+            torch.save(flat.clone(), self.out_dir / "params.pt")
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--strategy-kwargs", default='{"bucket_cap_mb": "auto"}', help="JSON for TunedDDPStrategy")
+    parser.add_argument("--steps", type=int, default=120, help="max_steps (optimizer steps)")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2) with exports")
+    parser.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here after fit")
+    parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    L.seed_everything(7, verbose=False)
+    model = MLP(args.width, args.depth, args.batch_size)
+    strategy = TunedDDPStrategy(**json.loads(args.strategy_kwargs))
+    callbacks: list[L.Callback] = [Probe(args.out_dir)]
+    if args.profiler:
+        callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=2, every_n_steps=5, export_dir=args.out_dir / "prof"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
+        logger=L.pytorch.loggers.CSVLogger(str(args.out_dir), name="logs"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    # 64 index batches per rank and epoch: epochs end and start during tuning too.
+    loader = DataLoader(TensorDataset(torch.arange(2 * 64)), batch_size=1)
+    trainer.fit(model, loader, ckpt_path=str(args.resume) if args.resume else None)
+    if args.ckpt:
+        trainer.save_checkpoint(args.ckpt)
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
