@@ -47,7 +47,8 @@ parser.add_argument("--seed", type=int, default=0, help="seeds the data and the 
 parser.add_argument("--num-samples", type=int, default=2048, help="size of the synthetic data set")
 parser.add_argument("--width", type=int, default=128, help="hidden width of the model")
 parser.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step, per replica")
-parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--epochs", type=int, default=5, help="passes over the data set")
 parser.add_argument("--record", default=None, help="save per-step losses and final weights here (for the tests)")
 parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (auto: the GPUs if there are at least 2)")
@@ -59,13 +60,14 @@ parser.add_argument("--out-dir", default="runs/model_split", help="where Lightni
 
 
 class SplitRegression(L.LightningModule):
-    def __init__(self, width: int, train_set: TensorDataset, batch_size: int, lr: float) -> None:
+    def __init__(self, width: int, train_set: TensorDataset, batch_size: int, lr: float, momentum: float) -> None:
         super().__init__()
         # One nn.Sequential holding both parts' layers, in order: the strategy splits it.
         self.layers = nn.Sequential(*ModelPart1(width).layers, *ModelPart2(width).layers)
         self.train_set = train_set
         self.batch_size = batch_size
         self.lr = lr
+        self.momentum = momentum
         self.loss_fn = nn.MSELoss()
         self.losses: list[float] = []
         self.example_input_array = train_set.tensors[0][:batch_size]  # what the strategy measures the layers on
@@ -82,7 +84,7 @@ class SplitRegression(L.LightningModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
     def on_train_start(self) -> None:
         self.start_time = time.perf_counter()
@@ -108,7 +110,7 @@ def main() -> None:
 
     train_set = make_data(args.num_samples, args.seed)
     torch.manual_seed(args.seed)  # the plain loop seeds right before building its parts
-    lightning_module = SplitRegression(args.width, train_set, args.batch_size, args.lr)
+    lightning_module = SplitRegression(args.width, train_set, args.batch_size, args.lr, args.momentum)
 
     strategy = HybridParallelStrategy(
         devices_per_replica=args.devices_per_replica, balance=balance, microbatches=args.microbatches

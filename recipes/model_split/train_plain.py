@@ -36,7 +36,8 @@ parser.add_argument("--seed", type=int, default=0, help="seeds the data and the 
 parser.add_argument("--num-samples", type=int, default=2048, help="size of the synthetic data set")
 parser.add_argument("--width", type=int, default=128, help="hidden width of the model")
 parser.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
-parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--epochs", type=int, default=5, help="passes over the data set")
 parser.add_argument("--record", default=None, help="save per-step losses and final weights here (for the tests)")
 
@@ -88,7 +89,7 @@ def main() -> None:
     model_part1 = ModelPart1(args.width).to(device0)
     model_part2 = ModelPart2(args.width).to(device1)
     loss_fn = nn.MSELoss()
-    optimizer = torch.optim.SGD([*model_part1.parameters(), *model_part2.parameters()], lr=args.lr)
+    optimizer = torch.optim.SGD([*model_part1.parameters(), *model_part2.parameters()], lr=args.lr, momentum=args.momentum)
 
     # -------------------------------------------------------------------------
     # Training

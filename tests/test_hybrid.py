@@ -1,0 +1,171 @@
+"""HybridParallelStrategy: arguments, placement checks, and fits on CPU "devices" (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_mgpu
+from lightning_mgpu import HybridParallelStrategy
+from tests.conftest import SCRIPTS, run_python
+
+FIT = str(SCRIPTS / "fit_hybrid.py")
+
+
+# ----------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"devices_per_replica": 0}, "devices_per_replica must be an integer >= 1, got 0"),
+        ({"devices_per_replica": 2.0}, "devices_per_replica must be an integer >= 1"),
+        ({"devices_per_replica": True}, "devices_per_replica must be an integer >= 1"),
+        ({"balance": "fastest"}, r"balance must be one of \('time', 'memory', 'params'\)"),
+        ({"balance": 3}, "balance must be one of"),
+        ({"balance": [1, 0]}, "every stage size must be an integer >= 1"),
+        ({"balance": [1, 2, 3]}, "has 3 stage sizes but there are 2 devices per replica"),
+        ({"microbatches": 0}, "microbatches must be an integer >= 1, got 0"),
+        ({"microbatches": "4"}, "microbatches must be an integer >= 1"),
+        ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
+        ({"split_module": ""}, "split_module must be the attribute name"),
+        ({"split_module": 3}, "split_module must be the attribute name"),
+        ({"sample_input": [1, 2]}, "sample_input must be a tensor"),
+        ({"threads_per_stage": 0}, "threads_per_stage must be an integer >= 1"),
+        ({"find_unused_parameters": True}, "find_unused_parameters=True is not supported"),
+        ({"bucket_cap_mb": -1}, "bucket_cap_mb"),
+        ({"compression": "zip"}, "compression must be one of"),
+    ],
+)
+def test_every_bad_argument_gets_one_clear_error(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_registered_and_listed() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "hybrid" in lightning_mgpu.STRATEGY_NAMES
+    assert StrategyRegistry["hybrid"]["strategy"] is HybridParallelStrategy
+    assert StrategyRegistry["ddp_tuned"]["strategy"] is lightning_mgpu.TunedDDPStrategy  # not overwritten
+
+
+def test_a_device_count_that_is_not_a_multiple_fails_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match=r"devices_per_replica=2\) needs a device count per node that is a multiple of 2"):
+        L.Trainer(accelerator="cpu", devices=3, strategy=HybridParallelStrategy(devices_per_replica=2), logger=False)
+
+
+def test_world_size_is_devices_over_k() -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(devices_per_replica=2), logger=False)
+    strategy = trainer.strategy
+    assert strategy.num_processes == 2 and strategy.devices_per_replica == 2
+    assert strategy.determine_ddp_device_ids() is None
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+# ----------------------------------------------------------------------------- placement checks
+class _Module(L.LightningModule):
+    def __init__(self, **parts: nn.Module) -> None:
+        super().__init__()
+        for name, part in parts.items():
+            setattr(self, name, part)
+
+
+def _seq(*layers: nn.Module) -> nn.Sequential:
+    return nn.Sequential(*layers) if layers else nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+
+def test_the_split_module_is_found_or_the_error_says_how_to_name_it() -> None:
+    strategy = HybridParallelStrategy()
+    module = _Module(body=_seq(), head=nn.Linear(4, 1))
+    assert strategy._find_split_module(module)[0] == "body"
+    with pytest.raises(ValueError, match=r"2 nn.Sequential children \(a, b\). Pass split_module="):
+        strategy._find_split_module(_Module(a=_seq(), b=_seq()))
+    with pytest.raises(ValueError, match=r"0 nn.Sequential children \(none\)"):
+        strategy._find_split_module(_Module(head=nn.Linear(4, 1)))
+    nested = _Module(trunk=_Module(layers=_seq()), other=_seq())
+    assert HybridParallelStrategy(split_module="trunk.layers")._find_split_module(nested)[0] == "trunk.layers"
+    with pytest.raises(ValueError, match=r"split_module='head': _Module.head is Linear, not an nn.Sequential"):
+        HybridParallelStrategy(split_module="head")._find_split_module(module)
+    with pytest.raises(ValueError, match=r"split_module='missing': _Module.missing is nothing"):
+        HybridParallelStrategy(split_module="missing")._find_split_module(module)
+
+
+def test_unsupported_models_are_refused_with_the_reason() -> None:
+    strategy = HybridParallelStrategy(devices_per_replica=2, microbatches=4)
+    with pytest.raises(ValueError, match=r"`body` has 1 layer\(s\) but devices_per_replica=2"):
+        strategy._check_supported(_Module(body=_seq(nn.Linear(2, 2))), "body", _seq(nn.Linear(2, 2)))
+    shared = nn.Linear(4, 4)
+    body = _seq(shared, nn.ReLU())
+    with pytest.raises(ValueError, match=r"parameters shared between `body` and the rest of the model.*tied\.weight"):
+        strategy._check_supported(_Module(body=body, tied=shared), "body", body)
+    sync = _seq(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match="contains SyncBatchNorm"):
+        strategy._check_supported(_Module(body=sync), "body", sync)
+    with pytest.raises(ValueError, match="adds up to 2 layers but the split module has 3"):
+        HybridParallelStrategy(balance=[1, 1])._check_supported(_Module(body=_seq()), "body", _seq())
+    bn = _seq(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.warns(UserWarning, match=r"contains BatchNorm and microbatches=4: .*normalises each micro-batch"):
+        strategy._check_supported(_Module(body=bn), "body", bn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridParallelStrategy(microbatches=1)._check_supported(_Module(body=bn), "body", bn)
+
+
+# ----------------------------------------------------------------------------- fits (subprocesses)
+def _fit(tmp_path: Path, name: str, *flags: str, timeout: float = 180) -> dict[str, Any]:
+    out = tmp_path / f"{name}.pt"
+    proc = run_python([FIT, *flags, "--out", str(out)], cwd=tmp_path, timeout=timeout)
+    record = torch.load(out, weights_only=True)
+    record["stdout"] = proc.stdout
+    return record
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any], atol: float = 1e-5) -> None:
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in a["state_dict"]:
+        torch.testing.assert_close(a["state_dict"][key], b["state_dict"][key], rtol=0, atol=atol, msg=key)
+    for x, y in zip(a["exp_avg"], b["exp_avg"]):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_checkpoints_round_trip_between_hybrid_ddp_tuned_and_one_device(tmp_path: Path) -> None:
+    """4 steps under one strategy, checkpoint, 4 more under another == 8 steps under the first."""
+    full = _fit(tmp_path, "full", "--strategy", "hybrid", "--epochs", "2", "--checkpoint", "except_last")
+    assert full["plan"] and sum(full["plan"]) == 5 and full["world_size"] == 1 and full["global_step"] == 8
+    assert full["body_class"] == "Sequential", "the split module's class must be restored after fit"
+    assert sum(full["losses"][4:]) < sum(full["losses"][:4]), "the second epoch's loss should be lower: no training?"
+
+    first = _fit(tmp_path, "first", "--strategy", "hybrid", "--epochs", "1", "--ckpt-save", str(tmp_path / "h.ckpt"))
+    checkpoint = torch.load(tmp_path / "h.ckpt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in checkpoint["state_dict"].values())
+    assert checkpoint["lightning_mgpu"]["hybrid"]["sizes"] == first["plan"]
+    assert any(key.startswith("body.0.") for key in checkpoint["state_dict"])  # the unsplit model's keys
+
+    to_ddp = _fit(tmp_path, "to_ddp", "--strategy", "ddp_tuned", "--devices", "1", "--epochs", "2", "--ckpt-path", str(tmp_path / "h.ckpt"))
+    to_single = _fit(tmp_path, "to_single", "--strategy", "single", "--epochs", "2", "--ckpt-path", str(tmp_path / "h.ckpt"))
+    for resumed in (to_ddp, to_single):
+        assert resumed["global_step"] == 8
+        _assert_same(resumed, full)
+
+    _fit(tmp_path, "ddp_first", "--strategy", "ddp_tuned", "--devices", "1", "--epochs", "1", "--ckpt-save", str(tmp_path / "d.ckpt"))
+    back = _fit(tmp_path, "back", "--strategy", "hybrid", "--epochs", "2", "--ckpt-path", str(tmp_path / "d.ckpt"))
+    _assert_same(back, full)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_two_replicas_of_two_devices_with_a_given_split(tmp_path: Path) -> None:
+    """4 CPU devices = 2 processes x 2 stages, half the batch each == one process, full batch."""
+    two = _fit(tmp_path, "two", "--strategy", "hybrid", "--devices", "4", "--batch-size", "16", "--balance", "3,2", "--m", "2")
+    one = _fit(tmp_path, "one", "--strategy", "single", "--batch-size", "32")
+    assert two["world_size"] == 2 and two["plan"] == [3, 2]
+    assert json.loads(two["stdout"].strip().splitlines()[-1])["world_size"] == 2
+    _assert_same(two, one)

@@ -1,0 +1,221 @@
+"""Pipeline executor, per-layer profile and PlacementPlan (in-process, no process group)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mgpu.placement import LayerCost, PlacementPlan, make_plan, profile_layers
+from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
+
+
+def _model(seed: int = 0, depth: int = 6, width: int = 24) -> tuple[nn.Module, nn.Sequential, nn.Module]:
+    torch.manual_seed(seed)
+    embed = nn.Linear(5, width)
+    body = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)))
+    head = nn.Linear(width, 3)
+    return embed, body, head
+
+
+def _grads(*modules: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for m in modules for p in m.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("microbatches", [1, 3, 4, 40])
+def test_pipelined_gradients_equal_the_full_batch_gradients(microbatches: int, checkpoint: str) -> None:
+    x, y = torch.randn(20, 5), torch.randint(0, 3, (20,))
+    reference = _model()
+    loss_ref = nn.functional.cross_entropy(reference[2](reference[1](reference[0](x))), y)
+    loss_ref.backward()
+
+    embed, body, head = copy.deepcopy(_model())
+    pipe = Pipeline([body[:2], body[2:5], body[5:]], ["cpu"] * 3, microbatches=microbatches, checkpoint=checkpoint)
+    try:
+        out = pipe.forward(embed(x))
+        loss = nn.functional.cross_entropy(head(out), y)
+        loss.backward()
+        assert pipe.has_pending_backward
+        assert all(p.grad is None for p in body.parameters()), "the stages' backward must wait for Pipeline.backward"
+        pipe.backward()
+    finally:
+        pipe.close()
+    assert not pipe.has_pending_backward
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-6)
+    for got, want in zip(_grads(embed, body, head), _grads(*reference)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert any(g.abs().max() > 1e-3 for g in _grads(body)), "gradients too small for the comparison to mean anything"
+
+
+def test_each_parameter_accumulates_once_per_step_and_across_steps() -> None:
+    _, body, _ = _model(depth=4)
+    hits: dict[int, int] = {}
+    for p in body.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: hits.__setitem__(id(q), hits.get(id(q), 0) + 1))
+    pipe = Pipeline([body[:2], body[2:]], ["cpu", "cpu"], microbatches=4)
+    reference = copy.deepcopy(body)
+    x = torch.randn(16, 24)
+    try:
+        for _ in range(2):  # two backwards without zero_grad: gradients add up, as in gradient accumulation
+            pipe.forward(x).square().sum().backward()
+            pipe.backward()
+            reference(x).square().sum().backward()
+    finally:
+        pipe.close()
+    assert set(hits.values()) == {2}, "DDP's reducer needs exactly one accumulation per parameter per backward"
+    for got, want in zip(body.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-4)
+
+
+def test_stages_really_run_in_their_own_threads_concurrently() -> None:
+    import threading
+    import time
+
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    active, overlap = [0], [False]
+    lock = threading.Lock()
+
+    class Probe(nn.Module):
+        def __init__(self, stage: int) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen[self.stage].add(threading.current_thread().name)
+            with lock:
+                active[0] += 1
+                overlap[0] |= active[0] > 1
+            time.sleep(0.02)
+            with lock:
+                active[0] -= 1
+            return x + 1
+
+    pipe = Pipeline([Probe(0), Probe(1)], ["cpu", "cpu"], microbatches=4)
+    try:
+        with torch.no_grad():
+            out = pipe.forward(torch.zeros(8, 2))
+    finally:
+        pipe.close()
+    assert torch.equal(out, torch.full((8, 2), 2.0))
+    assert len(seen[0]) == len(seen[1]) == 1 and seen[0] != seen[1], seen
+    assert overlap[0], "stage 1 never ran while stage 0 was running: no pipelining"
+
+
+def test_a_failing_stage_is_named_and_nothing_hangs() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 3:
+                raise RuntimeError("bad micro-batch")
+            return x
+
+    pipe = Pipeline([nn.Linear(4, 4), Boom(), nn.Linear(4, 4)], ["cpu"] * 3, microbatches=3)
+    try:
+        with pytest.raises(PipelineError, match=r"stage 1 on cpu failed in forward: RuntimeError: bad micro-batch"):
+            pipe.forward(torch.randn(9, 4))
+        assert pipe.forward(torch.randn(4, 4)).shape == (4, 4)  # micro-batches of 2, 1, 1: the workers survived
+    finally:
+        pipe.close()
+
+
+def test_no_grad_forward_records_nothing_and_bad_inputs_are_refused() -> None:
+    pipe = Pipeline([nn.Linear(3, 3), nn.Linear(3, 3)], ["cpu", "cpu"], microbatches=2)
+    try:
+        with torch.no_grad():
+            pipe.forward(torch.randn(4, 3))
+        assert not pipe.has_pending_backward
+        with pytest.raises(TypeError, match="one tensor"):
+            pipe.forward([torch.randn(4, 3)])
+        with pytest.raises(ValueError, match="batch dimension"):
+            pipe.forward(torch.randn(0, 3))
+    finally:
+        pipe.close()
+    for kwargs, match in (
+        ({"microbatches": 0}, "microbatches must be an integer >= 1"),
+        ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
+        ({"threads_per_stage": 0}, "threads_per_stage must be an integer >= 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Pipeline([nn.Linear(3, 3)], ["cpu"], **kwargs)
+    with pytest.raises(ValueError, match="one device per stage"):
+        Pipeline([nn.Linear(3, 3)], ["cpu", "cpu"])
+
+
+def test_profile_counts_bytes_exactly_and_leaves_the_model_untouched() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(10, 20), nn.BatchNorm1d(20), nn.ReLU(), nn.Linear(20, 4))
+    running_mean = seq[1].running_mean.clone()
+    costs = profile_layers(seq, torch.randn(8, 10), repeats=2, warmup=1, optimizer_state_factor=2)
+    assert [c.kind for c in costs] == ["Linear", "BatchNorm1d", "ReLU", "Linear"]
+    assert [c.param_count for c in costs] == [220, 40, 0, 84]
+    assert costs[0].param_bytes == 220 * 4 and costs[0].grad_bytes == 220 * 4 and costs[0].optimizer_bytes == 2 * 220 * 4
+    assert [c.output_bytes for c in costs] == [8 * 20 * 4, 8 * 20 * 4, 8 * 20 * 4, 8 * 4 * 4]
+    assert costs[0].activation_bytes >= 8 * 10 * 4  # Linear saves its input
+    assert all(c.forward_ms > 0 and c.backward_ms >= 0 for c in costs)
+    assert costs[2].memory_bytes == costs[2].activation_bytes  # ReLU: no parameters
+    torch.testing.assert_close(seq[1].running_mean, running_mean, rtol=0, atol=0)
+    assert all(p.grad is None for p in seq.parameters())
+    assert LayerCost.from_dict(json.loads(json.dumps(costs[0].as_dict()))) == costs[0]
+
+
+def test_profile_refuses_what_it_cannot_measure() -> None:
+    with pytest.raises(TypeError, match="needs an nn.Sequential"):
+        profile_layers(nn.Linear(2, 2), torch.randn(1, 2))
+    with pytest.raises(ValueError, match="empty"):
+        profile_layers(nn.Sequential(), torch.randn(1, 2))
+
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    with pytest.raises(TypeError, match=r"layer 1 \(1: Pair\) returns tuple"):
+        profile_layers(nn.Sequential(nn.Linear(2, 2), Pair()), torch.randn(3, 2), repeats=1, warmup=0)
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        profile_layers(nn.Sequential(nn.Linear(2, 2)), torch.randn(3, 2), repeats=0)
+
+
+def _costs(times: list[float], params: list[int]) -> list[LayerCost]:
+    return [
+        LayerCost(i, str(i), "Linear", t / 3, 2 * t / 3, p, 4 * p, 4 * p, 8 * p, 100, 64)
+        for i, (t, p) in enumerate(zip(times, params))
+    ]
+
+
+def test_plan_balances_by_each_mode_and_reports_efficiency() -> None:
+    layers = _costs([1, 1, 1, 1, 4], [100, 100, 100, 100, 1])
+    by_time = make_plan(layers, ["cuda:0", "cuda:1"], "time", microbatches=8)
+    assert by_time.sizes == [4, 1] and by_time.stage_time_ms == pytest.approx([4, 4])
+    assert by_time.balance_efficiency == pytest.approx(1.0)
+    assert by_time.bubble_efficiency == pytest.approx(8 / 9)
+    assert by_time.ideal_speedup == pytest.approx(2 * 8 / 9)
+    by_params = make_plan(layers, ["cuda:0", "cuda:1"], "params")
+    assert by_params.sizes == [2, 3] and by_params.stage_params == [200, 201]
+    assert by_params.bottleneck_stage == 1
+    given = make_plan(layers, ["a", "b"], [1, 4])
+    assert given.sizes == [1, 4] and given.balance == [1, 4]
+    text = str(by_time)
+    assert "cuda:0" in text and "0-3" in text and "ideal efficiency" in text
+    again = PlacementPlan.from_json(by_time.to_json())
+    assert again.sizes == by_time.sizes and again.layers == by_time.layers
+    assert again.as_dict() == by_time.as_dict()
+
+
+def test_plan_errors_name_the_problem() -> None:
+    layers = _costs([1, 2, 3], [1, 1, 1])
+    with pytest.raises(ValueError, match="balance must be one of"):
+        make_plan(layers, ["a", "b"], "speed")
+    with pytest.raises(ValueError, match=r"adds up to 4 layers but the split module has 3"):
+        make_plan(layers, ["a", "b"], [2, 2])
+    with pytest.raises(ValueError, match="has 3 stage sizes but there are 2 devices"):
+        make_plan(layers, ["a", "b"], [1, 1, 1])
+    with pytest.raises(ValueError, match="every stage size must be an integer >= 1"):
+        make_plan(layers, ["a", "b"], [3, 0])
+    with pytest.raises(ValueError, match="cannot split 3 layers over 4 devices"):
+        make_plan(layers, ["a", "b", "c", "d"], "time")
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
+        make_plan(layers, ["a"], "time", microbatches=0)
+    with pytest.raises(ValueError, match="memory"):  # every layer needs 116 bytes; 50 per device cannot hold one
+        make_plan(layers, ["a", "b"], "time", capacity=[50, 50])
