@@ -585,7 +585,9 @@ def _describe_sampler(loader: Any, trainer: L.Trainer) -> dict[str, Any]:
 
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, BatchSampler) and getattr(batch_sampler, "sampler", None) is not None:
-        effective, path = batch_sampler.sampler, "loader.batch_sampler.sampler"
+        effective = batch_sampler.sampler
+        # DataLoader's own BatchSampler wraps loader.sampler: name it the way the user wrote it
+        path = "loader.sampler" if effective is getattr(loader, "sampler", None) else "loader.batch_sampler.sampler"
     elif batch_sampler is not None:
         effective, path = batch_sampler, "loader.batch_sampler"
     else:
