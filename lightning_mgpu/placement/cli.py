@@ -1,0 +1,169 @@
+"""``lightning-mgpu plan``: how a model would be split over K devices, under each balance mode.
+
+    lightning-mgpu plan recipes.model_split.factory:make_layers --shape 64,16 --devices 2
+    lightning-mgpu plan mypkg.models:build --shape 8,512 --dtype long --high 32000 --devices 4 --microbatches 8
+
+The factory (``package.module:function``, imported with the current directory on the path)
+is called without arguments and returns an ``nn.Sequential``, or a module whose only
+``nn.Sequential`` child (or ``--split-module``) is what gets split. ``--shape`` is the
+shape of one batch of that sequential's input; each layer is measured on one micro-batch
+of it (:func:`~lightning_mgpu.placement.profile.profile_layers`), then planned with
+``balance="time"``, ``"memory"`` and ``"params"`` and printed side by side, each plan
+judged by the measured time of its slowest stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show how a model would be split over K devices (time / memory / params balance)",
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+    )
+    parser.add_argument("factory", metavar="MODULE:FUNCTION", help="a function returning the model, e.g. mypkg.models:build")
+    parser.add_argument("--shape", required=True, help="shape of one batch of the split module's input, e.g. 64,512")
+    parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="input dtype (long/int for token ids)")
+    parser.add_argument("--high", type=int, default=2, help="token ids are drawn from [0, HIGH) for integer dtypes")
+    parser.add_argument("--devices", type=int, default=2, help="K, devices per replica (default 2)")
+    parser.add_argument("--microbatches", type=int, default=1, help="M, micro-batches per step (default 1)")
+    parser.add_argument("--split-module", default=None, help="attribute holding the nn.Sequential, if not the only one")
+    parser.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1 ...)")
+    parser.add_argument("--capacity", default=None, metavar="SIZE", help="memory per device, e.g. 80GiB (default: no limit)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median; default 5)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
+    parser.set_defaults(func=_run, subparser=parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.subparser
+    for name in ("devices", "microbatches", "repeats", "high"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name}: expected an integer >= 1, got {getattr(args, name)}")
+    try:
+        shape = [int(part) for part in args.shape.lower().replace("x", ",").split(",")]
+    except ValueError:
+        parser.error(f"argument --shape: expected sizes like 64,512, got {args.shape!r}")
+    if not shape or any(size < 1 for size in shape):
+        parser.error(f"argument --shape: every size must be >= 1, got {args.shape!r}")
+    capacity = None
+    if args.capacity is not None:
+        from lightning_mgpu.comm.sweep import parse_size
+
+        try:
+            capacity = float(parse_size(args.capacity))
+        except ValueError as exc:
+            parser.error(f"argument --capacity: {exc}")
+
+    import torch
+
+    from lightning_mgpu.placement.plan import BALANCE_MODES, make_plan
+    from lightning_mgpu.placement.profile import profile_layers
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"argument --device: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: CUDA is not available on this machine")
+    factory = _load_factory(parser, args.factory)
+    model = factory()
+    seq = _find_sequential(parser, model, args.split_module)
+    if len(seq) < args.devices:
+        parser.error(f"the nn.Sequential has {len(seq)} layers, fewer than --devices {args.devices}")
+    micro_batch = max(1, -(-shape[0] // args.microbatches))
+    dtype = {"long": torch.long, "int": torch.int}.get(args.dtype) or getattr(torch, args.dtype)
+    sample_shape = (micro_batch, *shape[1:])
+    if dtype in (torch.long, torch.int):
+        sample = torch.randint(0, args.high, sample_shape, dtype=dtype)
+    else:
+        sample = torch.randn(sample_shape, dtype=dtype)
+    try:
+        layers = profile_layers(seq, sample, device=device, repeats=args.repeats)
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        parser.error(f"running the model on a sample of shape {list(sample_shape)} ({args.dtype}) failed: {exc}")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    devices = [f"{device.type}:{i}" if device.type != "cpu" else f"cpu{i}" for i in range(args.devices)]
+    plans, rows = {}, []
+    for balance in BALANCE_MODES:
+        try:
+            plan = make_plan(layers, devices, balance, microbatches=args.microbatches, capacity=[capacity] * args.devices)
+        except ValueError as exc:
+            console.print(f"[bold]balance={balance!r}[/]: [red]{exc}[/]")
+            continue
+        plans[balance] = plan
+        console.print(plan.table(title=f"balance={balance!r}: {len(layers)} layers over {args.devices} devices"))
+        rows.append(plan)
+    if not plans:
+        print(f"{parser.prog}: error: no balance mode found a placement that fits", file=sys.stderr)
+        return 1
+    best = min(plans.values(), key=lambda p: max(p.stage_time_ms))
+    summary = Table(title=f"{args.factory}: micro-batch {list(sample_shape)}, M={args.microbatches}")
+    for column in ("balance", "sizes", "slowest stage ms", "largest stage memory", "ideal speed-up"):
+        summary.add_column(column, justify="left" if column in ("balance", "sizes") else "right")
+    for name, plan in plans.items():
+        mark = " (fastest)" if plan is best else ""
+        summary.add_row(
+            name + mark,
+            str(plan.sizes),
+            f"{max(plan.stage_time_ms):.3f}",
+            f"{max(plan.stage_memory_bytes) / 2**20:.1f} MiB",
+            f"{plan.ideal_speedup:.2f}x",
+        )
+    console.print(summary)
+    if args.json:
+        payload = {"factory": args.factory, "sample_shape": list(sample_shape), "plans": {k: p.as_dict() for k, p in plans.items()}}
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _load_factory(parser: argparse.ArgumentParser, spec: str) -> Any:
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        parser.error(f"factory must look like package.module:function, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        parser.error(f"cannot import {module_name!r} (from {spec!r}): {exc}")
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        parser.error(f"{module_name} has no function {function_name!r} (from {spec!r})")
+    return factory
+
+
+def _find_sequential(parser: argparse.ArgumentParser, model: Any, split_module: Any) -> Any:
+    from torch import nn
+
+    if split_module:
+        try:
+            found = model.get_submodule(split_module)
+        except AttributeError:
+            found = None
+        if not isinstance(found, nn.Sequential):
+            parser.error(f"--split-module {split_module!r} is not an nn.Sequential of {type(model).__name__}")
+        return found
+    if isinstance(model, nn.Sequential):
+        return model
+    if not isinstance(model, nn.Module):
+        parser.error(f"the factory returned {type(model).__name__}, not an nn.Module")
+    candidates = [child for child in model.children() if isinstance(child, nn.Sequential)]
+    if len(candidates) != 1:
+        parser.error(f"{type(model).__name__} has {len(candidates)} nn.Sequential children; name one with --split-module")
+    return candidates[0]
