@@ -46,7 +46,7 @@ ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"
 SLURM_NAMES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID",
                "SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE", "SLURM_STEP_ID")  # fmt: skip
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION|SIGNATURE|PRIVATE", re.IGNORECASE)
-_SECRET_VALUE = re.compile(r"[A-Za-z0-9+/=_\-.]{24,}")
+_SECRET_VALUE = re.compile(r"[A-Za-z0-9+/=_\-]{20,}")
 
 
 @dataclass
@@ -68,16 +68,21 @@ class Check:
 
 
 def looks_secret(name: str, value: str) -> bool:
-    """A variable whose name says secret (``*_KEY``, ``*TOKEN*``, ...) or whose value looks like one
-    (24+ characters of key alphabet, letters and digits mixed, not a path)."""
+    """A variable whose name says secret (``*_KEY``, ``*TOKEN*``, ...) or whose value looks like one: a
+    run of 20+ key-alphabet characters mixing letters and digits (hex keys, base64, the parts of a JWT).
+    Paths and host names (short dot-separated labels) are left readable; masking too much is the safe side."""
     if _SECRET_NAME.search(name):
         return True
-    return (
-        bool(_SECRET_VALUE.fullmatch(value))
-        and not value.startswith(("/", "."))
-        and any(c.isdigit() for c in value)
-        and any(c.isalpha() for c in value)
-    )
+    if value.startswith(("/", ".", "~")) or any(c.isspace() for c in value):
+        return False
+    for part in re.split(r"[.:,@]", value):
+        if (
+            _SECRET_VALUE.fullmatch(part)
+            and any(c.isdigit() for c in part)
+            and any(c.isalpha() for c in part)
+        ):
+            return True
+    return False
 
 
 def mask(name: str, value: str) -> str:
@@ -523,17 +528,18 @@ def print_report(result: dict[str, Any]) -> None:
 
     colours = {"ok": "green", "warn": "yellow", "fail": "bold red"}
     counts = result["counts"]
-    table = Table(
-        title=f"lightning-mgpu doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
+    console = Console()
+    console.print(
+        f"lightning-mgpu doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
         f"({result['elapsed_s']:.1f} s)",
-        title_justify="left",
+        soft_wrap=True,
     )
+    table = Table()
     table.add_column("check", style="bold")
     table.add_column("status")
     table.add_column("value", overflow="fold")
     for check in result["checks"]:
         table.add_row(check["name"], f"[{colours[check['status']]}]{check['status']}[/]", check["value"])
-    console = Console()
     console.print(table)
     for check in result["checks"]:
         if check["fix"]:
@@ -541,17 +547,12 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def print_rules() -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    """One block per rule: readable at any terminal width."""
     from lightning_mgpu.callbacks._doctor_rules import table_rows
 
-    table = Table(title="DistributedDoctor rules (DistributedDoctor(disable=[id, ...]) turns one off)", show_lines=True)
-    for column in ("id", "catches", "how it is detected", "cost", "fix"):
-        table.add_column(column, overflow="fold")
-    for row in table_rows():
-        table.add_row(*row)
-    Console().print(table)
+    print("DistributedDoctor rules (DistributedDoctor(disable=['<id>', ...]) turns one off)\n")
+    for rule_id, catches, detection, cost, fix in table_rows():
+        print(f"{rule_id}\n  catches:  {catches}\n  detected: {detection}\n  cost:     {cost}\n  fix:      {fix}\n")
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -1,0 +1,200 @@
+"""``lightning-mgpu doctor``: JSON shape, exit codes, provoked warnings and failures, masked secrets."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from lightning_mgpu import cli, doctor_env
+from lightning_mgpu.callbacks.doctor import RULE_IDS
+from lightning_mgpu.doctor_env import Check
+from tests.conftest import REPO, cpu_env, run_python
+
+SECRET = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API key
+CHECK_NAMES = {
+    "python", "torch", "lightning", "cuda", "nccl", "driver", "devices", "backends", "gloo all_reduce",
+    "nccl all_reduce", "launcher", "master", "/dev/shm", "open files", "environment",
+}  # fmt: skip
+
+
+def doctor(*flags: str, env: dict[str, str]) -> tuple[int, dict[str, Any], str]:
+    proc = run_python(["-m", "lightning_mgpu.cli", "doctor", "--json", *flags], cwd=REPO, timeout=90, env=env,
+                      check=False)  # fmt: skip
+    return proc.returncode, json.loads(proc.stdout), proc.stdout + proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_json_report_with_a_real_allreduce_a_provoked_warning_and_a_masked_secret() -> None:
+    env = cpu_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "80", "WANDB_API_KEY": SECRET,
+                   "MY_SERVICE_TOKEN": "hunter2"})  # fmt: skip
+    code, result, output = doctor(env=env)
+    assert code == 0, output  # warnings only
+    assert set(result) == {"version", "status", "elapsed_s", "counts", "checks"}
+    assert result["status"] == "warn" and result["elapsed_s"] > 0
+    checks = {c["name"]: c for c in result["checks"]}
+    assert set(checks) == CHECK_NAMES
+    for check in result["checks"]:
+        assert set(check) == {"name", "status", "value", "fix", "details"}
+        assert check["status"] in ("ok", "warn", "fail")
+        assert (check["fix"] is None) == (check["status"] == "ok"), check  # a fix for every warn and fail
+    assert result["counts"] == {s: sum(c["status"] == s for c in result["checks"]) for s in ("ok", "warn", "fail")}
+    smoke = checks["gloo all_reduce"]
+    assert smoke["status"] == "ok", smoke
+    assert [r["wrong"] for r in smoke["details"]["ranks"]] == [0, 0]
+    assert all(r["allreduce_ms"] > 0 for r in smoke["details"]["ranks"]) and "ms per all_reduce" in smoke["value"]
+    master = checks["master"]
+    assert master["status"] == "warn" and "privileged" in master["value"] and "1024" in master["fix"]
+    # Secrets never leave the process: not in the report, not in any log line.
+    assert SECRET not in output and "hunter2" not in output
+    assert "WANDB_API_KEY=****(40 chars)" in checks["environment"]["value"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_failing_check_makes_the_exit_code_non_zero() -> None:
+    code, result, output = doctor("--skip-allreduce", env=cpu_env({"MASTER_PORT": "notaport"}))
+    assert code == 1, output
+    assert result["status"] == "fail" and result["counts"]["fail"] == 1
+    master = next(c for c in result["checks"] if c["name"] == "master")
+    assert master["status"] == "fail" and "'notaport' is not a port number" in master["value"] and master["fix"]
+
+
+# ----------------------------------------------------------------------------- the checks, in this process
+
+
+def test_checks_need_a_fix_sentence_for_warn_and_fail() -> None:
+    with pytest.raises(ValueError, match="needs a fix"):
+        Check("x", "warn", "v")
+    with pytest.raises(ValueError, match="status must be one of"):
+        Check("x", "bad", "v", fix="f")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "masked"),
+    [
+        ("WANDB_API_KEY", SECRET, True),
+        ("HF_TOKEN", "short", True),
+        ("DB_PASSWORD", "x", True),
+        ("NCCL_SOMETHING", "a9F3k2LmQ8zX7pW1vB6nT4yR0c", True),  # looks like a key whatever its name
+        ("CUDA_HOME", "/usr/local/cuda-12.4/targets/x86_64-linux", False),
+        ("NCCL_SOCKET_IFNAME", "eth0", False),
+        ("WANDB_MODE", "offline", False),
+        ("MASTER_ADDR", "node-017.cluster.example.org", False),
+        ("PL_SOMETHING", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.abc", True),  # a JWT
+    ],
+)
+def test_secret_looking_values_are_masked(name: str, value: str, masked: bool) -> None:
+    shown = doctor_env.mask(name, value)
+    assert (shown == f"****({len(value)} chars)") is masked
+    assert (value not in shown) is masked
+
+
+def test_environment_lists_only_distributed_variables() -> None:
+    env = {"HOME": "/root", "NCCL_DEBUG": "INFO", "WANDB_API_KEY": SECRET, "RANK": "0", "SLURM_PROCID": "3"}
+    assert doctor_env.relevant_environment(env) == {
+        "NCCL_DEBUG": "INFO", "RANK": "0", "SLURM_PROCID": "3", "WANDB_API_KEY": "****(40 chars)"
+    }
+    check = doctor_env.check_environment({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert check.status == "warn" and "unset" in check.fix
+
+
+@pytest.mark.parametrize(
+    ("value", "entries", "problem"),
+    [
+        (None, None, None),
+        ("", [], None),
+        ("0,1", ["0", "1"], None),
+        ("GPU-4f2a,MIG-77", ["GPU-4f2a", "MIG-77"], None),
+        ("0,0", ["0", "0"], "twice"),
+        ("0,,1", ["0", "", "1"], "empty entry"),
+        ("gpu0", ["gpu0"], "neither an index"),
+    ],
+)
+def test_cuda_visible_devices_parsing(value: str | None, entries: list[str] | None, problem: str | None) -> None:
+    got_entries, got_problem = doctor_env.parse_visible_devices(value)
+    assert got_entries == entries
+    assert (got_problem is None) == (problem is None) and (problem is None or problem in got_problem)
+
+
+@pytest.mark.parametrize(
+    ("env", "status", "words"),
+    [
+        ({}, "ok", "none (plain process"),
+        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, "ok", "torchrun (rank 1 of 4)"),
+        ({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_PROCID": "3"}, "ok", "SLURM (job 42, 8 task(s))"),
+        ({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8"}, "warn", "not started by srun"),
+        ({"RANK": "2"}, "warn", "RANK set in the environment"),
+        ({"RANK": "x"}, "fail", "RANK='x' is not an integer"),
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "fail", "RANK=4 outside"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "ok", "none (plain process"),
+    ],
+)
+def test_launcher_detection(env: dict[str, str], status: str, words: str) -> None:
+    check = doctor_env.detect_launcher(env)
+    assert check.status == status and words in check.value, check
+
+
+@pytest.mark.parametrize(
+    ("env", "status", "words"),
+    [
+        ({}, "ok", "unset"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "ok", "MASTER_PORT='29500'"),
+        ({"MASTER_PORT": "70000"}, "fail", "not a port number"),
+        ({"MASTER_PORT": "-1"}, "fail", "not a port number"),
+        ({"MASTER_PORT": "29500"}, "warn", "MASTER_ADDR=None"),
+        ({"MASTER_ADDR": "127.0.0.1"}, "warn", "MASTER_PORT=None"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "443"}, "warn", "privileged"),
+        ({"MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"}, "fail", "does not resolve"),
+    ],
+)
+def test_master_address_and_port(env: dict[str, str], status: str, words: str) -> None:
+    check = doctor_env.check_master(env, port_in_use=lambda port: False)
+    assert check.status == status and words in check.value, check
+
+
+def test_master_port_in_use_on_this_machine() -> None:
+    env = {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    check = doctor_env.check_master(env, port_in_use=lambda port: True)
+    assert check.status == "warn" and "in use" in check.value
+    # Inside a launched job rank 0 is meant to hold the port: no warning there.
+    assert doctor_env.check_master({**env, "RANK": "1"}, port_in_use=lambda port: True).status == "ok"
+
+
+def test_small_shm_and_low_file_limit_warn(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Small:
+        f_frsize, f_blocks, f_bavail = 4096, (64 << 20) // 4096, 1000
+
+    monkeypatch.setattr(doctor_env.os, "statvfs", lambda path: Small())
+    check = doctor_env.check_shm()
+    assert check.status == "warn" and "--shm-size" in check.fix and check.value.startswith("0.1 GiB")
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    check = doctor_env.check_open_files()
+    assert check.status == "warn" and "ulimit -n 4096" in check.fix
+
+
+def test_a_hung_allreduce_is_reported_not_waited_for() -> None:
+    started = time.perf_counter()
+    result = doctor_env.run_allreduce_smoke("gloo", 2, timeout=0.2)
+    assert time.perf_counter() - started < 10
+    assert not result["ok"] and "no result within 0.2 s" in result["reason"]
+    check = doctor_env.Check("gloo all_reduce", "fail", result["reason"], fix="f")
+    assert check.status == "fail"
+
+
+def test_text_report_rules_list_and_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    doctor_env.print_report(doctor_env.report([Check("a", "ok", "fine"), Check("b", "warn", "meh", fix="do X")], 1.5))
+    text = capsys.readouterr().out
+    assert "1 ok, 1 warn, 0 fail" in text and "warn b: do X" in text
+    assert cli.main(["doctor", "--rules"]) == 0
+    text = capsys.readouterr().out
+    for rule_id in RULE_IDS:
+        assert rule_id in text
+    with pytest.raises(SystemExit) as info:
+        cli.main(["doctor", "--timeout", "0"])
+    assert info.value.code == 2 and "--timeout" in capsys.readouterr().err
