@@ -29,10 +29,14 @@ overall statistics per method (share of cases at the optimum, mean and worst rat
 bottleneck / optimum, invalid splits), per-model rows, and the planning time for
 L = 1000, k = 8 (median of ``--timing-runs`` runs per input kind; target < 1 s).
 
-The "models" section holds synthetic-but-realistic cost vectors (labelled
-``"source": "synthetic"``): a GPT-2-medium-like transformer, a ResNet-50-like CNN and an
-MLP with one huge layer, with per-layer times from a FLOP / byte model. Profiled costs of
-real models replace them later (``MODELS`` below; ``"source": "profiled"``).
+The "models" section holds two kinds of cost vectors. ``"source": "profiled"``: real
+per-layer forward+backward times measured on this machine's CPU with
+:func:`lightning_mgpu.placement.profile.profile_layers` (median of 5 after warm-up) for the
+project's own three models: the char-LM transformer of ``recipes/char_lm`` (embeddings,
+blocks, norm, head as one sequence), the CNN of ``recipes/image_classifier`` and the 8M MLP
+of ``bench/common.py``. ``"source": "synthetic"``: GPU-scale shapes whose per-layer times
+come from a FLOP / byte model (a GPT-2-medium-like transformer, a ResNet-50-like CNN and an
+MLP with one huge layer), for layer counts and imbalances the small models do not have.
 """
 
 from __future__ import annotations
@@ -344,8 +348,86 @@ def mlp_costs() -> dict[str, Any]:
     return {"names": names, "costs": costs, "params": params}
 
 
+def _profiled(seq: Any, sample: Any) -> dict[str, Any]:
+    import torch
+
+    from lightning_mgpu.placement.profile import profile_layers
+
+    torch.manual_seed(0)
+    with _threads(1):
+        costs = profile_layers(seq, sample, repeats=5, warmup=2)
+    return {"names": [f"{c.index}:{c.kind}" for c in costs], "costs": [c.time_ms for c in costs], "params": [c.param_count for c in costs]}
+
+
+class _threads:
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.count)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.set_num_threads(self.previous)
+
+
+def _recipe_module(recipe: str) -> Any:
+    import importlib.util
+
+    path = REPO_ROOT / "recipes" / recipe / "train_lightning.py"
+    spec = importlib.util.spec_from_file_location(f"_recipe_{recipe}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def char_lm_profiled() -> dict[str, Any]:
+    """recipes/char_lm's CharTransformer (width 128, 4 blocks, 128 characters of context), batch 16, as one sequence."""
+    import torch
+    from torch import nn
+
+    recipe = _recipe_module("char_lm")
+    model = recipe.CharTransformer(vocab_size=96, block_size=128, width=128, layers=4, heads=4)
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token, self.position = model.token_embedding, model.position_embedding
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.token(ids) + self.position(torch.arange(ids.size(1)))
+
+    seq = nn.Sequential(Embed(), *model.blocks, model.norm, model.head)
+    return _profiled(seq, torch.randint(0, 96, (16, 128)))
+
+
+def cnn_profiled() -> dict[str, Any]:
+    """recipes/image_classifier's ConvNet, batch 256 of 3 x 16 x 16 images."""
+    import torch
+    from torch import nn
+
+    net = _recipe_module("image_classifier").ConvNet()
+    return _profiled(nn.Sequential(*net.features, nn.Flatten(), net.classifier), torch.randn(256, 3, 16, 16))
+
+
+def mlp_profiled() -> dict[str, Any]:
+    """bench/common.py's 8.66M-parameter MLP, batch 64."""
+    import torch
+
+    from bench.common import MLP_WIDTHS, make_mlp
+
+    return _profiled(make_mlp(), torch.randn(64, MLP_WIDTHS[0]))
+
+
 MODELS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
-    # name: (source, builder). Replace with "profiled" vectors from placement/profile.py when available.
+    # name: (source, builder)
+    "char-LM transformer (recipes/char_lm)": ("profiled", char_lm_profiled),
+    "CNN (recipes/image_classifier)": ("profiled", cnn_profiled),
+    "8M MLP (bench/common.py)": ("profiled", mlp_profiled),
     "transformer (GPT-2-medium-like)": ("synthetic", transformer_costs),
     "cnn (ResNet-50-like)": ("synthetic", cnn_costs),
     "mlp (one huge layer)": ("synthetic", mlp_costs),
@@ -506,7 +588,7 @@ def print_report(
         caption="optimum: exact O(k L^2) DP on exact integers; ratios compared exactly, rounded for display",
     )
     print_table(
-        "Model-shaped cost vectors (synthetic, not profiled): bottleneck / optimum",
+        "Model cost vectors (profiled: measured on this CPU; synthetic: GPU-scale FLOP model): bottleneck / optimum",
         ["model", "L", "k", "optimum ms", *[m for m in METHODS if m != "dp"]],
         [
             [
