@@ -169,3 +169,13 @@ def test_two_replicas_of_two_devices_with_a_given_split(tmp_path: Path) -> None:
     assert two["world_size"] == 2 and two["plan"] == [3, 2]
     assert json.loads(two["stdout"].strip().splitlines()[-1])["world_size"] == 2
     _assert_same(two, one)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_one_device_per_replica_is_plain_ddp_tuned(tmp_path: Path) -> None:
+    hybrid = _fit(tmp_path, "k1", "--strategy", "hybrid", "--devices", "2", "--k", "1", "--m", "1", "--epochs", "1")
+    ddp = _fit(tmp_path, "ddp", "--strategy", "ddp_tuned", "--devices", "2", "--epochs", "1")
+    assert hybrid["world_size"] == ddp["world_size"] == 2
+    assert hybrid["plan"] is None  # nothing split, nothing pipelined
+    _assert_same(hybrid, ddp, atol=0)
