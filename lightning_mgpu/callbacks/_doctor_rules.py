@@ -67,9 +67,9 @@ RULES: dict[str, Rule] = {
             "params-diverged",
             "parameters that differ across ranks (rank-dependent code, in-place edits, weights loaded on one rank, "
             "buffers not broadcast)",
-            "per tensor, the float64 sum and L2 norm of every parameter (and buffer, when DDP does not broadcast "
-            "them) compared across ranks after the first step and every every_n_steps",
-            "one read of the parameters per check (about 5 ms per 10M parameters on a CPU core)",
+            "per tensor, an exact checksum of the bit patterns (integer sum, wrapping) of every parameter (and buffer, "
+            "when DDP does not broadcast them), compared across ranks after the first step and every every_n_steps",
+            "one read of the parameters per check (about 1 ms per 10M parameters on a CPU core)",
             "change parameters only through the optimizer, the same way on every rank; load weights on every rank "
             "before DDP wraps the model; keep DDP's broadcast_buffers=True or use SyncBatchNorm",
         ),
@@ -427,28 +427,15 @@ def check_batch_counts(counts: Sequence[float], epoch: int) -> Optional[Finding]
     )
 
 
-def param_stats_differ(a: Sequence[float], b: Sequence[float], rtol: float = 1e-9) -> bool:
-    """``a``/``b``: (sum, l2, numel) of one tensor on two ranks. Bitwise equal tensors give equal
-    stats; anything beyond float64 rounding, scaled by the tensor's size, is a real difference."""
-    total_a, norm_a, numel = a
-    total_b, norm_b, _ = b
-    if any(math.isnan(v) for v in (total_a, norm_a, total_b, norm_b)):
-        return (math.isnan(total_a) or math.isnan(norm_a)) != (math.isnan(total_b) or math.isnan(norm_b))
-    scale = max(norm_a, norm_b) * math.sqrt(max(numel, 1)) + 1e-30
-    return abs(total_a - total_b) > rtol * scale or abs(norm_a - norm_b) > rtol * (max(norm_a, norm_b) + 1e-30)
-
-
-def check_params(
-    stats: Sequence[Sequence[Sequence[float]]], names: Sequence[str], buffers_checked: bool
-) -> Optional[Finding]:
-    """``stats[r][i]``: (sum, l2, numel) of tensor ``names[i]`` on rank ``r``."""
-    if len(stats) < 2 or any(len(s) != len(names) for s in stats):
+def check_params(bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers_checked: bool) -> Optional[Finding]:
+    """``bitsums[r][i]``: the exact bit-pattern checksum of tensor ``names[i]`` on rank ``r``
+    (see ``DistributedDoctor``): equal for bitwise-equal tensors, different for any change."""
+    if len(bitsums) < 2 or any(len(s) != len(names) for s in bitsums):
         return None
     differ: list[str] = []
     ranks: set[int] = set()
     for index, name in enumerate(names):
-        reference = stats[0][index]
-        bad = [r for r in range(1, len(stats)) if param_stats_differ(reference, stats[r][index])]
+        bad = [r for r in range(1, len(bitsums)) if bitsums[r][index] != bitsums[0][index]]
         if bad:
             differ.append(name)
             ranks.update(bad)
@@ -563,10 +550,15 @@ def check_data_wait(
 
 
 def check_param_usage(
-    counts: Sequence[Sequence[int]], batches: Sequence[int], names: Sequence[str], find_unused: bool
+    counts: Sequence[Sequence[int]],
+    batches: Sequence[int],
+    names: Sequence[str],
+    find_unused: bool,
+    min_batches: int = 4,
 ) -> Optional[Finding]:
-    """``counts[r][i]``: batches of the window in which parameter ``names[i]`` got a gradient on rank ``r``."""
-    if not counts or any(len(c) != len(names) for c in counts) or min(batches) <= 0:
+    """``counts[r][i]``: batches of the window in which parameter ``names[i]`` got a gradient on rank ``r``.
+    No verdict on fewer than ``min_batches`` batches: a dynamic graph may skip a branch for a few steps."""
+    if not counts or any(len(c) != len(names) for c in counts) or min(batches) < min_batches:
         return None
     never = [name for i, name in enumerate(names) if all(c[i] == 0 for c in counts)]
     if never:

@@ -65,6 +65,9 @@ class DistributedDoctorError(RuntimeError):
             f"(turn a rule off with DistributedDoctor(disable=[...]) if this run is meant to be that way)"
         )
 
+    def __reduce__(self) -> tuple[Any, tuple[list[Finding]]]:
+        return type(self), (self.findings,)  # survives pickling (spawned processes, multiprocessing queues)
+
 
 def _cuda_device_count() -> int:
     """GPUs this process can see (a module-level function so tests can stand in for a GPU machine)."""
@@ -215,7 +218,6 @@ class DistributedDoctor(L.Callback):
 
     def _observe_setup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         loader = _train_loader(trainer)
-        sampler = _describe_sampler(loader, trainer) if loader is not None else {}
         return {
             "devices": {
                 "node": socket.gethostname(),
@@ -224,7 +226,6 @@ class DistributedDoctor(L.Callback):
                 "cuda_visible": _cuda_device_count(),
             },
             "wrapped": _wrapped_modules(pl_module),
-            "sampler": sampler,
             "loader": _describe_loader(loader, trainer),
             "augment": _probe_augmentation(loader) if loader is not None else {"augments": False},
             "batchnorm": [
@@ -324,10 +325,6 @@ class DistributedDoctor(L.Callback):
         if not self._fitting:
             return
         self._last_batch_start = None
-        loader = _train_loader(trainer)
-        if self._setup_info is not None and loader is not None:
-            # The sampler's state (its epoch, for one) as this epoch starts.
-            self._setup_info["sampler"] = _describe_sampler(loader, trainer)
         self._check(trainer, pl_module, "epoch_start")
 
     @override
@@ -437,6 +434,8 @@ class DistributedDoctor(L.Callback):
             payload["setup"] = self._setup_info
         if kind == "epoch_start":
             payload["batches"] = float(trainer.num_training_batches)
+            loader = _train_loader(trainer)  # the sampler as this epoch starts (its epoch, for one)
+            payload["sampler"] = _describe_sampler(loader, trainer) if loader is not None else {}
         if self._first_batch_seen and not self._random_sent:
             payload["random"] = self._random_state
         if full:
@@ -461,7 +460,10 @@ class DistributedDoctor(L.Callback):
     def _params_wanted(self, trainer: L.Trainer) -> bool:
         return self.enabled("params-diverged") and trainer.world_size > 1 and bool(self._ddp_flags)
 
-    def _param_stats(self) -> list[list[float]]:
+    def _param_stats(self) -> list[int]:
+        """Per tensor, the sum of its bit patterns as integers, wrapping (mod 2**32 or 2**64): exact and
+        independent of the reduction order, so bitwise-equal tensors agree on any kernel or thread count,
+        and any changed bit shows. Cheap: one integer pass, no float64 copies."""
         tensors = [p.detach() for p in self._params]
         if self._buffer_names and self._module is not None:
             # Looked up by name each time: a module may replace a buffer tensor.
@@ -470,10 +472,8 @@ class DistributedDoctor(L.Callback):
         if not tensors:
             return []
         with torch.no_grad():
-            sums = torch.stack([torch.sum(t, dtype=torch.float64) for t in tensors])
-            norms = torch.stack([torch.linalg.vector_norm(t, 2, dtype=torch.float64) for t in tensors])
-            both = torch.stack([sums, norms], dim=1).cpu().tolist()
-        return [[s, n, float(t.numel())] for (s, n), t in zip(both, tensors)]
+            sums = torch.stack([_bitsum(t) for t in tensors])
+            return [int(v) for v in sums.cpu().tolist()]
 
     def _evaluate(self, trainer: L.Trainer, gathered: list[dict[str, Any]], kind: str) -> list[Finding]:
         found: list[Finding] = []
@@ -489,9 +489,10 @@ class DistributedDoctor(L.Callback):
             self._setup_sent = True
             setups = [g["setup"] or {} for g in gathered]
             self._gathered_setup = setups
-            self._samplers = [s.get("sampler", {}) for s in setups]
             add(rules.check_unused_devices([s.get("devices", {}) for s in setups]))
             add(rules.check_dataparallel(setups[0].get("wrapped", [])))
+        if "sampler" in gathered[0]:
+            self._samplers = [g["sampler"] for g in gathered]
         if "batches" in gathered[0]:
             counts = [g["batches"] for g in gathered]
             finding = rules.check_batch_counts(counts, trainer.current_epoch)
@@ -552,6 +553,21 @@ class DistributedDoctor(L.Callback):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+_INT_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bitsum(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=tensor.device)
+    size = tensor.element_size()
+    try:
+        bits = tensor.view(_INT_VIEWS[size])
+    except (KeyError, RuntimeError):  # an odd dtype or layout: bytes instead
+        bits, size = tensor.contiguous().reshape(-1).view(torch.uint8), 1
+    accumulate = torch.int64 if size == 8 else torch.int32
+    return bits.sum(dtype=accumulate).to(torch.int64)
 
 
 def _gather(trainer: L.Trainer, local: Any) -> list[Any]:
@@ -633,7 +649,7 @@ def _describe_loader(loader: Any, trainer: L.Trainer) -> dict[str, Any]:
     return {
         "num_workers": int(getattr(loader, "num_workers", 0) or 0),
         "cpus": cpus,
-        "local_world_size": max(1, len(trainer.device_ids)),
+        "local_world_size": max(1, trainer.world_size // max(1, trainer.num_nodes)),  # processes on this node
         "cuda": trainer.strategy.root_device.type == "cuda",
     }
 
