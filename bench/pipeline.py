@@ -2,6 +2,7 @@
 
     python bench/pipeline.py                 # full run (about 3 minutes on 2 cores)
     python bench/pipeline.py --quick         # smoke test
+    python bench/pipeline.py --retain-freed-memory   # glibc keeps freed blocks (see below)
 
 On this 2-core machine a "device" is one CPU core: the unsplit model runs one training
 step (forward + backward) with 1 intra-op thread; the pipeline runs the same model split
@@ -12,6 +13,12 @@ speed-up is against the unsplit model, next to GPipe's bound ``M*K / (M + K - 1)
 (perfect balance, no overheads). The unsplit model with 2 intra-op threads (both cores
 given to one device) is printed too, for honesty: it is what one would otherwise do with
 two cores.
+
+Micro-batching on CPU allocates each layer's weight gradient once per micro-batch; with
+glibc's default settings large freed blocks go back to the OS and come back as page faults
+(the "faults/step" column). ``--retain-freed-memory`` calls
+:func:`lightning_mgpu.placement.pipeline.retain_freed_memory` first (for every
+configuration alike), which is what a CPU user of the hybrid strategy would do.
 
 Configurations are interleaved round by round (ABC ABC ...) and each figure is the median
 over rounds of the median step time within a round. Writes ``bench/results/pipeline.json``.
@@ -36,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_facts, print_table, write_json  # noqa: E402
-from lightning_mgpu.placement.pipeline import Pipeline  # noqa: E402
+from lightning_mgpu.placement.pipeline import Pipeline, retain_freed_memory  # noqa: E402
 from lightning_mgpu.placement.plan import make_plan  # noqa: E402
 from lightning_mgpu.placement.profile import profile_layers  # noqa: E402
 
@@ -80,6 +87,8 @@ def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float]:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.retain_freed_memory and not retain_freed_memory():
+        print("warning: could not change the C allocator's settings (not glibc?)", file=sys.stderr)
     model = make_model(args.width, args.depth)
     x = torch.randn(args.batch, args.width)
     threads_before = torch.get_num_threads()
@@ -188,6 +197,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)")
+    parser.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="keep freed CPU memory for reuse (lightning_mgpu.placement.pipeline.retain_freed_memory), for every configuration",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)

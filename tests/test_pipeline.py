@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.placement import LayerCost, PlacementPlan, make_plan, profile_layers
-from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
+from lightning_mgpu.placement.pipeline import Pipeline, PipelineError, retain_freed_memory
 
 
 def _model(seed: int = 0, depth: int = 6, width: int = 24) -> tuple[nn.Module, nn.Sequential, nn.Module]:
@@ -219,3 +219,11 @@ def test_plan_errors_name_the_problem() -> None:
         make_plan(layers, ["a"], "time", microbatches=0)
     with pytest.raises(ValueError, match="memory"):  # every layer needs 116 bytes; 50 per device cannot hold one
         make_plan(layers, ["a", "b"], "time", capacity=[50, 50])
+
+
+def test_retain_freed_memory_applies_on_glibc() -> None:
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert retain_freed_memory() is True
