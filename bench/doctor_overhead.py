@@ -74,6 +74,7 @@ def run_worker(args: argparse.Namespace) -> None:
     dataset = make_data(total_steps * args.batch_size * world_size, widths)  # one epoch, no boundary inside
     timer = StepTimer(device)
     check_ms: list[tuple[str, float]] = []  # (kind, ms) of every check on this rank
+    hook_us: dict[str, list[float]] = {"on_train_batch_start": [], "on_after_backward": [], "on_train_batch_end": []}
 
     class MLPRegression(L.LightningModule):
         def __init__(self) -> None:
@@ -107,6 +108,21 @@ def run_worker(args: argparse.Namespace) -> None:
             check_ms.append((kind, 1e3 * (time.perf_counter() - started)))
 
         doctor._check = timed_check  # type: ignore[method-assign]
+
+        def timed_hook(name: str) -> None:
+            # The hook's own time, checks excluded (they are timed above): the per-batch cost.
+            hook = getattr(doctor, name)
+
+            def wrapper(*hook_args: Any) -> None:
+                started, checks_before = time.perf_counter(), sum(ms for _, ms in check_ms)
+                hook(*hook_args)
+                hook_us[name].append(1e6 * (time.perf_counter() - started) - 1e3 * (sum(ms for _, ms in check_ms)
+                                                                                   - checks_before))
+
+            setattr(doctor, name, wrapper)
+
+        for name in ("on_train_batch_start", "on_after_backward", "on_train_batch_end"):
+            timed_hook(name)
         callbacks.append(doctor)
     trainer = L.Trainer(
         accelerator="cuda" if cuda else "cpu",
@@ -133,6 +149,7 @@ def run_worker(args: argparse.Namespace) -> None:
             "step": summarize(step_ms),
             "iteration": summarize(iteration_ms),
             "check_ms": check_ms,
+            "hook_us": {name: summarize(values[args.warmup:]) for name, values in hook_us.items() if values},
             "doctor_findings": None if doctor is None else [f.rule for f in doctor.findings],
             "doctor_checks": None if doctor is None else doctor._checks,
         }
@@ -230,6 +247,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         for kind, ms in launch["check_ms"]:
             checks.setdefault(kind, []).append(ms)
     findings = sorted({rule for launch in launches for rule in (launch["doctor_findings"] or [])})
+    hooks: dict[str, list[float]] = {}
+    for launch in launches:
+        for name, stats in launch.get("hook_us", {}).items():
+            hooks.setdefault(name, []).append(stats["median"])
+    hook_us = {name: summarize(values)["median"] for name, values in hooks.items()}
     header = overhead.report_header(args, CONFIGS)
     payload: dict[str, Any] = {
         "benchmark": "doctor_overhead",
@@ -242,6 +264,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         # Each check's time on rank 0, by kind. It includes waiting in the gather for the other rank;
         # "epoch_start" and the first "periodic" run once at start-up, right after set-up.
         "check_ms": {kind: summarize(values) for kind, values in checks.items()},
+        # Median time of each hook per batch (its checks excluded), median over launches, microseconds.
+        "hook_us_per_batch": hook_us,
         "checks_per_launch": [launch["doctor_checks"] for launch in launches if launch["doctor_checks"] is not None],
         "doctor_findings": findings,
         "wall_s": time.perf_counter() - started,
@@ -269,6 +293,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     for kind, c in payload["check_ms"].items():
         print(f"check '{kind}' (gather + rules, rank 0): median {c['median']:.2f} ms, max {c['max']:.2f} ms, "
               f"{c['n'] // max(1, args.rounds)} per launch of {args.warmup + args.steps} steps")
+    if hook_us:
+        total = sum(hook_us.values())
+        per_step = total / 1e3 / base["iteration_ms_median"]
+        print(f"the doctor's hooks per batch (checks excluded): {total:.1f} us "
+              f"({', '.join(f'{k} {v:.1f}' for k, v in hook_us.items())}) = {per_step:.3%} of an iteration")
     print(f"doctor findings on this (correct) run: {findings or 'none'}")
     print(f"\n{time.perf_counter() - started:.0f} s in all; wrote {out}")
 

@@ -1,0 +1,30 @@
+"""``bench/doctor_overhead.py --quick`` runs end to end (a smoke test: a benchmark is never judged by the suite)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cpu_env, run_python
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_doctor_overhead_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "doctor_overhead.json"
+    env = cpu_env()
+    env.pop("OMP_NUM_THREADS")  # the benchmark pins threads per rank itself
+    proc = run_python([str(REPO / "bench" / "doctor_overhead.py"), "--quick", "--model", "tiny", "--out", str(out)],
+                      cwd=REPO, timeout=110, env=env)  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["machine"]["world_size"] == 2 and report["machine"]["backend"] == "gloo"
+    assert {launch["config"] for launch in report["launches"]} == {"ddp_tuned", "ddp_tuned+doctor"}
+    assert set(report["summary"]) == {"ddp_tuned", "ddp_tuned+doctor"}
+    assert "ddp_tuned+doctor/ddp_tuned" in report["targets"]
+    # The doctor really ran (its checks were timed) and found nothing wrong with a correct run.
+    assert {"epoch_start", "periodic", "train_end"} <= set(report["check_ms"])
+    assert set(report["hook_us_per_batch"]) == {"on_train_batch_start", "on_after_backward", "on_train_batch_end"}
+    assert report["doctor_findings"] == []
+    assert "× without doctor" in proc.stdout
