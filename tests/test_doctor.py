@@ -323,6 +323,7 @@ def test_state_survives_a_weights_only_checkpoint_round_trip() -> None:
     doctor._reported = {"unsynced-logging"}
     doctor.findings = [rules.Finding("unsynced-logging", "s", "w", "f", step=3)]
     doctor._epoch_digests = {4: ["a", None], 5: ["b", "c"]}
+    doctor._use_counts, doctor._use_batches = [[3, 0], [3, 1]], [3, 3]
     buffer = io.BytesIO()
     torch.save(doctor.state_dict(), buffer)
     buffer.seek(0)

@@ -141,10 +141,13 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(sampler: Run, re
     assert resumed.returncode == 0
     assert resumed.ranks[0]["state"] == sampler.ranks[0]["state"]
     assert resumed.ranks[1]["state"] == sampler.ranks[1]["state"]
-    # What was reported before the checkpoint is not reported again; what comes after is.
-    assert "DistributedDoctor [sampler-epoch-not-set]" in resumed.output
+    # What was reported before the checkpoint is not reported again; what comes after is. The layer that
+    # never trains is judged over 8 batches, 4 of them before the checkpoint: their counts were kept.
+    assert sampler.finding("unsynced-logging")["step"] <= 4 < sampler.finding("unused-parameters")["step"]
     assert "DistributedDoctor [unsynced-logging]" not in resumed.output
-    assert "DistributedDoctor [unused-parameters]" not in resumed.output
+    assert "DistributedDoctor [sampler-epoch-not-set]" in resumed.output
+    assert "in the first 8 batches: extra.weight, extra.bias" in resumed.output
+    assert resumed.ranks[0]["state"]["use_batches"] == [8, 8]
 
 
 # ----------------------------------------------------------------------------- strict: every rank stops together

@@ -95,7 +95,7 @@ RULES: dict[str, Rule] = {
             "parameters that get no gradient: DDP fails at the next step (find_unused_parameters=False), or they "
             "never train (find_unused_parameters=True)",
             "find_unused_parameters=False: .grad still None after the first backward; =True: gradient hooks over "
-            "the first every_n_steps batches, summed over ranks",
+            "the first max(every_n_steps, 8) batches, summed over ranks",
             "a loop over the parameters after the first backward; with find_unused_parameters=True one hook call "
             "per parameter per batch, first window only",
             "for a graph that really skips parameters, find_unused_parameters=True "

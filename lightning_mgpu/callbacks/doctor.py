@@ -8,7 +8,7 @@ stops on all ranks together.
 
 How it stays cheap and hang-free:
 
-* Ranks compare notes only at *checks*: at every epoch start, after each epoch's first
+* Ranks compare notes only at *checks*: at every epoch start and end, after each epoch's first
   batch, after the first batch of the fit and every ``every_n_steps`` batches, at the end of
   each validation and at the end of training. A check is one ``all_gather_object`` that
   every rank enters (never inside rank-zero-only code); everything else is local and costs
@@ -17,10 +17,12 @@ How it stays cheap and hang-free:
 * Which observations a check carries is decided from state every rank shares (batch
   counter, epoch, configuration), so the collectives always line up.
 
-Checkpoints: ``state_dict`` keeps what the ranks have agreed on (batch counter, checks run,
-rules already reported, findings, the last epochs' batch fingerprints of every rank), so a
-resumed run checks and reports exactly as the uninterrupted one would. Observations made
-on one rank since the last check (timings, the unused-parameter window) are not kept.
+Checkpoints: ``state_dict`` keeps what the ranks have agreed on: batch counter, checks run,
+rules already reported, findings, the last epochs' batch fingerprints and the
+parameter-use counts of every rank. Every check exchanges all that is pending, so a
+checkpoint saved at an epoch end, a validation end (ModelCheckpoint's places) or a check
+resumes exactly as the uninterrupted run goes on. From anywhere else, what the ranks saw
+since the last check (data-loading times, parameter use) is not in the checkpoint.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = ["DistributedDoctor", "DistributedDoctorError", "DistributedDoctorWarn
 
 _STATE_VERSION = 1
 _EPOCH_EDGE_BATCHES = 2  # each epoch's first batches wait for workers to start: not timed
+_MIN_USE_WINDOW = 8  # batches watched for parameter use, at least (a dynamic graph may skip a branch a while)
 
 
 class DistributedDoctorWarning(UserWarning):
@@ -81,8 +84,10 @@ class DistributedDoctor(L.Callback):
         strict: raise :class:`DistributedDoctorError` on every rank (stopping the run) instead of
             warning, when a rule fires.
         every_n_steps: training batches between two periodic checks (parameter checksums,
-            metrics, data-loading time). Checks also run at the first batch and every epoch
-            start. The unused-parameter window is the first ``every_n_steps`` batches.
+            metrics, data-loading time). Checks also run after the first batch, at every epoch
+            start, after each epoch's first batch, at the end of each validation and of training.
+            With ``find_unused_parameters=True`` parameter use is watched over the first
+            ``max(every_n_steps, 8)`` batches.
         disable: rule ids to switch off (see :data:`RULE_IDS`).
         data_wait_threshold: share of the iteration time spent waiting for the next batch above
             which ``dataloader-starving`` fires (0 < value < 1).
@@ -121,6 +126,7 @@ class DistributedDoctor(L.Callback):
         self.disabled = rules.validate_rule_ids(disable)
         self.data_wait_threshold = float(data_wait_threshold)
         self.batchnorm_min_batch = batchnorm_min_batch
+        self._use_window = max(every_n_steps, _MIN_USE_WINDOW)
         self.findings: list[Finding] = []
         self._reset_agreed_state()
         self._reset_local_state()
@@ -137,6 +143,9 @@ class DistributedDoctor(L.Callback):
         self._checks = 0
         self._reported: set[str] = set()
         self._epoch_digests: dict[int, list[Optional[str]]] = {}  # epoch -> first-batch digest per rank
+        # parameter use over the window, per rank: batches that gave each parameter a gradient, and batches
+        self._use_counts: list[list[int]] = []
+        self._use_batches: list[int] = []
 
     def _reset_local_state(self) -> None:
         """This rank's observations since the last check: not checkpointed."""
@@ -166,7 +175,7 @@ class DistributedDoctor(L.Callback):
         self._module: Optional[nn.Module] = None
         self._buffer_names: list[str] = []
         self._gathered_setup: list[dict[str, Any]] = []
-        self._used_counts: list[int] = []
+        self._used_counts: list[int] = []  # since the last check (then added to the agreed totals)
         self._used_now: set[int] = set()
         self._window_batches = 0
         self._window_done = False
@@ -183,6 +192,8 @@ class DistributedDoctor(L.Callback):
             "reported": sorted(self._reported),
             "findings": [f.as_dict() for f in self.findings],
             "epoch_digests": {str(epoch): list(digests) for epoch, digests in self._epoch_digests.items()},
+            "use_counts": [list(c) for c in self._use_counts],
+            "use_batches": list(self._use_batches),
         }
 
     @override
@@ -196,6 +207,8 @@ class DistributedDoctor(L.Callback):
         self._reported = set(state_dict["reported"])
         self.findings = [Finding.from_dict(f) for f in state_dict["findings"]]
         self._epoch_digests = {int(epoch): list(d) for epoch, d in state_dict["epoch_digests"].items()}
+        self._use_counts = [[int(v) for v in c] for c in state_dict.get("use_counts", [])]
+        self._use_batches = [int(v) for v in state_dict.get("use_batches", [])]
 
     # ------------------------------------------------------------------ setup
 
@@ -286,7 +299,7 @@ class DistributedDoctor(L.Callback):
         if not self._ddp_flags["broadcast_buffers"]:
             # DDP leaves buffers (BatchNorm's running statistics, ...) to each rank: compare them too.
             self._buffer_names = [n for n, b in pl_module.named_buffers() if b.is_floating_point()]
-        in_window = self._batches_seen < self.every_n_steps
+        in_window = self._batches_seen < self._use_window
         wanted = self.enabled("unused-parameters") or self.enabled("find-unused-wasted")
         if in_window and wanted and self._ddp_flags["find_unused"] and not self._ddp_flags["static_graph"]:
             # Local use, whatever other ranks did: .grad alone would show the all-reduced result.
@@ -372,8 +385,8 @@ class DistributedDoctor(L.Callback):
         if not self._fitting:
             return
         self._batches_seen += 1
-        if self._hooks and self._batches_seen >= self.every_n_steps:
-            self._window_done = True
+        if self._hooks and self._batches_seen >= self._use_window:
+            self._window_done = True  # sent (and the hooks removed) at the next check
         periodic = self._batches_seen == 1 or self._batches_seen % self.every_n_steps == 0
         if self._epoch_batch_limit is not None and batch_idx + 1 >= self._epoch_batch_limit:
             return  # uneven batches (reported): past the shortest rank's last batch, others would not join
@@ -381,6 +394,13 @@ class DistributedDoctor(L.Callback):
             self._check(trainer, pl_module, "periodic")
         elif batch_idx == 0:
             self._check(trainer, pl_module, "epoch_first_batch")
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A checkpoint saved at the end of the epoch (ModelCheckpoint runs after this) then holds
+        # everything the ranks observed: a resume from it continues exactly.
+        if self._fitting and self._epoch_batch_limit is None:  # uneven ranks would not meet here
+            self._check(trainer, pl_module, "epoch_end")
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -391,7 +411,7 @@ class DistributedDoctor(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._fitting:
             return
-        self._window_done = bool(self._hooks)
+        self._window_done = bool(self._hooks)  # a fit shorter than the window: judge what was seen
         try:
             self._check(trainer, pl_module, "train_end")
         finally:
@@ -446,9 +466,12 @@ class DistributedDoctor(L.Callback):
             self._timed_batches = 0
         if kind == "validation_end":
             payload["metrics"] = _unsynced_metric_values(trainer) if self.enabled("unsynced-logging") else {}
-        if self._window_done and self._hooks:
-            payload["usage"] = {"counts": self._used_counts, "batches": self._window_batches}
-            self._remove_hooks()
+        if self._hooks:  # the window is open (the same on every rank): send the counts since the last check
+            payload["usage"] = {"counts": self._used_counts, "batches": self._window_batches, "done": self._window_done}
+            self._used_counts = [0] * len(self._used_counts)
+            self._window_batches = 0
+            if self._window_done:
+                self._remove_hooks()
         self._local_findings = []
         self._pending_digests = {}
 
@@ -515,14 +538,18 @@ class DistributedDoctor(L.Callback):
             add(rules.check_data_wait([g["timing"] for g in gathered], self.data_wait_threshold, loaders))
         if "usage" in gathered[0]:
             usage = [g["usage"] for g in gathered]
-            add(
-                rules.check_param_usage(
-                    [u["counts"] for u in usage],
-                    [u["batches"] for u in usage],
-                    self._param_names,
-                    self._ddp_flags.get("find_unused", False),
+            if len(self._use_counts) != world:
+                self._use_counts = [[0] * len(u["counts"]) for u in usage]
+                self._use_batches = [0] * world
+            for rank, u in enumerate(usage):
+                self._use_counts[rank] = [a + b for a, b in zip(self._use_counts[rank], u["counts"])]
+                self._use_batches[rank] += u["batches"]
+            if usage[0]["done"]:
+                add(
+                    rules.check_param_usage(
+                        self._use_counts, self._use_batches, self._param_names, self._ddp_flags.get("find_unused", False)
+                    )
                 )
-            )
         return found
 
     def _evaluate_digests(self, per_rank: list[dict[int, Optional[str]]], add: Any) -> None:
