@@ -78,9 +78,10 @@ def test_bad_arguments_name_the_argument_and_value(kwargs: dict[str, Any], names
         assert name in str(info.value), (name, str(info.value))
 
 
-def test_auto_is_reserved_with_a_clear_error() -> None:
-    with pytest.raises(NotImplementedError, match="bucket_cap_mb='auto'.*bucket_cap_mb=25"):
-        TunedDDPStrategy(bucket_cap_mb="auto")
+def test_auto_is_accepted_and_starts_from_ddps_default() -> None:
+    # Tuning itself is tested in tests/test_tuning*.py.
+    strategy = TunedDDPStrategy(bucket_cap_mb="auto")
+    assert strategy.auto and strategy.bucket_cap_mb == 25.0 and strategy.ddp_kwargs == {}
 
 
 @pytest.mark.parametrize(

@@ -408,6 +408,7 @@ class TunedDDPStrategy(DDPStrategy):
             hook, state = self._prescaler.averaging_allreduce, None
         elif hook is None:
             hook, state = default_hooks.allreduce_hook, None
+        hook_is_powersgd = hook in (powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
         if hook is powerSGD_hook.powerSGD_hook and powersgd_memory.supports(state):
             # PowerSGD's memory is kept per bucket number: remap it when the layout changes
             # (DDP's rebuild, a re-wrap by "auto", a resume). Innermost: it must see the
@@ -416,6 +417,8 @@ class TunedDDPStrategy(DDPStrategy):
                 self._powersgd_keeper = powersgd_memory.PowerSGDLayoutKeeper(state, _reducer_named_params(self.model))
                 self._restore_powersgd()
             hook = self._powersgd_keeper.wrap(hook)
+        if hook_is_powersgd and self._get_process_group_backend() == "gloo":
+            hook = powersgd_memory.one_bucket_at_a_time(hook)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
         for wrapper in self._comm_hook_wrappers:
@@ -665,7 +668,7 @@ class TunedDDPStrategy(DDPStrategy):
         # Wrappers belong to one fit (callbacks add them again in their setup).
         self._comm_hook_wrappers.clear()
         self._prescaler = None
-        self._powersgd_keeper = None
+        # The PowerSGD keeper stays: a checkpoint saved after fit still carries its memory.
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()

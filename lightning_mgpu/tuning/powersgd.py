@@ -35,6 +35,26 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
+def one_bucket_at_a_time(hook: CommHook) -> CommHook:
+    """``hook``, returning only once the bucket's whole reduction is done (for gloo).
+
+    torch's PowerSGD hooks issue their second and third all-reduce from completion callbacks,
+    which gloo runs on its own worker threads. With several buckets in flight those calls
+    reach each rank in a different order: a collective mismatch ("Received data size
+    doesn't match expected size") or, with gloo's two worker threads both blocked in such
+    a callback, a deadlock. Finishing each bucket before DDP launches the next keeps one
+    order everywhere (and gives up overlapping PowerSGD with the backward, on gloo only).
+    """
+
+    def powerSGD_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    powerSGD_hook.__name__ = powerSGD_hook.__qualname__ = getattr(hook, "__name__", "powerSGD_hook")
+    return powerSGD_hook
+
+
 def supports(state: object) -> bool:
     """True for a ``PowerSGDState`` this keeper can remap (not the batched-by-shape variant)."""
     return isinstance(state, powersgd.PowerSGDState) and not state.batch_tensors_with_same_shape

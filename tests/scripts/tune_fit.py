@@ -31,12 +31,12 @@ from lightning_mgpu import TunedDDPStrategy
 
 
 class MLP(L.LightningModule):
-    def __init__(self, width: int, depth: int, batch_size: int) -> None:
+    def __init__(self, width: int, depth: int, batch_size: int, out_features: int) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(32, width), nn.Tanh()]
         for _ in range(depth):
             layers += [nn.Linear(width, width), nn.Tanh()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers, nn.Linear(width, out_features))
         self.batch_size = batch_size
         self.losses: list[float] = []
 
@@ -44,7 +44,8 @@ class MLP(L.LightningModule):
         seen = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready  # restored on resume
         generator = torch.Generator().manual_seed(1_000_003 * seen + 101 * self.global_rank)
         x = torch.randn(self.batch_size, 32, generator=generator)
-        y = torch.sin(x[:, :1] * 2) + 0.1 * x[:, 1:2]
+        out = self.net[-1].out_features
+        y = torch.sin(x[:, :out] * 2) + 0.1 * x[:, out : 2 * out]
         loss = nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.item())
         return loss
@@ -56,10 +57,16 @@ class MLP(L.LightningModule):
 class Probe(L.Callback):
     """Which DDP wrapper each batch runs on, and the final report."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, params_at: int) -> None:
         self.out_dir = out_dir
+        self.params_at = params_at
         self.batches: list[dict[str, Any]] = []
-        self.forward_stamps = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.params_at and not (self.out_dir / "params_at.pt").exists():
+            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+            if trainer.global_rank == 0:
+                torch.save(flat.clone(), self.out_dir / "params_at.pt")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         progress = trainer.fit_loop.epoch_loop.batch_progress.total
@@ -86,6 +93,7 @@ class Probe(L.Callback):
             "comm_hook": data.get("comm_hook"),
             "powersgd_remaps": None if strategy._powersgd_keeper is None else strategy._powersgd_keeper.remaps,
             "accumulate": trainer.accumulate_grad_batches,
+            "wrapper_forward_hooks": len(getattr(model, "_forward_hooks", {})),
         }
         profiler = next((c for c in trainer.callbacks if isinstance(c, lightning_mgpu.CommProfiler)), None)
         if profiler is not None:
@@ -108,16 +116,21 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--out-features", type=int, default=1, help="16: every tensor a multiple of 64 bytes, so that CPU matmuls "
+        "on bucket views round the same whatever their offset in the bucket (PowerSGD comparisons)"
+    )
     parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2) with exports")
     parser.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here after fit")
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
+    parser.add_argument("--params-at", type=int, default=-1, help="also save the parameters after this global step")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(7, verbose=False)
-    model = MLP(args.width, args.depth, args.batch_size)
+    model = MLP(args.width, args.depth, args.batch_size, args.out_features)
     strategy = TunedDDPStrategy(**json.loads(args.strategy_kwargs))
-    callbacks: list[L.Callback] = [Probe(args.out_dir)]
+    callbacks: list[L.Callback] = [Probe(args.out_dir, args.params_at)]
     if args.profiler:
         callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=2, every_n_steps=5, export_dir=args.out_dir / "prof"))
     trainer = L.Trainer(
