@@ -1,0 +1,83 @@
+"""Show a tuning record: a console table and a plot (``lightning-mgpu tune``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_mgpu.tuning.layout import MIB
+
+
+def rows(record: dict[str, Any]) -> list[list[str]]:
+    """Table rows: size, same-layout sizes, buckets, median, rounds, vs default, chosen mark."""
+    candidates = [c for c in record.get("candidates", []) if "step_ms" in c]
+    default = next((c for c in candidates if c["is_default"]), None)
+    out = []
+    for candidate in candidates:
+        others = [f"{s:g}" for s in candidate["equivalent_mb"] if s != candidate["cap_mb"]]
+        layout = candidate.get("built_bytes") or candidate["bucket_bytes"]
+        versus = "-" if default is None or candidate["is_default"] else f"{candidate['step_ms'] / default['step_ms'] - 1:+.1%}"
+        out.append(
+            [
+                f"{candidate['cap_mb']:g}" + (" (DDP default)" if candidate["is_default"] else ""),
+                ", ".join(others) or "-",
+                ", ".join(f"{b / MIB:.2f}" for b in layout),
+                f"{candidate['step_ms']:.2f}",
+                " / ".join(f"{ms:.1f}" for ms in candidate["round_ms"]),
+                versus,
+                "*" if candidate["cap_mb"] == record.get("chosen_mb") else "",
+            ]
+        )
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    record = result["tuning"]
+    table = Table(
+        title=f"{result['target']}: bucket size -> step time ({result['world_size']} ranks, {result['backend']})",
+        caption="step ms: median over every timed step, slowest rank; per round: the median of each round",
+    )
+    for index, column in enumerate(
+        ("bucket_cap_mb", "same layout", "buckets (MiB, launch order)", "step ms", "per round", "vs default", "chosen")
+    ):
+        table.add_column(column, justify="left" if index < 3 else "right")
+    for row in rows(record):
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
+    console.print(table)
+
+
+def plot(result: dict[str, Any], path: Path, *, title: Optional[str] = None) -> Path:
+    """Median step time per candidate size (log2 axis); every same-layout size drawn as a span."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = result["tuning"]
+    candidates = [c for c in record.get("candidates", []) if "step_ms" in c]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for candidate in candidates:
+        sizes, ms = candidate["equivalent_mb"], candidate["step_ms"]
+        color = "tab:red" if candidate["cap_mb"] == record.get("chosen_mb") else "tab:blue"
+        ax.plot([min(sizes), max(sizes)], [ms, ms], color=color, linewidth=3, solid_capstyle="round")
+        ax.scatter([candidate["cap_mb"]], [ms], color=color, marker="D", s=36, zorder=3)
+        ax.scatter([candidate["cap_mb"]] * len(candidate["round_ms"]), candidate["round_ms"], color=color, s=12, alpha=0.5)
+        label = f"{candidate['cap_mb']:g}" + (" (default)" if candidate["is_default"] else "")
+        ax.annotate(label, (candidate["cap_mb"], ms), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bucket_cap_mb (MiB); a bar spans the sizes giving one layout")
+    ax.set_ylabel("step time (ms): median (diamond), per round (dots)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or f"{result['target']} - {result['world_size']} ranks, {result['backend']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

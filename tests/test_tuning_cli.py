@@ -1,0 +1,76 @@
+"""``lightning-mgpu tune``: bad input answered before anything starts, and a real 2-rank sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu.cli import main
+from tests.conftest import REPO, SCRIPTS, run_python
+
+TARGET = f"{SCRIPTS / 'tune_target.py'}:make_module"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["nocolon"], "argument TARGET: expected FILE.py:FUNCTION or MODULE:FUNCTION, got 'nocolon'"),
+        (["missing.py:f"], "argument TARGET: no such file: 'missing.py'"),
+        (["no_such_package.models:build"], "argument TARGET: no module named 'no_such_package.models'"),
+        ([f"{SCRIPTS / 'tune_target.py'}:absent"], "has no function 'absent'"),
+        ([TARGET, "--nproc", "0"], "argument --nproc: expected an integer >= 1, got '0'"),
+        ([TARGET, "--nproc", "two"], "argument --nproc: expected an integer >= 1, got 'two'"),
+        ([TARGET, "--rounds", "-1"], "argument --rounds: expected an integer >= 1, got '-1'"),
+        ([TARGET, "--measure", "0"], "argument --measure"),
+        ([TARGET, "--sizes", "0,4"], "argument --sizes"),
+        ([TARGET, "--sizes", "a,b"], "argument --sizes"),
+        ([TARGET, "--sizes", ""], "argument --sizes"),
+        ([TARGET, "--sizes", "1e12"], "argument --sizes"),
+        ([TARGET, "--timeout", "nan"], "argument --timeout"),
+        ([TARGET, "--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_input_is_one_clear_error_naming_the_argument(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["tune", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("lightning-mgpu tune: error:")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_function_returning_no_module_fails_in_one_line(tmp_path: Path) -> None:
+    proc = run_python(
+        ["-m", "lightning_mgpu.cli", "tune", f"{SCRIPTS / 'tune_target.py'}:not_a_module", "--out-dir", str(tmp_path)],
+        cwd=REPO, timeout=100, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "must return a LightningModule or (LightningModule, DataLoader), got int" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_sweep_prints_the_table_and_writes_json_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "tune"
+    args = ["-m", "lightning_mgpu.cli", "tune", TARGET, "--sizes", "0.25,1", "--rounds", "2", "--measure", "2"]
+    proc = run_python([*args, "--out-dir", str(out)], cwd=REPO, timeout=100)
+    assert "bucket size -> step time (2 ranks, gloo)" in proc.stdout
+    assert "recommended:" in proc.stdout and "25 (DDP default)" in proc.stdout
+    result = json.loads((out / "tune.json").read_text())
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    record = result["tuning"]
+    assert record["status"] == "done" and record["rounds"] == 2 and record["measure"] == 2
+    candidates = record["candidates"]
+    assert [c["cap_mb"] for c in candidates] == [25.0, 0.25, 1.0]
+    assert all(c["steps"] == 4 and c["step_ms"] > 0 and c["built_bytes"] == c["bucket_bytes"] for c in candidates)
+    assert sum(candidates[0]["bucket_bytes"]) == result["gradient_bytes"]
+    assert record["chosen_mb"] in (25.0, 0.25, 1.0)
+    png = (out / "tune.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
