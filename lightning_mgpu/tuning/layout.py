@@ -154,3 +154,51 @@ def distinct_candidates(
         )
     candidates.sort(key=lambda c: (not c.is_default, c.cap_mb))
     return candidates
+
+
+def ready_order(observed: Sequence[int], count: int) -> list[int]:
+    """The order DDP's rebuild will walk ``count`` parameters in, from the indices seen ready.
+
+    A parameter seen twice counts at its first sighting; parameters without a gradient in
+    the observed step go last, in reverse index order, as DDP leaves them.
+    """
+    seen: set[int] = set()
+    order = []
+    for index in observed:
+        if index not in seen and 0 <= index < count:
+            seen.add(index)
+            order.append(index)
+    return order + [i for i in reversed(range(count)) if i not in seen]
+
+
+def candidates_from_ready_order(
+    params: Sequence[torch.Tensor],
+    observed: Sequence[int],
+    sizes_mb: Sequence[float],
+    default_mb: float,
+    first_cap_for: Callable[[float], float],
+) -> list[Candidate]:
+    """:func:`distinct_candidates` for parameters seen ready in ``observed`` order."""
+    order = ready_order(observed, len(params))
+    tensors = [params[i] for i in order]
+
+    def layout_for(cap_mb: float) -> list[int]:
+        buckets = predict_buckets(tensors, bucket_limits(first_cap_for(cap_mb), cap_mb))
+        return [sum(tensors[p].numel() * tensors[p].element_size() for p in bucket) for bucket in buckets]
+
+    return distinct_candidates(sizes_mb, default_mb, layout_for)
+
+
+def observe_ready_order(params: Sequence[torch.Tensor], backward: Callable[[], None]) -> list[int]:
+    """Indices of ``params`` in the order their gradients became ready during ``backward()``."""
+    order: list[int] = []
+    handles = [
+        param.register_post_accumulate_grad_hook(lambda _, index=index: order.append(index))
+        for index, param in enumerate(params)
+    ]
+    try:
+        backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return order

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from lightning_mgpu.tuning.decision import CandidateResult, choose, format_table, gain_over_default, summarize
-from lightning_mgpu.tuning.layout import Candidate, bucket_limits, distinct_candidates, predict_buckets
+from lightning_mgpu.tuning.layout import Candidate, candidates_from_ready_order
 from lightning_mgpu.tuning.plan import Plan, TuningSettings, Visit, make_plan, steps_needed
 
 # Where the search stands. "resumed": the size came from a checkpoint, no search this fit;
@@ -247,21 +247,9 @@ class BucketTuner:
     # ------------------------------------------------------------------ plan and decision
 
     def _predict(self) -> list[dict[str, Any]]:
-        seen = set()
-        order = []
-        for index in self._ready:  # a parameter used twice is ready once, at its last use
-            if index not in seen:
-                seen.add(index)
-                order.append(index)
-        # Parameters without a gradient in the first step go last, as DDP leaves them.
-        order += [i for i in reversed(range(len(self._params))) if i not in seen]
-        tensors = [self._params[i] for i in order]
-
-        def layout_for(cap_mb: float) -> list[int]:
-            buckets = predict_buckets(tensors, bucket_limits(self.first_cap_for(cap_mb), cap_mb))
-            return [sum(tensors[p].numel() * tensors[p].element_size() for p in bucket) for bucket in buckets]
-
-        candidates = distinct_candidates(self.settings.candidates_mb, self.default_mb, layout_for)
+        candidates = candidates_from_ready_order(
+            self._params, self._ready, self.settings.candidates_mb, self.default_mb, self.first_cap_for
+        )
         return [c.as_dict() for c in candidates]
 
     def _make_plan(self) -> Optional[float]:
