@@ -423,7 +423,7 @@ def print_report(models: list[dict[str, Any]], out: Path, png: Path, elapsed: fl
             [
                 '"auto" (after tuning)',
                 "chose " + ", ".join(f"{c:g}" for c in auto["chosen_mb"]),
-                f"{auto['tuning_steps']} tuning steps",
+                "tuning steps: " + ", ".join(str(n) for n in auto["tuning_steps"]),
                 f"{auto['tuned_step_ms']:.2f}",
                 " / ".join(f"{ms:.1f}" for ms in auto["tuned_step_ms_per_round"]),
                 f"{auto['tuned_step_ms'] / entry['default']['step_ms'] - 1:+.1%}",

@@ -217,7 +217,7 @@ class TunedDDPStrategy(DDPStrategy):
         else:
             given = {"tune_steps": (tune_steps, None), "tune_candidates": (tune_candidates, None), "tune_rounds": (tune_rounds, 2)}
             for name, (value, default) in given.items():
-                if value != default:
+                if value is not default and (default is None or value != default):
                     raise ValueError(
                         f"{name}={value!r} applies only to bucket_cap_mb='auto' (got bucket_cap_mb={bucket_cap_mb!r}); "
                         f"pass TunedDDPStrategy(bucket_cap_mb='auto', {name}=...) or leave {name} out."
@@ -451,19 +451,29 @@ class TunedDDPStrategy(DDPStrategy):
                 rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
             return
         module = self.lightning_module
-        assert module is not None and isinstance(self.model, DistributedDataParallel)
+        assert module is not None
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         tuner.comm = TorchComm(self.root_device) if distributed else LocalComm()
         tuner.clock = host_clock(self.root_device)
-        if not module.automatic_optimization:
+        if not isinstance(self.model, DistributedDataParallel):
+            tuner.skip(f"the model is wrapped in {type(self.model).__name__}, not DistributedDataParallel")
+        elif not module.automatic_optimization:
             tuner.skip("manual optimization: the strategy cannot tell where an optimizer step ends")
         else:
-            trainer = module.trainer
-            total = trainer.estimated_stepping_batches
-            remaining = None if math.isinf(total) else float(total - trainer.global_step)
-            tuner.begin([param for _, param in _reducer_named_params(self.model)], remaining_steps=remaining)
+            tuner.begin([param for _, param in _reducer_named_params(self.model)], remaining_steps=self._steps_left())
         if tuner.status in FINAL_STATES:
             rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
+
+    def _steps_left(self) -> Optional[float]:
+        """Optimizer steps this fit still has to run (None: unknown, e.g. an endless loader)."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        try:
+            total = float(trainer.estimated_stepping_batches)
+        except Exception:  # Lightning cannot tell (no length, no max_steps): assume a long run
+            return None
+        return None if math.isinf(total) else total - trainer.global_step
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -92,6 +92,8 @@ def run(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")
+    import logging
+
     import lightning as L
     import torch
 
@@ -99,8 +101,6 @@ def run(argv: Optional[Sequence[str]] = None) -> None:
     from lightning_mgpu.tuning.tuner import FINAL_STATES
 
     for name in ("lightning.pytorch", "lightning.fabric"):
-        import logging
-
         logging.getLogger(name).setLevel(logging.WARNING)
     candidates = None if args.candidates is None else [float(c) for c in args.candidates.split(",")]
     strategy = TunedDDPStrategy(
@@ -112,8 +112,7 @@ def run(argv: Optional[Sequence[str]] = None) -> None:
 
     class StopWhenTuned(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            record = strategy.tuning
-            if record is not None and record["status"] in FINAL_STATES:
+            if strategy.tuning_status in FINAL_STATES:
                 trainer.should_stop = True
 
     try:
