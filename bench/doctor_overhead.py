@@ -1,19 +1,25 @@
 """What does ``DistributedDoctor`` cost per training step?
 
 The 8M-parameter MLP of ``bench/common.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
-``strategy="ddp_tuned"`` with and without ``DistributedDoctor()`` (default settings:
-a check after the first batch and every 100 batches, each epoch start and each epoch's
-first batch, and at the end). The two configurations alternate in one run, in an order
-rotated each round; every launch is ``torch.distributed.run`` on this script, as in
-``bench/overhead.py``, and each figure is the median over rounds of per-launch medians.
+``strategy="ddp_tuned"`` with and without ``DistributedDoctor()`` at its default settings
+(checks after the first batch and every 100 batches, at each epoch start and end, after
+each epoch's first batch, and at the end of training).
 
-The verdict uses the *iteration* time (one step's start to the next): the doctor's work at
-the end of a batch (and its checks, which gather from every rank) runs after the
-benchmark's step-end stamp, so the step span alone would miss it. The worker also times
-every check the doctor makes (``check_ms``): one check amortised over ``every_n_steps``
-batches is the periodic part of the cost.
+How it is measured: one ``torch.distributed.run`` launch whose ranks run a *schedule* of
+fits back to back, alternating the two configurations in ABBA order (a fresh Trainer and
+model each time, the same data, ``warmup`` untimed + ``steps`` timed steps each), after one
+discarded fit (a process's first runs cold). Each
+pair of neighbouring fits (one with, one without) gives a ratio of median iteration times;
+the verdict is the median of those ratios. Alternating blocks of a few seconds inside one
+launch keeps a burst of outside load from landing on one configuration only (this project's
+machines are shared), which separate launches could not. "Iteration" is one step's start to
+the next: the doctor's work at the end of a batch, and its checks (which gather from every
+rank), run after the step-end stamp, so the step span alone would miss them.
 
-    python bench/doctor_overhead.py                 # 5 rounds x 2 launches, 10 warm-up + 200 timed steps each
+The worker also times, inside the doctor, every check by kind (``check_ms``) and its three
+per-batch hooks (``hook_us_per_batch``, checks excluded): the two parts of the cost.
+
+    python bench/doctor_overhead.py                 # 5 pairs (10 fits) of 10 warm-up + 200 timed steps
     python bench/doctor_overhead.py --quick         # smoke run
     python bench/doctor_overhead.py --model tiny    # a 2-layer MLP: the per-batch hooks' cost in relative terms
     python bench/doctor_overhead.py --accelerator cuda --nproc 2
@@ -44,37 +50,62 @@ from torch import nn  # noqa: E402
 from bench import overhead  # noqa: E402
 from bench.common import MLP_WIDTHS, StepTimer, make_data, make_mlp, print_table, summarize, write_json  # noqa: E402
 
-CONFIGS = ("ddp_tuned", "ddp_tuned+doctor")
-LIMITS = {("ddp_tuned+doctor", "ddp_tuned"): 1.02}
+BASE, DOCTOR = "ddp_tuned", "ddp_tuned+doctor"
+CONFIGS = (BASE, DOCTOR)
+LIMIT = 1.02  # the doctor may add at most 2% to the iteration time
 MODELS = {"mlp8m": MLP_WIDTHS, "tiny": (32, 64, 1)}
-ROUNDS, STEPS, WARMUP, BATCH_SIZE = 5, 200, 10, 64
-QUICK = {"rounds": 1, "steps": 10, "warmup": 2}
+PAIRS, STEPS, WARMUP, BATCH_SIZE = 5, 200, 10, 64
+QUICK = {"pairs": 1, "steps": 10, "warmup": 2}
+HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end")
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "doctor_overhead.json"
 
 
-# ----------------------------------------------------------------------------- one launch (every rank)
+def schedule(pairs: int) -> list[str]:
+    """ABBA ABBA ...: each configuration goes first in half of the pairs."""
+    order: list[str] = []
+    for index in range(pairs):
+        order += [BASE, DOCTOR] if index % 2 == 0 else [DOCTOR, BASE]
+    return order
+
+
+# ----------------------------------------------------------------------------- the launch (every rank)
 def run_worker(args: argparse.Namespace) -> None:
     import logging
 
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    from lightning_mgpu.callbacks.doctor import DistributedDoctor
-
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     cuda = args.accelerator == "cuda"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    fit_once(BASE, args, device)  # the process's first fit runs cold (allocator, caches, gloo buffers): discarded
+    results = []
+    for index, config in enumerate(args.worker_schedule.split(",")):
+        result = fit_once(config, args, device)
+        result["index"] = index
+        results.append(result)
+    if int(os.environ["RANK"]) == 0:
+        Path(args.worker_out).write_text(json.dumps(results))
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fit_once(config: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_mgpu.callbacks.doctor import DistributedDoctor
+
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     total_steps = args.warmup + args.steps
     widths = MODELS[args.model]
     dataset = make_data(total_steps * args.batch_size * world_size, widths)  # one epoch, no boundary inside
     timer = StepTimer(device)
     check_ms: list[tuple[str, float]] = []  # (kind, ms) of every check on this rank
-    hook_us: dict[str, list[float]] = {"on_train_batch_start": [], "on_after_backward": [], "on_train_batch_end": []}
+    hook_us: dict[str, list[float]] = {name: [] for name in HOOKS}
 
     class MLPRegression(L.LightningModule):
         def __init__(self) -> None:
@@ -98,34 +129,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
     callbacks: list[L.Callback] = [TimeEachStep()]
     doctor: Optional[DistributedDoctor] = None
-    if args.worker.endswith("+doctor"):
+    if config == DOCTOR:
         doctor = DistributedDoctor()
-        original = doctor._check
-
-        def timed_check(trainer: Any, pl_module: Any, kind: str) -> None:
-            started = time.perf_counter()
-            original(trainer, pl_module, kind)
-            check_ms.append((kind, 1e3 * (time.perf_counter() - started)))
-
-        doctor._check = timed_check  # type: ignore[method-assign]
-
-        def timed_hook(name: str) -> None:
-            # The hook's own time, checks excluded (they are timed above): the per-batch cost.
-            hook = getattr(doctor, name)
-
-            def wrapper(*hook_args: Any) -> None:
-                started, checks_before = time.perf_counter(), sum(ms for _, ms in check_ms)
-                hook(*hook_args)
-                hook_us[name].append(1e6 * (time.perf_counter() - started) - 1e3 * (sum(ms for _, ms in check_ms)
-                                                                                   - checks_before))
-
-            setattr(doctor, name, wrapper)
-
-        for name in ("on_train_batch_start", "on_after_backward", "on_train_batch_end"):
-            timed_hook(name)
+        _time_doctor(doctor, check_ms, hook_us)
         callbacks.append(doctor)
     trainer = L.Trainer(
-        accelerator="cuda" if cuda else "cpu",
+        accelerator="cuda" if device.type == "cuda" else "cpu",
         devices=local_world_size,
         num_nodes=world_size // local_world_size,
         strategy="ddp_tuned",
@@ -138,82 +147,119 @@ def run_worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(MLPRegression(), DataLoader(dataset, batch_size=args.batch_size))
     if trainer.global_step != total_steps:
-        raise RuntimeError(f"{args.worker}: ran {trainer.global_step} steps, expected {total_steps}")
-    if int(os.environ["RANK"]) == 0:
-        step_ms, iteration_ms = timer.step_ms(skip=args.warmup), timer.iteration_ms(skip=args.warmup)
-        result = {
-            "config": args.worker,
-            "world_size": world_size,
-            "step_ms": step_ms,
-            "iteration_ms": iteration_ms,
-            "step": summarize(step_ms),
-            "iteration": summarize(iteration_ms),
-            "check_ms": check_ms,
-            "hook_us": {name: summarize(values[args.warmup:]) for name, values in hook_us.items() if values},
-            "doctor_findings": None if doctor is None else [f.rule for f in doctor.findings],
-            "doctor_checks": None if doctor is None else doctor._checks,
-        }
-        Path(args.worker_out).write_text(json.dumps(result))
-    del trainer
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        raise RuntimeError(f"{config}: ran {trainer.global_step} steps, expected {total_steps}")
+    step_ms, iteration_ms = timer.step_ms(skip=args.warmup), timer.iteration_ms(skip=args.warmup)
+    return {
+        "config": config,
+        "world_size": world_size,
+        "step": summarize(step_ms),
+        "iteration": summarize(iteration_ms),
+        "check_ms": check_ms,
+        "hook_us": {name: summarize(values[args.warmup :]) for name, values in hook_us.items() if values},
+        "doctor_findings": None if doctor is None else [f.rule for f in doctor.findings],
+        "doctor_checks": None if doctor is None else doctor._checks,
+    }
+
+
+def _time_doctor(doctor: Any, check_ms: list[tuple[str, float]], hook_us: dict[str, list[float]]) -> None:
+    """Wrap the doctor's checks and per-batch hooks with timers (instance attributes shadow the methods)."""
+    check = doctor._check
+
+    def timed_check(trainer: Any, pl_module: Any, kind: str) -> None:
+        started = time.perf_counter()
+        check(trainer, pl_module, kind)
+        check_ms.append((kind, 1e3 * (time.perf_counter() - started)))
+
+    doctor._check = timed_check
+    for name in HOOKS:
+        hook = getattr(doctor, name)
+
+        def wrapper(*hook_args: Any, hook: Any = hook, name: str = name) -> None:
+            started, checks_before = time.perf_counter(), sum(ms for _, ms in check_ms)
+            hook(*hook_args)
+            in_checks_ms = sum(ms for _, ms in check_ms) - checks_before
+            hook_us[name].append(1e6 * (time.perf_counter() - started) - 1e3 * in_checks_ms)
+
+        setattr(doctor, name, wrapper)
 
 
 # ----------------------------------------------------------------------------- driver
-def launch(config: str, args: argparse.Namespace, scratch: Path, label: str) -> dict[str, Any]:
-    worker_out = scratch / f"{label}.json"
+def launch(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+    worker_out = scratch / "fits.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-        str(Path(__file__).resolve()), "--worker", config, "--worker-out", str(worker_out),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-        "--accelerator", args.accelerator, "--threads", str(args.threads), "--model", args.model,
+        str(Path(__file__).resolve()), "--worker-schedule", ",".join(schedule(args.pairs)),
+        "--worker-out", str(worker_out), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
+        "--model", args.model,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    started = time.perf_counter()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.launch_timeout)
     except subprocess.TimeoutExpired as error:
         tail = overhead._tail(error.stdout, error.stderr)
-        raise SystemExit(f"{label}: timed out after {args.launch_timeout} s\n{tail}") from None
+        raise SystemExit(f"timed out after {args.launch_timeout} s\n{tail}") from None
     if done.returncode != 0 or not worker_out.exists():
-        raise SystemExit(f"{label}: failed (exit code {done.returncode})\n{overhead._tail(done.stdout, done.stderr)}")
-    report: dict[str, Any] = json.loads(worker_out.read_text())
-    report["launch_wall_s"] = time.perf_counter() - started
-    return report
+        raise SystemExit(f"launch failed (exit code {done.returncode})\n{overhead._tail(done.stdout, done.stderr)}")
+    fits: list[dict[str, Any]] = json.loads(worker_out.read_text())
+    return fits
 
 
-def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
-    launches: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench_doctor_") as scratch:
-        for round_index in range(args.rounds):
-            order = CONFIGS[round_index % 2 :] + CONFIGS[: round_index % 2]
-            for position, config in enumerate(order):
-                label = f"round{round_index + 1}_{config}"
-                report = launch(config, args, Path(scratch), label)
-                report.update(label=label, round=round_index, position=position)
-                launches.append(report)
-                print(
-                    f"round {round_index + 1}/{args.rounds}  {config:<17} step {report['step']['median']:7.2f} ms  "
-                    f"iteration {report['iteration']['median']:7.2f} ms  ({report['launch_wall_s']:.1f} s)"
-                )
-    return launches
+def analyse(fits: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = {"iteration": [], "step": []}  # type: dict[str, list[float]]
+    for first, second in zip(fits[0::2], fits[1::2]):
+        by_config = {first["config"]: first, second["config"]: second}
+        for measure in ratios:
+            ratios[measure].append(by_config[DOCTOR][measure]["median"] / by_config[BASE][measure]["median"])
+    per_config = {
+        config: {
+            "fits": sum(f["config"] == config for f in fits),
+            "iteration_ms_median": summarize([f["iteration"]["median"] for f in fits if f["config"] == config])["median"],
+            "step_ms_median": summarize([f["step"]["median"] for f in fits if f["config"] == config])["median"],
+            "iteration_ms_per_fit": [f["iteration"]["median"] for f in fits if f["config"] == config],
+        }
+        for config in CONFIGS
+    }
+    checks: dict[str, list[float]] = {}
+    hooks: dict[str, list[float]] = {}
+    for fit in fits:
+        for kind, ms in fit["check_ms"]:
+            checks.setdefault(kind, []).append(ms)
+        for name, stats in fit["hook_us"].items():
+            hooks.setdefault(name, []).append(stats["median"])
+    ratio = summarize(ratios["iteration"])["median"]
+    doctor_fits = [f for f in fits if f["config"] == DOCTOR]
+    return {
+        "ratio_iteration_per_pair": ratios["iteration"],
+        "ratio_step_per_pair": ratios["step"],
+        "ratio_iteration": ratio,
+        "ratio_step": summarize(ratios["step"])["median"],
+        "limit": LIMIT,
+        "met": ratio <= LIMIT,
+        "summary": per_config,
+        # Each check's time on rank 0 by kind; it includes waiting in the gather for the other rank.
+        "check_ms": {kind: summarize(values) for kind, values in checks.items()},
+        "checks_per_fit": doctor_fits[0]["doctor_checks"] if doctor_fits else None,
+        # Median per batch of each hook's own time (checks excluded), median over fits, microseconds.
+        "hook_us_per_batch": {name: summarize(values)["median"] for name, values in hooks.items()},
+        "doctor_findings": sorted({rule for f in doctor_fits for rule in f["doctor_findings"]}),
+    }
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per launch")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first (>= 2)")
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="per rank")
+    parser.add_argument("--pairs", type=int, default=PAIRS, help=f"pairs of fits, with and without ({PAIRS})")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per fit ({STEPS})")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps first, >= 2 ({WARMUP})")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"per rank ({BATCH_SIZE})")
     parser.add_argument("--model", choices=tuple(MODELS), default="mlp8m")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report (%(default)s)")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (cores // nproc)")
-    parser.add_argument("--launch-timeout", type=float, default=900.0)
-    parser.add_argument("--worker", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--launch-timeout", type=float, default=1800.0, help="seconds for the whole launch")
+    parser.add_argument("--worker-schedule", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -223,7 +269,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                 setattr(args, name, value)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
-    for name in ("rounds", "steps", "batch_size", "nproc", "threads"):
+    for name in ("pairs", "steps", "batch_size", "nproc", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 2 or args.steps < 2:
@@ -233,72 +279,57 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    if args.worker:
+    if args.worker_schedule:
         run_worker(args)
         return
-    print(f"{args.model} MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; "
-          f"{args.rounds} round(s) x 2 launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
+    print(f"{args.model} MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; one launch, "
+          f"{args.pairs} pair(s) of fits (ABBA), {args.warmup} warm-up + {args.steps} timed steps each\n")
     started = time.perf_counter()
-    launches = run_rounds(args)
-    summary = overhead.summarize_rounds(launches, CONFIGS)
-    targets = overhead.compare(summary, launches, LIMITS, measure="iteration")
-    checks: dict[str, list[float]] = {}
-    for launch in launches:
-        for kind, ms in launch["check_ms"]:
-            checks.setdefault(kind, []).append(ms)
-    findings = sorted({rule for launch in launches for rule in (launch["doctor_findings"] or [])})
-    hooks: dict[str, list[float]] = {}
-    for launch in launches:
-        for name, stats in launch.get("hook_us", {}).items():
-            hooks.setdefault(name, []).append(stats["median"])
-    hook_us = {name: summarize(values)["median"] for name, values in hooks.items()}
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    with tempfile.TemporaryDirectory(prefix="bench_doctor_") as scratch:
+        fits = launch(args, Path(scratch))
+    result = analyse(fits)
+    args.rounds = args.pairs  # report_header's name for repetitions
     header = overhead.report_header(args, CONFIGS)
     payload: dict[str, Any] = {
         "benchmark": "doctor_overhead",
-        "machine": header["machine"],
-        "settings": {**header["settings"], "model": args.model, "doctor": "DistributedDoctor() (every_n_steps=100)",
-                     "measure": "iteration: one step start to the next (rank 0)"},  # fmt: skip
-        "launches": launches,
-        "summary": summary,
-        "targets": targets,
-        # Each check's time on rank 0, by kind. It includes waiting in the gather for the other rank;
-        # "epoch_start" and the first "periodic" run once at start-up, right after set-up.
-        "check_ms": {kind: summarize(values) for kind, values in checks.items()},
-        # Median time of each hook per batch (its checks excluded), median over launches, microseconds.
-        "hook_us_per_batch": hook_us,
-        "checks_per_launch": [launch["doctor_checks"] for launch in launches if launch["doctor_checks"] is not None],
-        "doctor_findings": findings,
+        "machine": {**header["machine"], "load_average_start": load_start,
+                    "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+        "settings": {**header["settings"], "pairs": args.pairs, "model": args.model, "schedule": "ABBA in one launch",
+                     "doctor": "DistributedDoctor() (every_n_steps=100)",
+                     "measure": "iteration: one step start to the next (rank 0); ratio: median over pairs"},
+        **result,
+        "fits": fits,
         "wall_s": time.perf_counter() - started,
-    }
+    }  # fmt: skip
     out = write_json(args.out, payload)
-    base = summary["ddp_tuned"]
+
+    for fit in fits:
+        print(f"fit {fit['index'] + 1:2d}  {fit['config']:<17} step {fit['step']['median']:7.2f} ms  "
+              f"iteration {fit['iteration']['median']:7.2f} ms")
+    summary = result["summary"]
     rows = [
-        [
-            config,
-            f"{summary[config]['iteration_ms_median']:.2f}",
-            f"{summary[config]['step_ms_median']:.2f}",
-            f"{summary[config]['step_ms_spread'][0]:.2f}–{summary[config]['step_ms_spread'][1]:.2f} "
-            f"({summary[config]['relative_spread']:.1%})",
-            f"{summary[config]['iteration_ms_median'] / base['iteration_ms_median']:.4f}",
-        ]
+        [config, f"{summary[config]['iteration_ms_median']:.2f}", f"{summary[config]['step_ms_median']:.2f}",
+         f"{min(summary[config]['iteration_ms_per_fit']):.2f}–{max(summary[config]['iteration_ms_per_fit']):.2f}"]
         for config in CONFIGS
-    ]
+    ]  # fmt: skip
     print()
-    print_table("DistributedDoctor cost (median over rounds of per-launch medians)",
-                ["configuration", "iteration ms", "step ms", "step spread (min–max)", "× without doctor"], rows)
-    for name, target in targets.items():
-        verdict = "met" if target["met"] else "NOT met"
-        print(f"{name}: iteration {target['ratio']:.4f} (limit {target['limit']:.2f}) -> {verdict}; per round "
-              f"{', '.join(f'{r:.3f}' for r in target['ratio_per_round'])}")
-    for kind, c in payload["check_ms"].items():
-        print(f"check '{kind}' (gather + rules, rank 0): median {c['median']:.2f} ms, max {c['max']:.2f} ms, "
-              f"{c['n'] // max(1, args.rounds)} per launch of {args.warmup + args.steps} steps")
-    if hook_us:
-        total = sum(hook_us.values())
-        per_step = total / 1e3 / base["iteration_ms_median"]
+    print_table("DistributedDoctor cost (medians over fits of per-fit medians)",
+                ["configuration", "iteration ms", "step ms", "iteration range over fits"], rows)  # fmt: skip
+    verdict = "met" if result["met"] else "NOT met"
+    print(f"with / without, median over pairs: iteration {result['ratio_iteration']:.4f} (limit {LIMIT}) -> "
+          f"{verdict}; step {result['ratio_step']:.4f}; per pair "
+          f"{', '.join(f'{r:.3f}' for r in result['ratio_iteration_per_pair'])}")
+    for kind, stats in result["check_ms"].items():
+        print(f"check '{kind}' (gather + rules, rank 0): median {stats['median']:.2f} ms, max {stats['max']:.2f} ms, "
+              f"{stats['n'] // max(1, args.pairs)} per fit of {args.warmup + args.steps} steps")
+    hooks = result["hook_us_per_batch"]
+    if hooks:
+        total = sum(hooks.values())
+        share = total / 1e3 / summary[BASE]["iteration_ms_median"]
         print(f"the doctor's hooks per batch (checks excluded): {total:.1f} us "
-              f"({', '.join(f'{k} {v:.1f}' for k, v in hook_us.items())}) = {per_step:.3%} of an iteration")
-    print(f"doctor findings on this (correct) run: {findings or 'none'}")
+              f"({', '.join(f'{k} {v:.1f}' for k, v in hooks.items())}) = {share:.3%} of an iteration")
+    print(f"doctor findings on this (correct) run: {result['doctor_findings'] or 'none'}")
     print(f"\n{time.perf_counter() - started:.0f} s in all; wrote {out}")
 
 

@@ -20,11 +20,11 @@ def test_doctor_overhead_quick_run(tmp_path: Path) -> None:
                       cwd=REPO, timeout=110, env=env)  # fmt: skip
     report = json.loads(out.read_text())
     assert report["machine"]["world_size"] == 2 and report["machine"]["backend"] == "gloo"
-    assert {launch["config"] for launch in report["launches"]} == {"ddp_tuned", "ddp_tuned+doctor"}
+    assert [fit["config"] for fit in report["fits"]] == ["ddp_tuned", "ddp_tuned+doctor"]  # one pair
     assert set(report["summary"]) == {"ddp_tuned", "ddp_tuned+doctor"}
-    assert "ddp_tuned+doctor/ddp_tuned" in report["targets"]
-    # The doctor really ran (its checks were timed) and found nothing wrong with a correct run.
-    assert {"epoch_start", "periodic", "train_end"} <= set(report["check_ms"])
+    assert len(report["ratio_iteration_per_pair"]) == 1 and report["ratio_iteration"] > 0
+    # The doctor really ran (its checks and hooks were timed) and found nothing wrong with a correct run.
+    assert {"epoch_start", "periodic", "epoch_end", "train_end"} <= set(report["check_ms"])
     assert set(report["hook_us_per_batch"]) == {"on_train_batch_start", "on_after_backward", "on_train_batch_end"}
     assert report["doctor_findings"] == []
-    assert "× without doctor" in proc.stdout
+    assert "with / without, median over pairs" in proc.stdout
