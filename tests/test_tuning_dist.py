@@ -205,3 +205,14 @@ def test_powersgd_resume_restores_error_feedback(powersgd_runs: dict[str, dict[s
     resumed = powersgd_runs["resumed"]["ranks"][0]
     assert resumed["tuning"]["status"] == "resumed" and resumed["rewraps"] == []
     assert torch.allclose(params(powersgd_runs["resumed"]), params(powersgd_runs["fixed"]), rtol=0, atol=1e-5)
+
+
+def test_spawn_brings_the_tuned_size_back_to_the_launching_process(tmp_path: Path) -> None:
+    run = tune_fit(
+        tmp_path / "spawn", {"bucket_cap_mb": "auto", "tune_candidates": CANDIDATES}, "--steps", str(STEPS),
+        "--start-method", "spawn",
+    )  # fmt: skip
+    worker = run["ranks"][0]
+    main = json.loads((run["dir"] / "main.json").read_text())
+    assert worker["tuning"]["status"] == "done"
+    assert main == {"bucket_cap_mb": worker["bucket_cap_mb"], "tuning_status": "done"}

@@ -39,6 +39,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -364,6 +365,12 @@ class TunedDDPStrategy(DDPStrategy):
             return {"bucket_cap_mb": self.bucket_cap_mb}
         # DDP fills bucket 0 up to the first cap, every later one up to the last cap.
         return {"bucket_cap_mb_list": [self.first_bucket_cap_mb, self.bucket_cap_mb]}
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:  # spawn / fork: bring the tuned size home
+            self._launcher = _TunedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -694,6 +701,28 @@ class TunedDDPStrategy(DDPStrategy):
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()
+
+
+class _TunedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, also returning the tuned bucket size to the launching
+    process: there, too, ``strategy.bucket_cap_mb`` is the size in force after ``fit``."""
+
+    @override
+    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        strategy = trainer.strategy
+        if isinstance(strategy, TunedDDPStrategy) and strategy._tuner is not None:
+            extra[CHECKPOINT_KEY] = {"bucket_cap_mb": strategy._bucket_cap_mb, "tuning": strategy._tuner.record()}
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        state = extra.get(CHECKPOINT_KEY)
+        strategy = trainer.strategy
+        if isinstance(state, dict) and isinstance(strategy, TunedDDPStrategy) and strategy._tuner is not None:
+            strategy._bucket_cap_mb = state["bucket_cap_mb"]
+            strategy._tuner.adopt(state["tuning"])
 
 
 _EXIT_HANDLER_REGISTERED = False

@@ -178,6 +178,20 @@ class BucketTuner:
         self.reason = "bucket size restored from the checkpoint"
         self._resumed_record = dict(record or {})
 
+    def adopt(self, record: dict[str, Any]) -> None:
+        """Take over the outcome of a search run elsewhere (a spawned worker's :meth:`record`)."""
+        self._remove_hooks()
+        self.status = str(record.get("status", self.status))
+        self.reason = str(record.get("reason") or "")
+        chosen = record.get("chosen_mb")
+        self.chosen_mb = None if chosen is None else float(chosen)
+        self.gain = record.get("gain_over_default")
+        self.steps_taken = int(record.get("steps") or 0)
+        self.results = [CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
+        self.candidates = [r.candidate for r in self.results] or [
+            Candidate.from_dict(c) for c in record.get("candidates", [])
+        ]
+
     # ------------------------------------------------------------------ driving
 
     def begin(self, params: Sequence[torch.Tensor], *, remaining_steps: Optional[float]) -> None:

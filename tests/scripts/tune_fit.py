@@ -124,12 +124,13 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here after fit")
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
     parser.add_argument("--params-at", type=int, default=-1, help="also save the parameters after this global step")
+    parser.add_argument("--start-method", default="popen", help="popen (the script again per rank) or spawn")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(7, verbose=False)
     model = MLP(args.width, args.depth, args.batch_size, args.out_features)
-    strategy = TunedDDPStrategy(**json.loads(args.strategy_kwargs))
+    strategy = TunedDDPStrategy(**json.loads(args.strategy_kwargs), start_method=args.start_method)
     callbacks: list[L.Callback] = [Probe(args.out_dir, args.params_at)]
     if args.profiler:
         callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=2, every_n_steps=5, export_dir=args.out_dir / "prof"))
@@ -149,6 +150,9 @@ def main() -> None:
     # 64 index batches per rank and epoch: epochs end and start during tuning too.
     loader = DataLoader(TensorDataset(torch.arange(2 * 64)), batch_size=1)
     trainer.fit(model, loader, ckpt_path=str(args.resume) if args.resume else None)
+    if args.start_method != "popen":  # the launching process: what does its strategy say now?
+        main_view = {"bucket_cap_mb": strategy.bucket_cap_mb, "tuning_status": strategy.tuning_status}
+        (args.out_dir / "main.json").write_text(json.dumps(main_view))
     if args.ckpt:
         trainer.save_checkpoint(args.ckpt)
     gc.collect()
