@@ -349,7 +349,10 @@ class BucketTuner:
             f"{len(self.candidates)} distinct layouts x {self.settings.rounds} rounds, {self.plan.measure} timed "
             "steps per visit; slowest rank's median step time (* = chosen):"
         )
-        tail = f"Pass bucket_cap_mb={self.chosen_mb:g} to skip tuning in a run like this one."
+        if chosen is not None and chosen.candidate.is_default:
+            tail = "Leave bucket_cap_mb=None (DDP's default) to skip tuning in a run like this one."
+        else:
+            tail = f"Pass bucket_cap_mb={self.chosen_mb:g} to skip tuning in a run like this one."
         return f"{head}\n{self.table()}\n{tail}"
 
     def record(self) -> dict[str, Any]:
