@@ -38,6 +38,8 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -47,6 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu.comm.compression import COMPRESSIONS, PrescaledAllreduce, resolve_compression
+from lightning_mgpu.strategies import _failures
+from lightning_mgpu.strategies._rendezvous import rendezvous_store
 from lightning_mgpu.tuning import powersgd as powersgd_memory
 from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
 from lightning_mgpu.tuning.plan import TuningSettings
@@ -61,6 +65,8 @@ CHECKPOINT_KEY = "lightning_mgpu"
 """Top-level checkpoint key under which the package stores its own state."""
 
 _MIB = 1024 * 1024
+_MAX_SIZE_MB = float(2**40)
+"""Largest bucket size accepted, in MiB (1 EiB): DDP counts bucket bytes in 64-bit integers."""
 DDP_DEFAULT_BUCKET_CAP_MB = float(getattr(torch.nn.parallel.distributed, "_DEFAULT_BUCKET_CAP_MB", 25))
 """torch's default bucket size, used when ``bucket_cap_mb`` is None."""
 DEFAULT_FIRST_BUCKET_CAP_MB = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / _MIB
@@ -110,6 +116,11 @@ def _check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[
         raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be {allowed.replace('a positive', 'a positive, finite')}, got {value!r}")
+    if value > _MAX_SIZE_MB:
+        raise ValueError(
+            f"{name} must be at most {_MAX_SIZE_MB:.0f} MiB (1 EiB; DDP counts bucket bytes in 64-bit integers), "
+            f"got {value!r}"
+        )
     return float(value)
 
 
@@ -117,6 +128,19 @@ def _check_int(name: str, value: object, minimum: int, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}{why}, got {value!r}")
     return value
+
+
+def _check_backend(value: object) -> None:
+    if value is None:
+        return
+    allowed = "a torch.distributed backend name such as 'gloo' or 'nccl' (or None: nccl on GPUs, gloo on CPU)"
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"process_group_backend must be {allowed}, got {value!r}")
+    known = {str(name) for name in getattr(torch.distributed.Backend, "backend_list", ())} - {"undefined"}
+    # "cpu:gloo,cuda:nccl" names one backend per device type
+    unknown = [part.split(":", 1)[-1] for part in value.lower().split(",") if part.split(":", 1)[-1] not in known]
+    if known and unknown:
+        raise ValueError(f"process_group_backend must be {allowed}; {unknown[0]!r} is not one of {sorted(known)}")
 
 
 def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
@@ -153,7 +177,16 @@ class TunedDDPStrategy(DDPStrategy):
             more bytes).
         powersgd_start_iter: Number of optimizer steps of plain all-reduce before PowerSGD
             takes over (at least 2: DDP rebuilds its buckets on the first step).
-        **kwargs: Lightning's ``DDPStrategy`` options (``accelerator``, ``timeout``,
+        timeout: How long a collective (and the start-up rendezvous) may wait for the other
+            ranks before it fails, a ``datetime.timedelta`` (default: torch's 30 minutes). A
+            rank whose process ends (an exception, ``SIGKILL``, the OOM killer) makes the
+            others fail at once, within seconds: its connections close. A rank that hangs
+            *without* ending (stuck in Python or I/O, or in a collective the others never
+            enter) is noticed only when this timeout runs out, so it bounds how long a hung
+            job holds its machines: set it to a few times your slowest step, checkpoint or
+            validation, e.g. ``timedelta(minutes=5)``. On CPU/gloo every collective obeys it;
+            with NCCL, torch's watchdog enforces it (not exercised by this project's tests).
+        **kwargs: Lightning's ``DDPStrategy`` options (``accelerator``,
             ``start_method``, ``process_group_backend``, ``ddp_comm_hook``, ...) and every
             other keyword argument of ``DistributedDataParallel`` (``static_graph``,
             ``gradient_as_bucket_view``, ``find_unused_parameters``, ...).
@@ -248,6 +281,12 @@ class TunedDDPStrategy(DDPStrategy):
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+        _check_backend(process_group_backend)
+        for name, hook in (("ddp_comm_hook", ddp_comm_hook), ("ddp_comm_wrapper", ddp_comm_wrapper)):
+            if hook is not None and not callable(hook):
+                raise ValueError(f"{name} must be a callable (a DDP communication hook) or None, got {hook!r}")
+        if model_averaging_period is not None:
+            _check_int("model_averaging_period", model_averaging_period, 1)
         _check_ddp_kwargs(kwargs)
         super().__init__(
             accelerator=accelerator,
@@ -371,6 +410,24 @@ class TunedDDPStrategy(DDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher:  # spawn / fork: bring the tuned size home
             self._launcher = _TunedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_distributed(self) -> None:
+        # DDPStrategy.setup_distributed, with a rendezvous that listens on the loopback interface
+        # only when every rank runs on this machine, and survives torchrun's restarts
+        # (strategies/_rendezvous.py).
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        store = rendezvous_store(
+            self.cluster_environment, self.global_rank, self.world_size, self._timeout, self._process_group_backend
+        )
+        if store is not None:
+            kwargs["store"] = store
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     @override
     def setup_environment(self) -> None:
@@ -608,7 +665,9 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Never unpickle arbitrary objects unless asked to (fit(..., weights_only=False)): torch before
+        # 2.6, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, would otherwise run code stored in the file.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
         package = checkpoint.get(CHECKPOINT_KEY)
         if isinstance(package, dict):
             self._restore_package_state(package)
@@ -676,6 +735,16 @@ class TunedDDPStrategy(DDPStrategy):
         )
         for name, description, init_params in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+    # ------------------------------------------------------------------ failures
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # Name the lost ranks in the error, and leave no child rank behind (strategies/_failures.py).
+        children = _failures.launched_children(self.launcher, self.global_rank)
+        _failures.explain_collective_failure(exception, rank=self.global_rank, timeout=self._timeout, children=children)
+        _failures.reap_children_at_exit(children)
 
     # ------------------------------------------------------------------ teardown
 

@@ -1,0 +1,159 @@
+"""What a failed fit leaves behind: an error that names the lost ranks, and no rank left running.
+
+The ranks of a job learn that one of them failed only through their next collective:
+
+* a rank whose process ended (an exception, ``SIGKILL``, the OOM killer) closes its
+  connections, and the others fail at once (gloo: ``Connection closed by peer``);
+* a rank that hangs without ending (stuck in Python or I/O, or in a collective the others
+  never enter) is noticed only when the collective ``timeout`` runs out
+  (``TunedDDPStrategy(timeout=...)``, torch's 30 minutes by default).
+
+With Lightning's own launcher (``python train.py``) rank 0 runs in the launching process and
+starts the other ranks of the machine as its children. Two gaps of that launcher are closed
+here, from the strategy's ``on_exception``:
+
+1. the error of a surviving rank says nothing about which rank was lost. The launching
+   process knows its children's exit status: its error now names them ("rank 1 (pid 4242)
+   killed by SIGKILL"), and every rank's error says what a closed connection or a timeout
+   means;
+2. when rank 0 fails first, its children are orphaned, and one that is not inside a
+   collective (stuck, or busy) runs on. When the launching process exits after a failed fit,
+   it waits up to :data:`CHILD_GRACE_S` seconds for its children (they see the closed
+   connections and stop with their own error), then kills the ones still running, naming them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+CHILD_GRACE_S = 5.0
+"""Seconds the launching process waits for its children after a failed fit before killing them."""
+
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+_TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
+_NOTE_MARK = "[lightning_mgpu]"
+_registered: list[list[tuple[int, subprocess.Popen]]] = []
+
+
+def launched_children(launcher: Any, global_rank: int) -> list[tuple[int, subprocess.Popen]]:
+    """(global rank, process) of the ranks this process started (Lightning's subprocess launcher)."""
+    procs = getattr(launcher, "procs", None)
+    if not isinstance(procs, list):
+        return []
+    # The launcher starts local ranks 1..n-1 of this node; this process is local rank 0.
+    return [(global_rank + index + 1, proc) for index, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)]
+
+
+def describe_exit(returncode: Optional[int]) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def explain_collective_failure(
+    exception: BaseException,
+    *,
+    rank: int,
+    timeout: Optional[timedelta],
+    children: list[tuple[int, subprocess.Popen]],
+) -> Optional[str]:
+    """Append to ``exception``'s message what a lost peer or a timeout means, and which of this
+    process's children ended how. Returns the note (None when the error is neither)."""
+    text = str(exception)
+    if _NOTE_MARK in text:
+        return None
+    lost = any(marker in text for marker in _PEER_LOST)
+    timed_out = not lost and any(marker in text for marker in _TIMED_OUT)
+    if not (lost or timed_out):
+        return None
+    shown = "torch's default, 30 minutes" if timeout is None else str(timeout)
+    if lost:
+        note = (
+            f"{_NOTE_MARK} rank {rank}: another rank's process ended (it failed, was killed, or exited) while this "
+            "rank waited for it in a collective; that rank's own error, printed before this one, is the cause."
+        )
+        deadline = time.monotonic() + 1.0  # a child that just closed its sockets is about to be gone
+        while children and any(p.poll() is None for _, p in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        note = (
+            f"{_NOTE_MARK} rank {rank}: a collective did not complete within the timeout ({shown}): a rank is stuck "
+            "(in Python, I/O, or a collective the others never entered) or far slower than the others, without "
+            "having exited. TunedDDPStrategy(timeout=timedelta(...)) sets how long such a hang may last."
+        )
+    if children:
+        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(p.poll())}" for r, p in children)
+        note += f" Ranks started by this process: {states}."
+    _append(exception, note)
+    return note
+
+
+def reap_children_at_exit(children: list[tuple[int, subprocess.Popen]], grace_s: float = CHILD_GRACE_S) -> None:
+    """At interpreter exit: drop the process group, wait ``grace_s`` for ``children``, kill the rest."""
+    if not children or any(entry is children for entry in _registered):
+        return
+    _registered.append(children)
+    atexit.register(_reap, children, grace_s)
+
+
+def _reap(children: list[tuple[int, subprocess.Popen]], grace_s: float) -> None:
+    # Children blocked in a collective with this rank fail (and exit, with their own error) once
+    # its connections close: drop the process group and what still holds it. The traceback of the
+    # exception (printed by now) holds the frames, and through them the DDP wrapper and its group.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group: the kill below still applies
+            pass
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if getattr(sys, name, None) is not None:
+            setattr(sys, name, None)
+    gc.collect()
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for _, p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for rank, proc in children:
+        if proc.poll() is None:
+            print(
+                f"{_NOTE_MARK} rank {rank} (pid {proc.pid}) still running {grace_s:g} s after the fit failed in its "
+                "launching process: killing it.",
+                file=sys.stderr,
+                flush=True,
+            )
+            proc.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _append(exception: BaseException, note: str) -> None:
+    args = exception.args
+    if args and isinstance(args[0], str):
+        try:
+            exception.args = (f"{args[0]}\n{note}", *args[1:])
+            if note in str(exception):
+                return
+        except (AttributeError, TypeError):
+            pass
+    print(note, file=sys.stderr, flush=True)
