@@ -1,0 +1,327 @@
+"""Fit a small model on 2 CPU ranks, inject one failure, checkpoint, resume: for tests/test_reliability_*.py.
+
+    python tests/scripts/fail_fit.py --out-dir OUT --fail step --rank 1 --at 3
+    python tests/scripts/fail_fit.py --out-dir OUT --strategy hybrid --fail sigkill --rank 0 --at 13 --ckpt-every 8
+    python tests/scripts/fail_fit.py --out-dir OUT --start-method spawn --fail worker --rank 1
+    python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=1 tests/scripts/fail_fit.py \
+        --out-dir OUT --fail sigkill --rank 1 --at 13 --once OUT/killed --ckpt-every 8 --resume latest
+
+The model: ``embed`` -> ``body`` (an nn.Sequential of 4 Linear+Tanh blocks, what ``hybrid`` splits
+over 2 CPU "devices" per process) -> ``head``, trained with Adam. The data do not depend on the
+data loader's position: each batch is drawn from a generator seeded by the global batch count
+and the rank, so a resumed fit sees exactly the batches the uninterrupted one saw (the loader
+only yields indices; it exists to fail on demand).
+
+Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 0 over the whole fit):
+
+  step      RuntimeError in training_step
+  callback  RuntimeError in a callback's on_train_batch_end
+  loader    RuntimeError in the dataset's __getitem__ (num_workers=0: in the rank's process), at its --at'th item
+  worker    the same in a DataLoader worker process (num_workers=1)
+  stage     RuntimeError in the split module's last layer (hybrid: in a pipeline stage thread)
+  sigkill   the rank kills itself with SIGKILL
+  stuck     the rank sleeps for an hour in training_step: no connection closes
+  mismatch  the rank enters a barrier the others never enter: every rank waits in a collective
+
+The failure is written ``injected <kind> failure`` (the rank is not in the message: the launcher and
+torch must say which rank failed). With ``--once PATH`` it happens only while PATH does not exist
+(it is created first): the attempt after a ``torchrun --max-restarts`` restart runs clean.
+
+At the end of fit every rank writes ``OUT/rank<r>.json`` (losses, steps, the callbacks' and the
+strategy's states, the sockets this process listens on) and ``OUT/rank<r>.pt`` (flat parameters,
+optimizer state, PowerSGD memory) for exact comparisons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrategy
+from lightning_mgpu.callbacks.doctor import DistributedDoctor
+
+KINDS = ("none", "step", "callback", "loader", "worker", "stage", "sigkill", "stuck", "mismatch")
+BATCHES_PER_EPOCH = 6  # per rank: epochs end and start inside the short fits, and step 8 is mid-epoch
+BATCH, WIDTH, OUT = 16, 64, 16  # every tensor a multiple of 64 bytes: same rounding in any bucket layout
+INDICES_PER_BATCH = 4
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class Plan:
+    """Where and when to fail (the same object on every rank; each rank checks whether it is the one)."""
+
+    def __init__(self, kind: str, rank: int, at: int, once: Optional[str]) -> None:
+        self.kind, self.rank, self.at, self.once = kind, rank, at, once
+
+    def due(self, kind: str, rank: int, batch: int) -> bool:
+        if self.kind != kind or rank != self.rank or batch != self.at:
+            return False
+        if self.once is not None:
+            if os.path.exists(self.once):
+                return False
+            Path(self.once).write_text(str(os.getpid()))
+        return True
+
+    def fire(self, kind: str) -> None:
+        print(f"[fail_fit] injecting {kind} (pid {os.getpid()}) at {time.time():.3f}", file=sys.stderr, flush=True)
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stuck":
+            time.sleep(3600)
+        if kind == "mismatch":
+            torch.distributed.barrier()  # the other ranks are in DDP's all-reduce of this step
+            return
+        raise Injected(f"injected {kind} failure")
+
+
+class Indices(Dataset):
+    """Yields indices only; fails at its ``at``-th item on the planned rank (``loader``/``worker``)."""
+
+    def __init__(self, plan: Plan, rank: int) -> None:
+        self.plan, self.rank, self.served = plan, rank, 0
+
+    def __len__(self) -> int:
+        return 2 * BATCHES_PER_EPOCH * INDICES_PER_BATCH
+
+    def __getitem__(self, index: int) -> int:
+        served, self.served = self.served, self.served + 1
+        for kind in ("loader", "worker"):
+            if self.plan.due(kind, self.rank, served):
+                self.plan.fire(kind)
+        return index
+
+
+class Net(L.LightningModule):
+    def __init__(self, plan: Plan, workers: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)))
+        self.head = nn.Linear(WIDTH, OUT)
+        self.plan, self.workers = plan, workers
+        self.losses: list[float] = []
+        self.example_input_array = torch.randn(BATCH, 8)
+        self._arm_stage = False
+        self.body[-1].register_forward_pre_hook(self._stage_hook)
+
+    def _stage_hook(self, module: nn.Module, args: Any) -> None:
+        if self._arm_stage:  # runs where the layer runs: a pipeline stage thread under hybrid
+            self._arm_stage = False
+            self.plan.fire("stage")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(torch.tanh(self.embed(x))))
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = Indices(self.plan, self.global_rank)
+        return DataLoader(
+            dataset, batch_size=INDICES_PER_BATCH, num_workers=self.workers, persistent_workers=self.workers > 0
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        seen = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1  # restored on resume
+        for kind in ("step", "sigkill", "stuck", "mismatch"):
+            if self.plan.due(kind, self.global_rank, seen):
+                self.plan.fire(kind)
+        self._arm_stage = self.plan.due("stage", self.global_rank, seen)
+        generator = torch.Generator().manual_seed(1_000_003 * seen + 101 * self.global_rank)
+        x = torch.randn(BATCH, 8, generator=generator)
+        y = torch.sin(2 * x).repeat(1, OUT // 8) * x[:, :1]
+        loss = nn.functional.mse_loss(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class FailingCallback(L.Callback):
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        seen = trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1
+        if self.plan.due("callback", trainer.global_rank, seen):
+            self.plan.fire("callback")
+
+
+class Report(L.Callback):
+    """Every rank's state at the end of fit (and the sockets it listens on, seen at the start)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.listening: list[dict[str, Any]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.listening = listening_sockets(os.getpid())
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is the parent: its rendezvous store
+            self.listening += [{**s, "process": "torchrun agent"} for s in listening_sockets(os.getppid())]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert isinstance(pl_module, Net)
+        strategy = trainer.strategy
+        assert isinstance(strategy, TunedDDPStrategy)
+        rank = trainer.global_rank
+        callbacks = {
+            type(c).__name__: c.state_dict() for c in trainer.callbacks if isinstance(c, (CommProfiler, DistributedDoctor))
+        }
+        report: dict[str, Any] = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "losses": pl_module.losses,
+            "callbacks": callbacks,
+            "package_state": strategy.state_for_checkpoint(),
+            "listening": self.listening,
+            "doctor_findings": [
+                f.as_dict() for c in trainer.callbacks if isinstance(c, DistributedDoctor) for f in c.findings
+            ],
+        }
+        tensors: dict[str, Any] = {
+            "params": torch.cat([p.detach().cpu().flatten() for p in pl_module.parameters()]),
+            "optimizer": trainer.optimizers[0].state_dict(),
+        }
+        keeper = getattr(strategy, "_powersgd_keeper", None)
+        if keeper is not None:
+            tensors["powersgd"] = keeper.state_dict()
+        torch.save(tensors, self.out_dir / f"rank{rank}.pt")
+        (self.out_dir / f"rank{rank}.json").write_text(json.dumps(report, default=str))
+
+
+def listening_sockets(pid: int) -> list[dict[str, Any]]:
+    """TCP sockets in LISTEN state held by process ``pid``, with their local address (Linux /proc)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                found.append({"pid": pid, "address": _proc_address(address), "port": int(port, 16)})
+    return found
+
+
+def _proc_address(hex_address: str) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_address)
+    # /proc/net/tcp{,6} print each 32-bit word in host (little-endian) order
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def latest_checkpoint(directory: Path) -> Optional[Path]:
+    found = sorted(directory.glob("*.ckpt"), key=lambda p: int(p.stem.split("step=")[1].split("-")[0].split(".")[0]))
+    return found[-1] if found else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--strategy", choices=("ddp_tuned", "hybrid"), default="ddp_tuned")
+    parser.add_argument("--strategy-kwargs", default="{}", help="JSON, extra strategy arguments")
+    parser.add_argument("--start-method", choices=("popen", "spawn"), default="popen")
+    parser.add_argument("--timeout-s", type=float, default=None, help="the strategy's collective timeout")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--fail", choices=KINDS, default="none")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--at", type=int, default=3, help="global batch index (from 0) at which to fail")
+    parser.add_argument("--once", default=None, help="fail only while this file does not exist (it is created)")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: 1 for --fail worker)")
+    parser.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N optimizer steps")
+    parser.add_argument("--resume", default=None, help="a checkpoint, or 'latest' in OUT/ckpt (none: start afresh)")
+    parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2, every_n_steps=4)")
+    parser.add_argument("--doctor", action="store_true", help="DistributedDoctor(every_n_steps=--ckpt-every or 4)")
+    parser.add_argument("--wandb", action="store_true", help="WandbLogger (offline) and CSVLogger under OUT")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    L.seed_everything(7, verbose=False)
+    plan = Plan(args.fail, args.rank, args.at, args.once)
+    workers = args.workers if args.workers is not None else int(args.fail == "worker")
+    model = Net(plan, workers)
+    kwargs: dict[str, Any] = json.loads(args.strategy_kwargs)
+    if args.timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=args.timeout_s)
+    if args.start_method != "popen":
+        kwargs["start_method"] = args.start_method
+    devices = 2
+    if args.strategy == "hybrid":
+        kwargs = {"devices_per_replica": 2, "microbatches": 2, **kwargs}
+        strategy: TunedDDPStrategy = HybridParallelStrategy(**kwargs)
+        devices = 4  # 2 processes x 2 CPU stages
+    else:
+        strategy = TunedDDPStrategy(**kwargs)
+    callbacks: list[L.Callback] = [FailingCallback(plan), Report(args.out_dir)]
+    every = args.ckpt_every or 4
+    if args.profiler:
+        callbacks.append(CommProfiler(warmup_steps=2, every_n_steps=4, export_dir=args.out_dir / "profile"))
+    if args.doctor:
+        callbacks.append(DistributedDoctor(every_n_steps=every))
+    if args.ckpt_every:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.out_dir / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1)
+        )
+    loggers: Any = False
+    if args.wandb:
+        from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+        loggers = [WandbLogger(save_dir=str(args.out_dir), offline=True, project="fail_fit"), CSVLogger(args.out_dir)]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        limit_train_batches=BATCHES_PER_EPOCH,
+        callbacks=callbacks,
+        logger=loggers,
+        log_every_n_steps=1,
+        enable_checkpointing=bool(args.ckpt_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    resume: Optional[str] = args.resume
+    if resume == "latest":
+        found = latest_checkpoint(args.out_dir / "ckpt")
+        resume = None if found is None else str(found)
+        print(f"[fail_fit] resuming from {resume}", file=sys.stderr, flush=True)
+    trainer.fit(model, ckpt_path=resume)
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
