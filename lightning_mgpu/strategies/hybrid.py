@@ -90,7 +90,10 @@ class HybridParallelStrategy(TunedDDPStrategy):
         threads_per_stage: intra-op threads of each CPU stage (default: the process's
             threads divided among its CPU stages).
         **kwargs: everything :class:`TunedDDPStrategy` takes (``bucket_cap_mb``,
-            ``compression``, ``timeout``, ``process_group_backend``, DDP options).
+            ``compression``, ``timeout``, ``process_group_backend``, DDP options). ``timeout``
+            (a ``timedelta``, torch's 30 minutes by default) bounds how long a rank that hangs
+            without exiting, e.g. a pipeline stage stuck in user code, can hold the others;
+            a rank whose process ends stops the others within seconds.
 
     Example::
 
@@ -253,7 +256,14 @@ class HybridParallelStrategy(TunedDDPStrategy):
             )
         return candidates[0]
 
-    def _check_supported(self, module: nn.Module, name: str, seq: nn.Sequential) -> None:
+    def _check_model(self, model: Any) -> None:
+        super()._check_model(model)
+        if self._devices_per_replica == 1 and self._microbatches == 1:
+            return  # plain ddp_tuned
+        name, seq = self._find_split_module(model)
+        self._check_supported(model, name, seq, warn=False)
+
+    def _check_supported(self, module: nn.Module, name: str, seq: nn.Sequential, *, warn: bool = True) -> None:
         k = self._devices_per_replica
         if len(seq) < k:
             raise ValueError(
@@ -275,7 +285,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's stage threads, in an order "
                 "that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
             )
-        if self._microbatches > 1 and any(isinstance(m, _BatchNorm) for m in seq.modules()):
+        if warn and self._microbatches > 1 and any(isinstance(m, _BatchNorm) for m in seq.modules()):
             rank_zero_warn(
                 f"`{name}` contains BatchNorm and microbatches={self._microbatches}: in training, BatchNorm normalises "
                 "each micro-batch with that micro-batch's statistics (as in GPipe) and updates its running statistics "

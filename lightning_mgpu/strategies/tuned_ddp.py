@@ -42,6 +42,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -408,8 +409,18 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _MultiProcessingLauncher:  # spawn / fork: bring the tuned size home
+        launcher = self._launcher
+        if type(launcher) is _MultiProcessingLauncher:  # spawn / fork: bring the tuned size home
             self._launcher = _TunedMultiProcessingLauncher(self, start_method=self._start_method)
+        elif type(launcher) is _SubprocessScriptLauncher:  # `python train.py`: check the model before starting ranks
+            self._launcher = _CheckedSubprocessScriptLauncher(
+                self, launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+            )
+
+    def _check_model(self, model: "pl.LightningModule") -> None:
+        """Checks of the arguments that need the LightningModule. Lightning's own launchers run them in
+        the launching process before they start the other ranks, so that a mistake is one clear error
+        rather than one traceback per rank (each rank checks again at setup). Subclasses extend it."""
 
     @override
     def setup_distributed(self) -> None:
@@ -772,9 +783,37 @@ class TunedDDPStrategy(DDPStrategy):
         gc.collect()
 
 
+def _check_before_launch(strategy: Any, args: tuple[Any, ...]) -> None:
+    import lightning.pytorch as pl
+
+    model = args[0] if args else None  # fit/validate/test/predict pass the LightningModule first
+    if isinstance(strategy, TunedDDPStrategy) and isinstance(model, pl.LightningModule):
+        strategy._check_model(model)
+
+
+class _CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher for ``python train.py``: the strategy checks the model before the other ranks start."""
+
+    def __init__(self, strategy: "TunedDDPStrategy", *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally:  # this process starts the others
+            _check_before_launch(self._strategy, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class _TunedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, also returning the tuned bucket size to the launching
-    process: there, too, ``strategy.bucket_cap_mb`` is the size in force after ``fit``."""
+    """Lightning's spawn/fork launcher, checking the model before it starts the ranks and returning
+    the tuned bucket size to the launching process: there, too, ``strategy.bucket_cap_mb`` is the
+    size in force after ``fit``."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        _check_before_launch(self._strategy, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
