@@ -27,16 +27,29 @@ from pathlib import Path
 from typing import Any, Optional
 
 DEFAULT_TIMEOUT_S = 1800.0
+# Beyond these a value is a mistake: refused before anything starts.
+MAX_PROCESSES = 1024
+MAX_COUNT = 1_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+def _bounded_int(maximum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1 and at most {maximum}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _bounded_int(MAX_COUNT)
+_process_count = _bounded_int(MAX_PROCESSES)
 
 
 def _positive_seconds(text: str) -> float:
@@ -44,9 +57,17 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    if not math.isfinite(value) or value <= 0 or value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {text!r}")
     return value
+
+
+def _out_dir(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a directory path, got ''")
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return Path(text)
 
 
 def _sizes(text: str) -> str:
@@ -83,7 +104,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("target", type=_target, metavar="TARGET", help="FILE.py:FUNCTION or MODULE:FUNCTION")
     parser.add_argument(
-        "--nproc", type=_positive_int, default=None, help="processes (default: every GPU; 2 on CPU)"
+        "--nproc", type=_process_count, default=None, help="processes (default: every GPU; 2 on CPU)"
     )
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--rounds", type=_positive_int, default=3, help="visits per layout, alternating order (3)")
@@ -92,8 +113,8 @@ def register(subparsers: Any) -> None:
         "--sizes", type=_sizes, default=None, metavar="MIB,...",
         help="candidate bucket sizes in MiB (default 1,2,4,...,256); DDP's default 25 is always added",
     )  # fmt: skip
-    parser.add_argument("--out-dir", type=Path, default=Path("tune"), help="where tune.json and tune.png go (./tune)")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads per rank on CPU (cores / nproc)")
+    parser.add_argument("--out-dir", type=_out_dir, default=Path("tune"), help="where tune.json and tune.png go (./tune)")
+    parser.add_argument("--threads", type=_process_count, default=None, help="torch threads per rank on CPU (cores / nproc)")
     parser.add_argument(
         "--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
         help=f"stop everything after this long (default {DEFAULT_TIMEOUT_S:g})",
