@@ -373,8 +373,9 @@ def test_one_process_fit_reports_local_rules_and_can_fit_again() -> None:
     # Everything it hooked into Lightning is gone after the fit.
     assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)
     assert doctor._hooks == []
-    # The same callback on a second fit starts afresh.
-    _fit(doctor)
+    # The same callback on a second fit starts afresh (and reports again).
+    with pytest.warns(DistributedDoctorWarning, match="dataparallel-wrapped"):
+        _fit(doctor)
     assert [f.rule for f in doctor.findings] == ["dataparallel-wrapped"] and doctor._batches_seen == 6
 
 
