@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -70,6 +71,8 @@ def _cmd_bench_comm(args: argparse.Namespace) -> int:
             given[name] = None if text is None else sweep.parse_size(text)
         except ValueError as exc:
             parser.error(f"argument {flag}: {exc}")
+    if args.json is not None and (not args.json.strip() or os.path.isdir(args.json)):
+        parser.error(f"argument --json: expected the path of a file to write, got {args.json!r}")
     try:
         settings = sweep.SweepSettings(**{name: value for name, value in given.items() if value is not None})
     except ValueError as exc:

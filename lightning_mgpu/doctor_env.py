@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Optional
 
 STATUSES = ("ok", "warn", "fail")
 SMOKE_TIMEOUT_S = 20.0
+MAX_TIMEOUT_S = 3600.0  # a health check that may wait longer is a mistake
 SMOKE_BYTES = 4 << 20  # all_reduce 4 MiB of float32
 SHM_MIN_BYTES = 1 << 30
 NOFILE_MIN = 4096
@@ -559,8 +560,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.rules:
         print_rules()
         return 0
-    if not args.timeout > 0:
-        args.subparser.error(f"argument --timeout: must be a number of seconds > 0, got {args.timeout}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN and inf fail too
+        args.subparser.error(
+            f"argument --timeout: must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {args.timeout}"
+        )
     started = time.perf_counter()
     checks = collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
     result = report(checks, time.perf_counter() - started)

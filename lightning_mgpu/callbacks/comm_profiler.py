@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import sys
 import time
 import warnings
 from collections import deque
@@ -112,8 +114,16 @@ class CommProfiler(L.Callback):
             ("timeline_steps", timeline_steps, 0),
             ("history", history, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"CommProfiler: {name} must be an integer >= {minimum}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= sys.maxsize:
+                raise ValueError(
+                    f"CommProfiler: {name} must be an integer >= {minimum} (at most {sys.maxsize}), got {value!r:.60}"
+                )
+        if export_dir is not None and (not isinstance(export_dir, (str, os.PathLike)) or not str(export_dir).strip()):
+            raise ValueError(
+                f"CommProfiler: export_dir must be a directory path (str or pathlib.Path) or None, got {export_dir!r:.80}"
+            )
+        if sweep is not None and (not isinstance(sweep, (str, os.PathLike)) or not str(sweep).strip()):
+            raise ValueError(f"CommProfiler: sweep must be the path of a bench-comm JSON result or None, got {sweep!r:.80}")
         self.warmup_steps = warmup_steps
         self.every_n_steps = every_n_steps
         self.export_dir = Path(export_dir) if export_dir is not None else None

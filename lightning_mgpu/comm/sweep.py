@@ -116,6 +116,11 @@ DEFAULT_ITERS = 20  # nccl-tests' defaults: 20 timed, 5 warm-up
 DEFAULT_WARMUP = 5
 DEFAULT_CPU_NPROC = 2
 DEFAULT_TIMEOUT_S = 300.0
+# Beyond these a value is a mistake, not a measurement: refused before anything starts.
+MAX_PROCESSES = 1024
+MAX_MESSAGE_BYTES = 64 * GiB
+MAX_COUNT = 1_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 TIMED_BYTES_PER_SIZE = 1 * GiB
 MIN_TIMED_ITERS = 5
@@ -220,6 +225,8 @@ class SweepSettings:
             self.nproc = torch.cuda.device_count() if self.device == "cuda" else DEFAULT_CPU_NPROC
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
             raise ValueError(f"--nproc must be an integer >= 1, got {self.nproc!r}")
+        if self.nproc > MAX_PROCESSES:
+            raise ValueError(f"--nproc must be at most {MAX_PROCESSES} (processes on this machine), got {self.nproc}")
         if self.device == "cuda" and self.nproc > torch.cuda.device_count():
             raise ValueError(
                 f"--nproc {self.nproc} is more than the {torch.cuda.device_count()} visible CUDA device(s); "
@@ -233,14 +240,19 @@ class SweepSettings:
             raise ValueError(
                 f"--max-bytes ({format_size(self.max_bytes)}) is smaller than --min-bytes ({format_size(self.min_bytes)})"
             )
+        if self.max_bytes > MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"--max-bytes must be at most {format_size(MAX_MESSAGE_BYTES)} (every process holds the message), "
+                f"got {format_size(self.max_bytes)}"
+            )
         if self.factor < 2:
             raise ValueError(f"--factor must be an integer >= 2, got {self.factor}")
-        if self.iters < 1:
-            raise ValueError(f"--iters must be >= 1, got {self.iters}")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if not 1 <= self.iters <= MAX_COUNT:
+            raise ValueError(f"--iters must be >= 1 and at most {MAX_COUNT}, got {self.iters}")
+        if not 0 <= self.warmup <= MAX_COUNT:
+            raise ValueError(f"--warmup must be >= 0 and at most {MAX_COUNT}, got {self.warmup}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT_S:g} (7 days), got {self.timeout_s}")
 
     @property
     def sizes(self) -> list[int]:

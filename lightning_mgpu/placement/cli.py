@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from typing import Any
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
+# Beyond these a value is a mistake: refused before anything is built or measured.
+_LIMITS = {"devices": 1024, "microbatches": 1_000_000, "repeats": 10_000, "high": 2**63 - 1}
+MAX_SAMPLE_ELEMENTS = 2**31
 
 
 def register(subparsers: Any) -> None:
@@ -46,15 +50,26 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.subparser
-    for name in ("devices", "microbatches", "repeats", "high"):
-        if getattr(args, name) < 1:
-            parser.error(f"argument --{name}: expected an integer >= 1, got {getattr(args, name)}")
+    for name, maximum in _LIMITS.items():
+        if not 1 <= getattr(args, name) <= maximum:
+            parser.error(f"argument --{name.replace('_', '-')}: expected an integer >= 1 and at most {maximum}, "
+                         f"got {getattr(args, name)}")  # fmt: skip
     try:
         shape = [int(part) for part in args.shape.lower().replace("x", ",").split(",")]
     except ValueError:
         parser.error(f"argument --shape: expected sizes like 64,512, got {args.shape!r}")
     if not shape or any(size < 1 for size in shape):
         parser.error(f"argument --shape: every size must be >= 1, got {args.shape!r}")
+    elements = -(-shape[0] // args.microbatches) * math.prod(shape[1:])  # one micro-batch is measured
+    if elements > MAX_SAMPLE_ELEMENTS:
+        parser.error(f"argument --shape: a micro-batch of {args.shape!r} has {elements} elements, more than "
+                     f"{MAX_SAMPLE_ELEMENTS}; measure on a smaller batch (costs scale with it)")  # fmt: skip
+    if args.split_module is not None and not args.split_module.strip():
+        parser.error("argument --split-module: expected an attribute name, got ''")
+    if args.json is not None and (not args.json.strip() or os.path.isdir(args.json)):
+        parser.error(f"argument --json: expected the path of a file to write, got {args.json!r}")
+    if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"argument --json: the directory of {args.json!r} does not exist")
     capacity = None
     if args.capacity is not None:
         from lightning_mgpu.comm.sweep import parse_size
@@ -63,6 +78,8 @@ def _run(args: argparse.Namespace) -> int:
             capacity = float(parse_size(args.capacity))
         except ValueError as exc:
             parser.error(f"argument --capacity: {exc}")
+        if not capacity > 0:
+            parser.error(f"argument --capacity: expected a size > 0 such as 80GiB, got {args.capacity!r}")
 
     import torch
 
@@ -76,17 +93,23 @@ def _run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: CUDA is not available on this machine")
     factory = _load_factory(parser, args.factory)
-    model = factory()
+    try:
+        model = factory()
+    except Exception as exc:  # the user's own code: one line, as for an import that fails
+        parser.error(f"calling {args.factory}() failed: {type(exc).__name__}: {exc}")
     seq = _find_sequential(parser, model, args.split_module)
     if len(seq) < args.devices:
         parser.error(f"the nn.Sequential has {len(seq)} layers, fewer than --devices {args.devices}")
     micro_batch = max(1, -(-shape[0] // args.microbatches))
     dtype = {"long": torch.long, "int": torch.int}.get(args.dtype) or getattr(torch, args.dtype)
     sample_shape = (micro_batch, *shape[1:])
-    if dtype in (torch.long, torch.int):
-        sample = torch.randint(0, args.high, sample_shape, dtype=dtype)
-    else:
-        sample = torch.randn(sample_shape, dtype=dtype)
+    try:
+        if dtype in (torch.long, torch.int):
+            sample = torch.randint(0, args.high, sample_shape, dtype=dtype)
+        else:
+            sample = torch.randn(sample_shape, dtype=dtype)
+    except (RuntimeError, MemoryError, OverflowError) as exc:
+        parser.error(f"argument --shape: cannot make a sample of shape {list(sample_shape)} ({args.dtype}): {exc}")
     try:
         layers = profile_layers(seq, sample, device=device, repeats=args.repeats)
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:

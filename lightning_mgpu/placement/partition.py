@@ -470,8 +470,9 @@ def _numbers(name: str, values: object, *, unit_hint: str) -> list[float]:
                 f"every entry of {name} must be a finite number >= 0 ({unit_hint})"
             )
         if math.isnan(number) or math.isinf(number):
+            shown = number if isinstance(value, float) else f"{value!r:.40}... ({type(value).__name__}, beyond float's range)"
             raise ValueError(
-                f"{name}[{index}] is {number}; every entry of {name} must be a finite number >= 0 ({unit_hint}). "
+                f"{name}[{index}] is {shown}; every entry of {name} must be a finite number >= 0 ({unit_hint}). "
                 f"Measure layer {index} again, or leave it out"
             )
         if number < 0:
@@ -490,10 +491,10 @@ def _stage_count(k: object, num_layers: int) -> int:
         )
     count = int(k)
     if count < 1:
-        raise ValueError(f"k must be at least 1 (one stage per device), got {count}")
+        raise ValueError(f"k must be at least 1 (one stage per device), got {count!s:.40}")
     if count > num_layers:
         raise ValueError(
-            f"k={count} stages but there are only {num_layers} layers (len(costs) = {num_layers}), and every "
+            f"k={count!s:.40} stages but there are only {num_layers} layers (len(costs) = {num_layers}), and every "
             f"stage needs at least one layer: use k <= {num_layers}, e.g. partition(costs, {num_layers}), "
             "or split the model into more layers"
         )
@@ -545,6 +546,8 @@ def _as_float(value: object) -> Optional[float]:
         return None
     try:
         return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer (or Fraction, Decimal) beyond float's range
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]
     except (TypeError, ValueError):
         return None
 
