@@ -6,7 +6,7 @@ Importing the package registers its strategy names with Lightning, so that
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mgpu.callbacks import CommProfiler
+from lightning_mgpu.callbacks import CommProfiler, DistributedDoctor, DistributedDoctorError
 from lightning_mgpu.strategies import BucketInfo, HybridParallelStrategy, TunedDDPStrategy
 
 __version__ = "0.1.0"
@@ -19,6 +19,8 @@ HybridParallelStrategy.register_strategies(StrategyRegistry)
 __all__ = [
     "BucketInfo",
     "CommProfiler",
+    "DistributedDoctor",
+    "DistributedDoctorError",
     "HybridParallelStrategy",
     "STRATEGY_NAMES",
     "TunedDDPStrategy",

@@ -48,8 +48,7 @@ from rich.text import Text
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
-from lightning_mgpu.callbacks.doctor import DistributedDoctor
+from lightning_mgpu import DistributedDoctor  # importing lightning_mgpu registers strategy="ddp_tuned"
 
 HERE = Path(__file__).resolve().parent
 # Lightning 2.6 on a recent torch trips over torch's own LeafSpec deprecation: harmless, and not ours.

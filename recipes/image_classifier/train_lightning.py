@@ -50,8 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
-from lightning_mgpu.callbacks.doctor import DistributedDoctor
+from lightning_mgpu import DistributedDoctor  # importing lightning_mgpu registers strategy="ddp_tuned"
 
 NUM_CLASSES = 10
 

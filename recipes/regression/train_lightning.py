@@ -41,8 +41,7 @@ from rich.table import Table
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
-from lightning_mgpu.callbacks.doctor import DistributedDoctor
+from lightning_mgpu import DistributedDoctor  # importing lightning_mgpu registers strategy="ddp_tuned"
 
 # -----------------------------------------------------------------------------
 # Settings
