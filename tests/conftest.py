@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,10 +49,19 @@ def run_python(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS``; fail the test with the child's output if it hangs, or fails and ``check``."""
     cmd = [sys.executable, *args]
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{exc.stdout or ''}\n{exc.stderr or ''}")
+    # Own session: on a timeout the whole process group goes (Lightning's launcher starts
+    # the other ranks as children; killing only the direct child would leave them running).
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            stdout, stderr = child.communicate()
+            pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{stdout or ''}\n{stderr or ''}")
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc
