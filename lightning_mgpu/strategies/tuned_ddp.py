@@ -115,12 +115,12 @@ def _check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
+    if not value > _MAX_SIZE_MB and (not math.isfinite(value) or value <= 0):  # (a huge int has no float)
         raise ValueError(f"{name} must be {allowed.replace('a positive', 'a positive, finite')}, got {value!r}")
     if value > _MAX_SIZE_MB:
         raise ValueError(
             f"{name} must be at most {_MAX_SIZE_MB:.0f} MiB (1 EiB; DDP counts bucket bytes in 64-bit integers), "
-            f"got {value!r}"
+            f"got {value!r:.40}"
         )
     return float(value)
 
