@@ -236,8 +236,17 @@ if backend == "nccl":
     device = torch.device("cuda", rank)
 else:
     device = torch.device("cpu")
-dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                        timeout=timedelta(seconds=timeout))
+if rank == 0:  # the store's socket bound to 127.0.0.1 only (TCPStore binds every interface on its own)
+    import socket
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", int(port)))
+    listener.listen(128)
+    store = dist.TCPStore("127.0.0.1", int(port), world, True, timeout=timedelta(seconds=timeout),
+                          master_listen_fd=listener.detach())
+else:
+    store = dist.TCPStore("127.0.0.1", int(port), world, False, timeout=timedelta(seconds=timeout))
+dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 joined = time.perf_counter()
 x = torch.full((nbytes // 4,), float(rank + 1), device=device)
 dist.all_reduce(x)

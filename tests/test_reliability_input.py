@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import io
+import ipaddress
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrateg
 from lightning_mgpu.callbacks.doctor import DistributedDoctor
 from lightning_mgpu.placement import partition
 from tests.conftest import REPO
-from tests.scripts.fail_harness import launch
+from tests.scripts.fail_harness import child_env, launch, listening_while_running
 
 PACKAGE = REPO / "lightning_mgpu"
 
@@ -443,3 +444,16 @@ def test_the_doctors_report_shows_no_secret_from_the_environment() -> None:
     for name, value in secrets.items():
         assert value not in shown, name
     assert "WANDB_API_KEY=****(" in shown  # listed, masked
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_commands_that_start_processes_listen_on_loopback_only(tmp_path: Path) -> None:
+    """bench-comm and doctor rendezvous through a TCPStore: bound to 127.0.0.1, not every interface."""
+    for argv in (["bench-comm", "--quiet", "--max-bytes", "64KiB"], ["doctor", "--json"]):
+        command = [sys.executable, "-m", "lightning_mgpu.cli", *argv]
+        code, seen = listening_while_running(command, env=child_env(), cwd=tmp_path, timeout=150)
+        assert code == 0, argv
+        assert seen, f"{argv}: no listening socket was ever seen: the probe is broken"
+        addresses = [entry.split(" (")[0].rsplit(":", 1)[0] for entry in seen]
+        assert all(ipaddress.ip_address(a).is_loopback for a in addresses), (argv, seen)

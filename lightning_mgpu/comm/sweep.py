@@ -542,10 +542,16 @@ def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, A
     """Run the sweep in ``settings.nproc`` fresh processes and return the report (the JSON schema above)."""
     started = time.monotonic()
     # The rendezvous store lives here, in the launching process, on a port the OS picks:
-    # no window in which another program could take a port we chose in advance.
+    # no window in which another program could take a port we chose in advance. Its socket is
+    # bound here, to 127.0.0.1 only: TCPStore binds every interface when it makes its own.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOOPBACK, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
     store = dist.TCPStore(
-        LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s)
-    )
+        LOOPBACK, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s),
+        master_listen_fd=listener.detach(),
+    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as workdir:
         result_path = os.path.join(workdir, "rank0.json")
         launch_workers(

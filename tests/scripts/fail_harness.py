@@ -140,6 +140,51 @@ def _session_processes(session: int, wait_s: float) -> list[str]:
         time.sleep(0.1)
 
 
+def listening_while_running(command: Sequence[str], *, env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, list[str]]:
+    """Run ``command`` in its own session; every TCP socket its processes listen on, sampled every 20 ms
+    until it exits: (exit code, ["address:port (pid)", ...])."""
+    process = subprocess.Popen(
+        list(command), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            for pid in _session_pids(process.pid):
+                for socket in _listening(pid):
+                    seen.add(f"{socket['address']}:{socket['port']} ({pid})")
+            time.sleep(0.02)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return process.returncode, sorted(seen)
+
+
+def _session_pids(session: int) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[3]) == session:
+                pids.append(int(pid))
+    return pids
+
+
+def _listening(pid: int) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from fail_fit import listening_sockets  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    return listening_sockets(pid)
+
+
 def latest_checkpoint(directory: Path) -> Path:
     found = sorted(directory.glob("*.ckpt"), key=lambda p: int(re.search(r"step=(\d+)", p.name).group(1)))  # type: ignore[union-attr]
     assert found, f"no checkpoint in {directory}"
