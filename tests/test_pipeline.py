@@ -227,3 +227,91 @@ def test_retain_freed_memory_applies_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert retain_freed_memory() is True
+
+
+def _two_stage(first: nn.Module, second: nn.Module, **kwargs) -> Pipeline:
+    return Pipeline([first, second], ["cpu", "cpu"], **kwargs)
+
+
+def test_in_place_layers_at_a_stage_start_and_on_the_output_work() -> None:
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 6))
+    reference = copy.deepcopy(body)
+    x = torch.randn(8, 6)
+    pipe = _two_stage(body[:1], body[1:], microbatches=2)
+    try:
+        out = pipe.forward(x)
+        out.mul_(2)  # in place on the output
+        out.sum().backward()
+        pipe.backward()
+    finally:
+        pipe.close()
+    (reference(x) * 2).sum().backward()
+    for got, want in zip(body.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-6)
+
+
+def test_a_gradient_shared_by_input_and_parameter_is_not_corrupted() -> None:
+    class AddBias(nn.Module):  # autograd returns one tensor for both d/dx and d/dp
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(1, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.p
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 4), AddBias(), nn.Tanh())
+    reference = copy.deepcopy(body)
+    x = torch.randn(3, 4)
+    pipe = _two_stage(body[:1], body[1:], microbatches=3)
+    try:
+        pipe.forward(x).square().sum().backward()
+        pipe.backward()
+    finally:
+        pipe.close()
+    reference(x).square().sum().backward()
+    for got, want in zip(body.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-6)
+
+
+def test_a_second_output_waits_for_its_own_backward() -> None:
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    reference = copy.deepcopy(body)
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    pipe = _two_stage(body[:2], body[2:], microbatches=2)
+    try:
+        out_a, out_b = pipe.forward(a), pipe.forward(b)
+        out_a.sum().backward()
+        pipe.backward()  # only A's stages; B's output has no gradient yet
+        assert pipe.has_pending_backward
+        out_b.square().sum().backward()
+        pipe.backward()
+        assert not pipe.has_pending_backward
+    finally:
+        pipe.close()
+    reference(a).sum().backward()
+    reference(b).square().sum().backward()
+    for got, want in zip(body.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-6)
+
+
+def test_a_skip_connection_around_the_pipeline_gets_a_clear_error() -> None:
+    embed, body = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    pipe = _two_stage(body[:1], body[1:])
+    try:
+        h = embed(torch.randn(2, 4))
+        (pipe.forward(h) + h).sum().backward()
+        with pytest.raises(RuntimeError, match="input is also used elsewhere in the loss"):
+            pipe.backward()
+    finally:
+        pipe.close()
+
+
+def test_recomputing_dropout_over_several_cpu_stages_is_refused() -> None:
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), nn.Linear(4, 4)]
+    with pytest.raises(ValueError, match="recomputed dropout masks would differ"):
+        Pipeline(stages, ["cpu", "cpu"], checkpoint="except_last")
+    Pipeline(stages, ["cpu", "cpu"], checkpoint="never").close()
+    Pipeline(stages[:1], ["cpu"], checkpoint="always").close()  # one stage: no interleaving

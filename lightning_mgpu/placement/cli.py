@@ -1,6 +1,6 @@
 """``lightning-mgpu plan``: how a model would be split over K devices, under each balance mode.
 
-    lightning-mgpu plan recipes.model_split.factory:make_layers --shape 64,16 --devices 2
+    lightning-mgpu plan mypkg.models:build --shape 64,16 --devices 2
     lightning-mgpu plan mypkg.models:build --shape 8,512 --dtype long --high 32000 --devices 4 --microbatches 8
 
 The factory (``package.module:function``, imported with the current directory on the path)

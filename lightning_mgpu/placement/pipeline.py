@@ -38,7 +38,11 @@ Checkpointing (``checkpoint=``): ``"never"`` keeps every micro-batch's activatio
 (``torch.utils.checkpoint``, non-reentrant, RNG state preserved); ``"except_last"``
 recomputes all but the last micro-batch, whose backward starts at once (GPipe's choice).
 Dropout draws from the device's generator: concurrent CPU stages share one, so the order
-of draws (not their distribution) may differ from run to run.
+of draws (not their distribution) may differ from run to run; for the same reason
+recomputation (``checkpoint != "never"``) of dropout layers over several CPU stages is
+refused (the recomputed masks would differ). Not supported: using the pipelined module's
+input elsewhere in the loss (a skip connection around it: a clear error says so) and
+differentiating through it with ``torch.autograd.grad`` (its output is a fresh leaf).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-__all__ = ["CHECKPOINT_MODES", "Pipeline", "PipelineError", "retain_freed_memory"]
+__all__ = ["CHECKPOINT_MODES", "Pipeline", "PipelineError", "check_recompute_randomness", "retain_freed_memory"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -114,6 +118,8 @@ class Pipeline:
         if isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1:
             raise ValueError(f"threads_per_stage must be an integer >= 1, got {threads_per_stage!r}")
         self.threads_per_stage = threads_per_stage
+        check_recompute_randomness(self.stages, checkpoint, self.devices)
+        self._inplace_first = [_starts_in_place(stage) for stage in self.stages]
         self.params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
         self._pending: list[_Record] = []
         self._workers: Optional[list[ThreadPoolExecutor]] = None
@@ -166,10 +172,12 @@ class Pipeline:
                     result=result,
                 )
             )
-        return result
+        return result.clone()  # not the leaf itself: the caller may modify the output in place
 
     def _run_forward(self, j: int, i: int, m: int, inp: torch.Tensor, record_graph: bool) -> torch.Tensor:
         stage = self.stages[j]
+        if inp.requires_grad and self._inplace_first[j]:
+            inp = inp.clone()  # an in-place first layer cannot modify the leaf we differentiate against
         use_checkpoint = record_graph and (self.checkpoint == "always" or (self.checkpoint == "except_last" and i < m - 1))
         out = activation_checkpoint(stage, inp, use_reentrant=False) if use_checkpoint else stage(inp)
         if not isinstance(out, torch.Tensor):
@@ -194,7 +202,9 @@ class Pipeline:
     def backward(self) -> None:
         """Backward through every forward since the last call (see the module docstring)."""
         with self._lock:
-            records, self._pending = [r for r in self._pending if r.result.grad is not None], []
+            # Outputs without a gradient yet (e.g. a second loss whose manual_backward comes later) stay pending.
+            records = [r for r in self._pending if r.result.grad is not None]
+            self._pending = [r for r in self._pending if r.result.grad is None]
         if not records:
             return
         grads_in: list[list[torch.Tensor]] = []
@@ -227,8 +237,15 @@ class Pipeline:
                     else:
                         grad_in = None
                     for p, g in enumerate(grads):
-                        if g is not None:
-                            sums[p] = g if sums[p] is None else sums[p].add_(g)
+                        if g is None:
+                            continue
+                        if sums[p] is None:
+                            # autograd may hand back one tensor as both the input's and a parameter's
+                            # gradient (x + p): never accumulate into what was sent upstream.
+                            aliased = grad_in is not None and g.data_ptr() == grad_in.data_ptr()
+                            sums[p] = g.clone() if aliased else g
+                        else:
+                            sums[p].add_(g)
                     send(n, grad_in)
                 ready = [(p, g) for p, g in zip(params, sums) if g is not None]
                 if ready:
@@ -251,7 +268,17 @@ class Pipeline:
                 roots.append(record.source)
                 grads.append(grad.reshape(record.source.shape))
         if roots:
-            torch.autograd.backward(roots, grads)
+            try:
+                torch.autograd.backward(roots, grads)
+            except RuntimeError as exc:
+                if "backward through the graph a second time" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    "the pipelined module's input is also used elsewhere in the loss (e.g. a skip connection around "
+                    "the split nn.Sequential, or an auxiliary loss on its input): its graph was already freed by "
+                    "loss.backward(). Move the skip connection inside the split module (a layer that returns "
+                    "f(x) + x), or detach the other use."
+                ) from exc
 
     # ------------------------------------------------------------------ execution
     def _execute(
@@ -370,6 +397,38 @@ class Pipeline:
             for worker in self._workers:
                 worker.shutdown(wait=True)
             self._workers = None
+
+
+def _starts_in_place(stage: nn.Module) -> bool:
+    """Whether the first leaf module a stage runs is an in-place one (``nn.ReLU(inplace=True)``)."""
+    module = stage
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return bool(getattr(module, "inplace", False))
+
+
+_RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def check_recompute_randomness(stages: Sequence[nn.Module], checkpoint: str, devices: Optional[Sequence[Any]]) -> None:
+    """Refuse activation recomputation of dropout layers when several stages share the CPU's generator.
+
+    Recomputation replays a stage's forward with the random state saved before it; with
+    several CPU stages running concurrently, other stages draw from the same global generator
+    in between, so the recomputed dropout masks would differ from the forward's and the
+    gradients would be wrong (not just nondeterministic).
+    """
+    if checkpoint == "never" or devices is None:
+        return
+    cpu_stages = sum(torch.device(device).type == "cpu" for device in devices)
+    if cpu_stages < 2:
+        return
+    if any(isinstance(module, _RANDOM_LAYERS) for stage in stages for module in stage.modules()):
+        raise ValueError(
+            f"checkpoint={checkpoint!r} with dropout in a model split over {cpu_stages} CPU stages: the stages share "
+            "the CPU's random generator, so recomputed dropout masks would differ from the forward's and the gradients "
+            "would be wrong. Use checkpoint='never', or put the stages on GPUs (one generator each)."
+        )
 
 
 def retain_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2**30) -> bool:

@@ -47,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline
+from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, make_plan
 from lightning_mgpu.placement.profile import LayerCost, profile_layers
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
@@ -137,6 +137,11 @@ class HybridParallelStrategy(TunedDDPStrategy):
             isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1
         ):
             raise ValueError(f"threads_per_stage must be an integer >= 1 or None, got {threads_per_stage!r}")
+        if kwargs.get("static_graph"):
+            raise ValueError(
+                "static_graph=True is not supported by the hybrid strategy: DDP's static-graph mode all-reduces when "
+                "loss.backward() ends, before the split module's stages have run their backward."
+            )
         if kwargs.get("find_unused_parameters"):
             raise ValueError(
                 "find_unused_parameters=True is not supported by the hybrid strategy: the split module's parameters "
@@ -201,6 +206,10 @@ class HybridParallelStrategy(TunedDDPStrategy):
         self._check_device_count()
         super()._configure_launcher()
 
+    def _process_group_device(self) -> Optional[torch.device]:
+        # NCCL bound to the first GPU would refuse the buckets of the replica's other GPUs.
+        return None if self._devices_per_replica > 1 else super()._process_group_device()
+
     def determine_ddp_device_ids(self) -> Optional[list[int]]:
         return None  # the module spans several devices: DDP must not be given device_ids
 
@@ -209,11 +218,18 @@ class HybridParallelStrategy(TunedDDPStrategy):
         self._check_device_count()
         module = self.lightning_module
         assert module is not None
-        module.to(self.root_device)
         if self._devices_per_replica == 1 and self._microbatches == 1:
+            module.to(self.root_device)
             return  # plain ddp_tuned
         name, seq = self._find_split_module(module)
         self._check_supported(module, name, seq)
+        # Everything but the split module goes to the replica's first device; the split module
+        # stays where it is (the CPU, usually: it may not fit one device) until each stage
+        # moves to its own device. Profiling moves one layer at a time.
+        inside = {id(m) for m in seq.modules()}
+        for sub in module.modules():
+            if id(sub) not in inside:
+                sub._apply(lambda t: t.to(self.root_device), recurse=False)
         plan = self._make_plan(module, name, seq)
         self._plan = plan
         stages, start = [], 0
@@ -280,17 +296,30 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 f"({', '.join(outside[:3])}): the pipeline would accumulate their gradient separately. Untie them or move "
                 "the sharing module inside the split nn.Sequential."
             )
+        owner: dict[int, int] = {}
+        for index, layer in enumerate(seq):
+            for p in layer.parameters():
+                if owner.setdefault(id(p), index) != index:
+                    raise ValueError(
+                        f"layers {owner[id(p)]} and {index} of `{name}` share a parameter: the hybrid strategy may place "
+                        "them on different devices and would accumulate its gradient twice. Untie them or keep the "
+                        "sharing layers in one layer of the nn.Sequential (e.g. wrap them in a sub-module)."
+                    )
+        check_recompute_randomness(list(seq), self._checkpoint, self.replica_devices if self.parallel_devices else None)
         if any(isinstance(m, nn.SyncBatchNorm) for m in seq.modules()):
             raise ValueError(
                 f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's stage threads, in an order "
                 "that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
             )
-        if warn and self._microbatches > 1 and any(isinstance(m, _BatchNorm) for m in seq.modules()):
+        has_bn = any(isinstance(m, _BatchNorm) for m in seq.modules())
+        if warn and has_bn and (self._microbatches > 1 or self._checkpoint != "never"):
+            updates = self._microbatches * (2 if self._checkpoint != "never" else 1)
             rank_zero_warn(
-                f"`{name}` contains BatchNorm and microbatches={self._microbatches}: in training, BatchNorm normalises "
-                "each micro-batch with that micro-batch's statistics (as in GPipe) and updates its running statistics "
-                f"{self._microbatches} times per step, so results differ from full-batch training. Use microbatches=1, "
-                "a larger batch, or GroupNorm/LayerNorm for identical numerics."
+                f"`{name}` contains BatchNorm with microbatches={self._microbatches}, checkpoint={self._checkpoint!r}: "
+                "in training, BatchNorm normalises each micro-batch with that micro-batch's statistics (as in GPipe) "
+                f"and updates its running statistics up to {updates} times per step (recomputation updates them again), "
+                "so results differ from full-batch training. Use microbatches=1 and checkpoint='never', a larger "
+                "batch, or GroupNorm/LayerNorm for identical numerics."
             )
 
     def _make_plan(self, module: nn.Module, name: str, seq: nn.Sequential) -> PlacementPlan:
@@ -308,7 +337,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 )
                 balance = "params"
             micro = None if sample is None else sample[: max(1, -(-sample.shape[0] // self._microbatches))]
-            layers = profile_layers(seq, micro) if micro is not None else _static_costs(seq)
+            layers = profile_layers(seq, micro, device=self.root_device) if micro is not None else _static_costs(seq)
             capacity = [_capacity(device) for device in devices]
             plan = make_plan(layers, devices, balance, microbatches=self._microbatches, capacity=capacity)
             sizes = plan.sizes
@@ -332,6 +361,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
             raise _Captured(args[0].detach())
 
         handle = seq.register_forward_pre_hook(capture)
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]  # e.g. BatchNorm statistics before the split
         try:
             with torch.random.fork_rng(devices=[d for d in {self.root_device} if d.type == "cuda"]), torch.no_grad():
                 example = _to_device(example, self.root_device)
@@ -345,6 +375,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
             return captured.value
         finally:
             handle.remove()
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
         return None  # the forward never reached the split module
 
     # ------------------------------------------------------------------ training hooks
@@ -353,10 +386,36 @@ class HybridParallelStrategy(TunedDDPStrategy):
             self._pipeline.discard_pending()
         super().on_train_batch_start(batch, batch_idx)
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._pipeline is not None:
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's ``Strategy.backward`` with the stages' backward right after ``loss.backward()``,
+        so that ``on_after_backward`` (called by the precision plugin's ``post_backward``) sees every gradient."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        # The loss was divided by the world size for the whole backward (CommProfiler's
+        # prescaled all-reduce): buckets launched by the stages' backward must not divide again.
+        prescaler = self._prescaler
+        prescaled = prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad
+        if prescaled:
+            prescaler._prescaled = True
+        try:
             self._pipeline.backward()
-        super().post_backward(closure_loss)
+        finally:
+            if prescaled:
+                prescaler._prescaled = False
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])  # don't let torch guess rank % GPUs
+            return
+        super().barrier(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -373,11 +432,12 @@ class HybridParallelStrategy(TunedDDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
-        return _to_device(state, torch.device("cpu")) if self._pipeline is not None else state
+        # Only rank 0 writes the checkpoint: the other ranks skip the copy.
+        return _to_device(state, torch.device("cpu")) if self._pipeline is not None and self.is_global_zero else state
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        return _to_device(state, torch.device("cpu")) if self._pipeline is not None else state
+        return _to_device(state, torch.device("cpu")) if self._pipeline is not None and self.is_global_zero else state
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._pipeline is None:

@@ -422,6 +422,12 @@ class TunedDDPStrategy(DDPStrategy):
         the launching process before they start the other ranks, so that a mistake is one clear error
         rather than one traceback per rank (each rank checks again at setup). Subclasses extend it."""
 
+    def _process_group_device(self) -> Optional[torch.device]:
+        """The device NCCL binds its communicator to (``init_process_group(device_id=...)``); None on CPU.
+        A strategy whose process spans several GPUs returns None: a bound NCCL group refuses
+        collectives on any other device."""
+        return self.root_device if self.root_device.type != "cpu" else None
+
     @override
     def setup_distributed(self) -> None:
         # DDPStrategy.setup_distributed, with a rendezvous that listens on the loopback interface
@@ -432,7 +438,7 @@ class TunedDDPStrategy(DDPStrategy):
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
-        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        kwargs["device_id"] = self._process_group_device()
         store = rendezvous_store(
             self.cluster_environment, self.global_rank, self.world_size, self._timeout, self._process_group_backend
         )

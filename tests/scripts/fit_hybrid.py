@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_mgpu import HybridParallelStrategy
+from lightning_mgpu import CommProfiler, HybridParallelStrategy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", choices=("hybrid", "ddp_tuned", "single"), default="hybrid")
@@ -29,6 +29,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=32, help="per process")
 parser.add_argument("--ckpt-save", default=None, help="trainer.save_checkpoint here at the end")
 parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+parser.add_argument("--profiler", action="store_true", help="add CommProfiler(warmup_steps=1)")
 parser.add_argument("--out", required=True)
 
 
@@ -40,6 +41,7 @@ class Net(L.LightningModule):
         self.head = nn.Linear(32, 1)
         self.batch_size = batch_size
         self.losses: list[float] = []
+        self.grads_seen: list[bool] = []  # every parameter has a gradient in on_after_backward
         self.example_input_array = torch.randn(batch_size, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +59,9 @@ class Net(L.LightningModule):
         loss = nn.functional.mse_loss(self(x), y)
         self.losses.append(loss.item())
         return loss
+
+    def on_after_backward(self) -> None:
+        self.grads_seen.append(all(p.grad is not None for p in self.parameters()))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -83,6 +88,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[CommProfiler(warmup_steps=1, every_n_steps=2)] if args.profiler else [],
     )
     trainer.fit(model, ckpt_path=args.ckpt_path)
     if args.ckpt_save:
@@ -91,6 +97,7 @@ def main() -> None:
         optimizer_state = trainer.optimizers[0].state_dict()["state"]
         record = {
             "losses": model.losses,
+            "grads_seen": model.grads_seen,
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
             "exp_avg": [optimizer_state[i]["exp_avg"].cpu() for i in sorted(optimizer_state)],
             "world_size": trainer.world_size,
