@@ -176,7 +176,14 @@ def block_partition(costs: Sequence[float], k: int) -> list[int]:
     def block(i: int) -> float:
         return prefix[ends[i]] - prefix[ends[i - 1] if i > 0 else 0]
 
+    seen: set[tuple[int, ...]] = set()
     for _ in range(100 * num_layers * k):  # the paper proves termination; this is only a seatbelt
+        if tuple(ends) in seen:
+            # Floating-point ties can make the procedure cycle on measured costs (seen with the
+            # profiled CNN): stop at the first repeated state, with that state's split.
+            starts = [0] + ends[:-1]
+            return [e - s for s, e in zip(starts, ends)]
+        seen.add(tuple(ends))
         sums = [block(i) for i in range(k)]
         largest = max(sums)
         p = max(i for i in range(k) if sums[i] == largest)

@@ -35,7 +35,7 @@ def two():
 
 @pytest.fixture()
 def workdir(tmp_path: Path) -> Path:
-    (tmp_path / "factory_mod.py").write_text(FACTORY)
+    (tmp_path / "plan_factory_mod.py").write_text(FACTORY)
     return tmp_path
 
 
@@ -54,7 +54,7 @@ def _plan_here(workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 
 def test_plan_prints_every_balance_mode_and_writes_json(workdir: Path) -> None:
     out = workdir / "plan.json"
-    proc = _plan(workdir, "factory_mod:build", "--shape", "64,16", "--devices", "2", "--microbatches", "4", "--json", str(out))
+    proc = _plan(workdir, "plan_factory_mod:build", "--shape", "64,16", "--devices", "2", "--microbatches", "4", "--json", str(out))
     for mode in ("balance='time'", "balance='memory'", "balance='params'", "(fastest)", "ideal speed-up"):
         assert mode in proc.stdout, mode
     payload = json.loads(out.read_text())
@@ -67,24 +67,24 @@ def test_plan_prints_every_balance_mode_and_writes_json(workdir: Path) -> None:
 
 
 def test_plan_finds_the_sequential_inside_a_module(workdir: Path) -> None:
-    proc = _plan(workdir, "factory_mod:wrapped", "--shape", "8,16", "--devices", "3", "--repeats", "1")
+    proc = _plan(workdir, "plan_factory_mod:wrapped", "--shape", "8,16", "--devices", "3", "--repeats", "1")
     assert "5 layers over 3 devices" in proc.stdout
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["factory_mod", "--shape", "8,16"], "factory must look like package.module:function"),
+        (["plan_factory_mod", "--shape", "8,16"], "factory must look like package.module:function"),
         (["no_such_mod:build", "--shape", "8,16"], "cannot import 'no_such_mod'"),
-        (["factory_mod:missing", "--shape", "8,16"], "factory_mod has no function 'missing'"),
-        (["factory_mod:two", "--shape", "8,16"], "has 2 nn.Sequential children; name one with --split-module"),
-        (["factory_mod:wrapped", "--shape", "8,16", "--split-module", "stem"], "--split-module 'stem' is not an nn.Sequential"),
-        (["factory_mod:build", "--shape", "8,x"], "argument --shape"),
-        (["factory_mod:build", "--shape", "0,16"], "every size must be >= 1"),
-        (["factory_mod:build", "--shape", "8,16", "--devices", "0"], "argument --devices: expected an integer >= 1"),
-        (["factory_mod:build", "--shape", "8,16", "--devices", "6"], "5 layers, fewer than --devices 6"),
-        (["factory_mod:build", "--shape", "8,16", "--capacity", "lots"], "argument --capacity: cannot read 'lots'"),
-        (["factory_mod:build", "--shape", "8,16", "--device", "cuda"], "CUDA is not available"),
+        (["plan_factory_mod:missing", "--shape", "8,16"], "plan_factory_mod has no function 'missing'"),
+        (["plan_factory_mod:two", "--shape", "8,16"], "has 2 nn.Sequential children; name one with --split-module"),
+        (["plan_factory_mod:wrapped", "--shape", "8,16", "--split-module", "stem"], "--split-module 'stem' is not an nn.Sequential"),
+        (["plan_factory_mod:build", "--shape", "8,x"], "argument --shape"),
+        (["plan_factory_mod:build", "--shape", "0,16"], "every size must be >= 1"),
+        (["plan_factory_mod:build", "--shape", "8,16", "--devices", "0"], "argument --devices: expected an integer >= 1"),
+        (["plan_factory_mod:build", "--shape", "8,16", "--devices", "6"], "5 layers, fewer than --devices 6"),
+        (["plan_factory_mod:build", "--shape", "8,16", "--capacity", "lots"], "argument --capacity: cannot read 'lots'"),
+        (["plan_factory_mod:build", "--shape", "8,16", "--device", "cuda"], "CUDA is not available"),
     ],
 )
 def test_bad_input_gets_one_clear_line_and_no_traceback(
@@ -96,6 +96,6 @@ def test_bad_input_gets_one_clear_line_and_no_traceback(
 
 
 def test_a_sample_the_model_cannot_take_is_reported_as_such(workdir: Path) -> None:
-    proc = _plan(workdir, "factory_mod:build", "--shape", "8,7", check=False)
+    proc = _plan(workdir, "plan_factory_mod:build", "--shape", "8,7", check=False)
     assert proc.returncode == 2 and "running the model on a sample of shape [8, 7] (float32) failed" in proc.stderr
     assert "Traceback" not in proc.stderr
