@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 def _cmd_strategies(args: argparse.Namespace) -> int:
@@ -42,14 +42,24 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+def bounded_int(maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= 1 (and <= ``maximum``), shared by every subcommand."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1 and at most {maximum}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = bounded_int()
 
 
 def _cmd_bench_comm(args: argparse.Namespace) -> int:

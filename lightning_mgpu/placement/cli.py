@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from lightning_mgpu.cli import bounded_int
+
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
 # Beyond these a value is a mistake: refused before anything is built or measured.
 _LIMITS = {"devices": 1024, "microbatches": 1_000_000, "repeats": 10_000, "high": 2**63 - 1}
@@ -37,23 +39,19 @@ def register(subparsers: Any) -> None:
     parser.add_argument("factory", metavar="MODULE:FUNCTION", help="a function returning the model, e.g. mypkg.models:build")
     parser.add_argument("--shape", required=True, help="shape of one batch of the split module's input, e.g. 64,512")
     parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="input dtype (long/int for token ids)")
-    parser.add_argument("--high", type=int, default=2, help="token ids are drawn from [0, HIGH) for integer dtypes")
-    parser.add_argument("--devices", type=int, default=2, help="K, devices per replica (default 2)")
-    parser.add_argument("--microbatches", type=int, default=1, help="M, micro-batches per step (default 1)")
+    parser.add_argument("--high", type=bounded_int(_LIMITS["high"]), default=2, help="token ids are drawn from [0, HIGH) for integer dtypes")
+    parser.add_argument("--devices", type=bounded_int(_LIMITS["devices"]), default=2, help="K, devices per replica (default 2)")
+    parser.add_argument("--microbatches", type=bounded_int(_LIMITS["microbatches"]), default=1, help="M, micro-batches per step (default 1)")
     parser.add_argument("--split-module", default=None, help="attribute holding the nn.Sequential, if not the only one")
     parser.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1 ...)")
     parser.add_argument("--capacity", default=None, metavar="SIZE", help="memory per device, e.g. 80GiB (default: no limit)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median; default 5)")
+    parser.add_argument("--repeats", type=bounded_int(_LIMITS["repeats"]), default=5, help="timed runs per layer (median; default 5)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
     parser.set_defaults(func=_run, subparser=parser)
 
 
 def _run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.subparser
-    for name, maximum in _LIMITS.items():
-        if not 1 <= getattr(args, name) <= maximum:
-            parser.error(f"argument --{name.replace('_', '-')}: expected an integer >= 1 and at most {maximum}, "
-                         f"got {getattr(args, name)}")  # fmt: skip
     try:
         shape = [int(part) for part in args.shape.lower().replace("x", ",").split(",")]
     except ValueError:

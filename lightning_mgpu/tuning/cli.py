@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_mgpu.cli import bounded_int
+
 DEFAULT_TIMEOUT_S = 1800.0
 # Beyond these a value is a mistake: refused before anything starts.
 MAX_PROCESSES = 1024
@@ -33,23 +35,9 @@ MAX_COUNT = 1_000_000
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-def _bounded_int(maximum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-        if value > maximum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1 and at most {maximum}, got {text!r}")
-        return value
 
-    return parse
-
-
-_positive_int = _bounded_int(MAX_COUNT)
-_process_count = _bounded_int(MAX_PROCESSES)
+_positive_int = bounded_int(MAX_COUNT)
+_process_count = bounded_int(MAX_PROCESSES)
 
 
 def _positive_seconds(text: str) -> float:
