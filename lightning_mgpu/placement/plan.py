@@ -205,8 +205,9 @@ class PlacementPlan:
         return console.export_text().rstrip()
 
 
-def check_sizes(sizes: object, num_layers: int, num_stages: int, *, name: str = "balance") -> list[int]:
-    """Validate an explicit list of stage sizes; returns it as a list of ints."""
+def check_sizes(sizes: object, num_layers: Optional[int], num_stages: int, *, name: str = "balance") -> list[int]:
+    """Validate an explicit list of stage sizes (their sum too, unless ``num_layers`` is None:
+    not known yet); returns it as a list of ints."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
         raise ValueError(f"{name} must be one of {BALANCE_MODES} or a list of stage sizes, got {sizes!r}")
     values = list(sizes)
@@ -214,7 +215,7 @@ def check_sizes(sizes: object, num_layers: int, num_stages: int, *, name: str = 
         raise ValueError(f"{name}={values!r}: every stage size must be an integer >= 1 (each stage needs a layer)")
     if len(values) != num_stages:
         raise ValueError(f"{name}={values!r} has {len(values)} stage sizes but there are {num_stages} devices per replica")
-    if sum(values) != num_layers:
+    if num_layers is not None and sum(values) != num_layers:
         raise ValueError(f"{name}={values!r} adds up to {sum(values)} layers but the split module has {num_layers}")
     return values
 

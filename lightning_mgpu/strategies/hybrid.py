@@ -121,10 +121,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
             if balance not in BALANCE_MODES:
                 raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
         else:
-            if not isinstance(balance, Sequence):
-                raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
-            check_sizes(balance, sum(balance) if all(isinstance(s, int) for s in balance) else -1, devices_per_replica)
-            balance = list(balance)
+            balance = check_sizes(balance, None, devices_per_replica)  # the layer count is checked at setup
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
         if checkpoint not in CHECKPOINT_MODES:
