@@ -63,6 +63,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    apply_quick,
     count_parameters,
     machine_facts,
     make_data,
@@ -462,11 +463,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--worker-plan", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
-        explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
-        for name, value in QUICK.items():
-            if name not in explicit:
-                setattr(args, name, value)
+    apply_quick(args, argv, QUICK)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
     args.models = [m.strip() for m in str(args.models).split(",") if m.strip()]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import platform
 import time
 from pathlib import Path
@@ -192,6 +193,16 @@ def machine_facts(*, backend: str, world_size: int, device_type: str, threads_pe
     except ImportError:
         facts["lightning_mgpu"] = None
     return facts
+
+
+def apply_quick(args: Any, argv: Optional[Sequence[str]], quick: dict[str, Any]) -> None:
+    """``--quick``: set the smoke-run values of ``quick`` on ``args``, except flags given explicitly."""
+    if not getattr(args, "quick", False):
+        return
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+    for name, value in quick.items():
+        if name not in given:
+            setattr(args, name, value)
 
 
 def write_json(path: os.PathLike[str] | str, payload: dict[str, Any]) -> Path:

@@ -48,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench import overhead  # noqa: E402
-from bench.common import MLP_WIDTHS, StepTimer, make_data, make_mlp, print_table, summarize, write_json  # noqa: E402
+from bench.common import MLP_WIDTHS, apply_quick, StepTimer, make_data, make_mlp, print_table, summarize, write_json  # noqa: E402
 
 BASE, DOCTOR = "ddp_tuned", "ddp_tuned+doctor"
 CONFIGS = (BASE, DOCTOR)
@@ -262,11 +262,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--worker-schedule", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
-        for name, value in QUICK.items():
-            if name not in given:
-                setattr(args, name, value)
+    apply_quick(args, argv, QUICK)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
     for name in ("pairs", "steps", "batch_size", "nproc", "threads"):

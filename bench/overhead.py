@@ -80,6 +80,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    apply_quick,
     MLP_WIDTHS,
     StepTimer,
     count_parameters,
@@ -531,11 +532,7 @@ def parse_args(
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.quick:
-        explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
-        for name, value in QUICK.items():
-            if name not in explicit:
-                setattr(args, name, value)
+    apply_quick(args, argv, QUICK)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
     for name in ("rounds", "steps", "batch_size", "nproc", "threads"):
