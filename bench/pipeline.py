@@ -14,9 +14,10 @@ speed-up is against the unsplit model, next to GPipe's bound ``M*K / (M + K - 1)
 given to one device) is printed too, for honesty: it is what one would otherwise do with
 two cores.
 
-Micro-batching on CPU allocates each layer's weight gradient once per micro-batch; with
-glibc's default settings large freed blocks go back to the OS and come back as page faults
-(the "faults/step" column). ``--retain-freed-memory`` calls
+Micro-batching on CPU allocates large tensors per micro-batch (boundary activations and
+their gradients; weight gradients too, for layers other than plain ``nn.Linear``, which
+accumulate in place); with glibc's default settings large freed blocks go back to the OS and
+come back as page faults (the "faults/step" column). ``--retain-freed-memory`` calls
 :func:`lightning_mgpu.placement.pipeline.retain_freed_memory` first (for every
 configuration alike), which is what a CPU user of the hybrid strategy would do.
 

@@ -315,3 +315,91 @@ def test_recomputing_dropout_over_several_cpu_stages_is_refused() -> None:
         Pipeline(stages, ["cpu", "cpu"], checkpoint="except_last")
     Pipeline(stages, ["cpu", "cpu"], checkpoint="never").close()
     Pipeline(stages[:1], ["cpu"], checkpoint="always").close()  # one stage: no interleaving
+
+
+def _stage_grad_fns(pipe: Pipeline) -> set[str]:
+    """Names of every backward node in the pending stages' graphs."""
+    names: set[str] = set()
+    seen: set[int] = set()
+    for record in pipe._pending:
+        for stage_outputs in record.outputs:
+            todo = [out.grad_fn for out in stage_outputs if out is not None]
+            while todo:
+                node = todo.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                names.add(node.name())
+                todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def _pipelined_vs_reference(build, x, *, microbatches=4, checkpoint="never", autocast=False):
+    """Gradients of ``build()`` split in two CPU stages and pipelined, against the same model on the full batch."""
+    torch.manual_seed(0)
+    reference = build()
+    model = copy.deepcopy(reference)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.enable_grad()
+    with context:
+        reference(x).float().square().mean().backward()
+    half = len(model) // 2
+    pipe = Pipeline([model[:half], model[half:]], ["cpu", "cpu"], microbatches=microbatches, checkpoint=checkpoint)
+    try:
+        with context:
+            out = pipe.forward(x)
+        names = _stage_grad_fns(pipe)
+        out.float().square().mean().backward()
+        pipe.backward()
+    finally:
+        pipe.close()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    return got, want, names
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_plain_linear_layers_accumulate_their_weight_gradient_in_place(checkpoint: str) -> None:
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8, bias=False), nn.Sequential(nn.Linear(8, 4)))
+
+    got, want, names = _pipelined_vs_reference(build, torch.randn(3, 10, 6), checkpoint=checkpoint)  # 3-D input
+    if checkpoint == "never":
+        assert "_AccumulatingLinearBackward" in names and "AddmmBackward0" not in names
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_frozen_tied_or_hooked_linears_and_autocast_still_give_the_full_batch_gradients() -> None:
+    class UsesWeight(nn.Module):  # uses the previous layer's weight outside nn.Linear (tied)
+        def __init__(self, weight: nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0.1 * (x @ self.weight.t())
+
+    def build() -> nn.Sequential:
+        tied = nn.Linear(8, 8)
+        frozen_bias = nn.Linear(8, 8)
+        frozen_bias.bias.requires_grad_(False)
+        frozen = nn.Linear(8, 8)
+        frozen.requires_grad_(False)
+        hooked = nn.Linear(8, 8)
+        hooked.register_forward_hook(lambda module, args, out: out * 2)
+        return nn.Sequential(nn.Linear(5, 8), tied, UsesWeight(tied.weight), frozen_bias, frozen, hooked, nn.Linear(8, 3))
+
+    got, want, names = _pipelined_vs_reference(build, torch.randn(12, 5))
+    assert "_AccumulatingLinearBackward" in names
+    for name, grad in want.items():
+        if grad is None:
+            assert got[name] is None, name
+        else:
+            torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+
+    # Under autocast the layers run as themselves (their bf16 matmuls), and the result still matches.
+    got, want, names = _pipelined_vs_reference(build, torch.randn(12, 5), autocast=True)
+    assert "_AccumulatingLinearBackward" not in names
+    for name, grad in want.items():
+        if grad is not None:
+            torch.testing.assert_close(got[name], grad, rtol=0.05, atol=0.05, msg=name)

@@ -28,6 +28,14 @@ stages' graphs apart:
    are still computing. Finally the input gradient flows into whatever came before the
    split module (e.g. an embedding outside it).
 
+Summing per-micro-batch weight gradients costs, for every micro-batch, a fresh weight-sized
+tensor and one more pass over it. A stage's plain ``nn.Linear`` layers (exactly that class,
+no hooks on them, directly in the stage or in plain ``nn.Sequential`` s inside it) avoid both: their forward goes through a small autograd function whose
+backward adds ``grad_out^T @ input`` straight into the step's running sum
+(``addmm_``, the same arithmetic an ``nn.Linear`` backward does) and hands autograd no
+weight gradient at all; the sums then go through the single accumulation above. Under
+autocast, or with inputs of another dtype than the weight, those layers run as usual.
+
 Gradients equal those of the full batch whenever the layers treat samples independently
 (no BatchNorm in training mode: it normalises per micro-batch), up to float summation
 order. Parameters shared between the split module and the rest of the model are not
@@ -121,6 +129,8 @@ class Pipeline:
         check_recompute_randomness(self.stages, checkpoint, self.devices)
         self._inplace_first = [_starts_in_place(stage) for stage in self.stages]
         self.params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
+        # per stage: {id(parameter): running sum} for the accumulating nn.Linear path
+        self._linear_sums: list[dict[int, _GradSum]] = [{} for _ in self.stages]
         self._pending: list[_Record] = []
         self._workers: Optional[list[ThreadPoolExecutor]] = None
         self._copy_streams: dict[torch.device, Any] = {}
@@ -179,10 +189,39 @@ class Pipeline:
         if inp.requires_grad and self._inplace_first[j]:
             inp = inp.clone()  # an in-place first layer cannot modify the leaf we differentiate against
         use_checkpoint = record_graph and (self.checkpoint == "always" or (self.checkpoint == "except_last" and i < m - 1))
-        out = activation_checkpoint(stage, inp, use_reentrant=False) if use_checkpoint else stage(inp)
+        run = self._accumulating_forward(j) if record_graph else None
+        if run is None:
+            run = stage
+        out = activation_checkpoint(run, inp, use_reentrant=False) if use_checkpoint else run(inp)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {j} returned {type(out).__name__}; every stage must return one tensor")
         return out
+
+    def _accumulating_forward(self, j: int) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """Stage ``j``'s forward with its plain ``nn.Linear`` layers accumulating their own
+        weight gradients (module docstring), or None where the stage must run as itself:
+        not an ``nn.Sequential``, hooks that calling the layers directly would skip,
+        autocast on, or no such layer."""
+        stage = self.stages[j]
+        if type(stage) is not nn.Sequential or _has_hooks(stage) or _global_module_hooks() or _autocast_on():
+            return None
+        layers = list(_flat_layers(stage))
+        if not any(_accumulates(layer) for layer in layers):
+            return None
+        sums = self._linear_sums[j]
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in layers:
+                if _accumulates(layer) and x.dtype == layer.weight.dtype and x.dim() >= 1 and x.device == layer.weight.device:
+                    bias = layer.bias if layer.bias is not None and layer.bias.requires_grad else None
+                    weight_sum = sums.setdefault(id(layer.weight), _GradSum())
+                    bias_sum = sums.setdefault(id(bias), _GradSum()) if bias is not None else None
+                    x = _AccumulatingLinear.apply(x, layer.weight, layer.bias, weight_sum, bias_sum)
+                else:
+                    x = layer(x)
+            return x
+
+        return run
 
     # ------------------------------------------------------------------ backward
     @property
@@ -220,6 +259,9 @@ class Pipeline:
         def run_stage(j: int, receive: Callable[[int], torch.Tensor], send: Callable[[int, torch.Tensor], None]) -> None:
             params = self.params[j]
             sums: list[Optional[torch.Tensor]] = [None] * len(params)
+            linear_sums = self._linear_sums[j]
+            for running in linear_sums.values():
+                running.value = None  # nothing left over from a backward that failed half-way
             with self._stage_context(j, {}):
                 for n, (r, i) in enumerate(items):
                     record = records[r]
@@ -247,6 +289,12 @@ class Pipeline:
                         else:
                             sums[p].add_(g)
                     send(n, grad_in)
+                for p, param in enumerate(params):
+                    running = linear_sums.get(id(param))
+                    if running is None or running.value is None:
+                        continue
+                    own, running.value = running.value, None
+                    sums[p] = own if sums[p] is None else sums[p].add_(own)
                 ready = [(p, g) for p, g in zip(params, sums) if g is not None]
                 if ready:
                     # One accumulation per parameter per step: DDP's reducer hooks fire once, here.
@@ -434,10 +482,10 @@ def check_recompute_randomness(stages: Sequence[nn.Module], checkpoint: str, dev
 def retain_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2**30) -> bool:
     """Ask glibc to keep freed CPU memory for reuse instead of returning it to the OS.
 
-    Micro-batching on CPU allocates and frees each layer's weight gradient once per
-    micro-batch; with glibc's defaults a large freed block goes back to the OS and the next
-    allocation page-faults it in again (tens of thousands of faults per step,
-    ``bench/pipeline.py`` counts them). This sets ``M_MMAP_THRESHOLD`` and
+    Micro-batching on CPU allocates and frees large tensors once per micro-batch (boundary
+    activations, and the weight gradients of layers other than plain ``nn.Linear``); with
+    glibc's defaults a large freed block goes back to the OS and the next allocation
+    page-faults it in again (thousands of faults per step, ``bench/pipeline.py`` counts them). This sets ``M_MMAP_THRESHOLD`` and
     ``M_TRIM_THRESHOLD`` with ``mallopt`` — the same as starting Python with
     ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment — for the
     whole process: the resident size then stays near its peak. Returns ``False`` where it
@@ -471,3 +519,92 @@ def _thread_modes() -> dict[str, Any]:
         except (RuntimeError, TypeError):  # pragma: no cover - older torch signatures
             continue
     return {"grad": torch.is_grad_enabled(), "autocast": autocast}
+
+
+class _GradSum:
+    """One parameter's gradient summed over a step's micro-batches (None before the first)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Optional[torch.Tensor] = None
+
+
+class _AccumulatingLinear(torch.autograd.Function):
+    """``F.linear`` whose backward adds the weight (and bias) gradient into running sums
+    instead of returning it: no weight-sized tensor per micro-batch, no extra pass."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        weight_sum: _GradSum,
+        bias_sum: Optional[_GradSum],
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.sums = (weight_sum, bias_sum)
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        weight_sum, bias_sum = ctx.sums
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        rows_out = grad_out.reshape(-1, grad_out.shape[-1])
+        rows_in = x.reshape(-1, x.shape[-1])
+        if weight_sum.value is None:
+            weight_sum.value = rows_out.t().matmul(rows_in)
+        else:
+            weight_sum.value.addmm_(rows_out.t(), rows_in)
+        if bias_sum is not None:
+            bias_grad = rows_out.sum(0)
+            bias_sum.value = bias_grad if bias_sum.value is None else bias_sum.value.add_(bias_grad)
+        return grad_x, None, None, None, None
+
+
+def _flat_layers(module: nn.Module) -> Any:
+    """The layers a plain ``nn.Sequential`` runs, nested plain ``nn.Sequential`` s opened up."""
+    if type(module) is nn.Sequential and not _has_hooks(module):
+        for child in module:
+            yield from _flat_layers(child)
+    else:
+        yield module
+
+
+def _accumulates(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear and layer.weight.requires_grad and not _has_hooks(layer)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as module_impl
+
+    return any(
+        getattr(module_impl, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+
+
+def _autocast_on() -> bool:
+    for device_type in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                return True
+        except (RuntimeError, TypeError):  # pragma: no cover - older torch signatures
+            continue
+    return False
