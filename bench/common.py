@@ -91,9 +91,11 @@ class StepTimer:
         self._cuda = device.type == "cuda"
         self._starts: list[Any] = []
         self._stops: list[Any] = []
+        self._cpu_starts: list[int] = []
 
     def start(self) -> None:
         self._starts.append(self._mark())
+        self._cpu_starts.append(time.process_time_ns())
 
     def stop(self) -> None:
         self._stops.append(self._mark())
@@ -124,6 +126,11 @@ class StepTimer:
             torch.cuda.synchronize(self.device)
         starts = self._starts[skip:]
         return [self._elapsed_ms(b, e) for b, e in zip(starts[:-1], starts[1:])]
+
+    def cpu_iteration_ms(self, skip: int = 0) -> list[float]:
+        """CPU time this process used (every thread: gloo's included) from each ``start`` to the next."""
+        starts = self._cpu_starts[skip:]
+        return [(e - b) / 1e6 for b, e in zip(starts[:-1], starts[1:])]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

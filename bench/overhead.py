@@ -68,7 +68,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # `python bench/overhead.py` puts bench/ on sys.path, not the repository root.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -271,14 +271,22 @@ def _backend(accelerator: str) -> str:
 
 
 # ----------------------------------------------------------------------------- driver (runs once, starts the launches)
-def launch(config: str, args: argparse.Namespace, scratch: Path, label: str) -> dict[str, Any]:
-    """One ``torch.distributed.run`` launch of ``config``; returns rank 0's report."""
+def launch(
+    config: str,
+    args: argparse.Namespace,
+    scratch: Path,
+    label: str,
+    script: Optional[Path] = None,
+    extra_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """One ``torch.distributed.run`` launch of ``config`` (a ``--worker`` of ``script``, this
+    file by default, given ``extra_args`` too); returns rank 0's report."""
     worker_out = scratch / f"{label}.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-        str(Path(__file__).resolve()), "--worker", config, "--worker-out", str(worker_out),
+        str(script or Path(__file__).resolve()), "--worker", config, "--worker-out", str(worker_out),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-        "--accelerator", args.accelerator, "--threads", str(args.threads),
+        "--accelerator", args.accelerator, "--threads", str(args.threads), *extra_args,
     ]  # fmt: skip
     # No --nproc here: torch.distributed.run would read it as an abbreviation of its own
     # --nproc-per-node. Workers take the world size from the environment.
@@ -512,27 +520,36 @@ def print_report(
 
 
 def parse_args(
-    argv: Optional[list[str]] = None, *, description: Optional[str] = None, default_out: Path = DEFAULT_OUT
+    argv: Optional[list[str]] = None,
+    *,
+    description: Optional[str] = None,
+    default_out: Path = DEFAULT_OUT,
+    workers: tuple[str, ...] = WORKERS,
+    extend: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+    quick: Optional[dict[str, Any]] = None,
 ) -> argparse.Namespace:
+    """The options every launch-based benchmark shares; ``extend`` adds a script's own."""
     parser = argparse.ArgumentParser(
         description=description or __doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of one launch per configuration ({ROUNDS})")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per launch ({STEPS})")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps before them, >= 2 ({WARMUP})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of one launch per configuration (%(default)s)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per launch (%(default)s)")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before them, >= 2 (%(default)s)")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"per rank ({BATCH_SIZE})")
-    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick or QUICK} unless given explicitly")
     parser.add_argument("--out", type=Path, default=default_out, help="JSON report (%(default)s)")
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl")
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per launch (2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (cores // nproc)")
     parser.add_argument("--launch-timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds per launch")
     # Internal: set by `launch` for the processes torch.distributed.run starts.
-    parser.add_argument("--worker", choices=WORKERS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=workers, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    if extend is not None:
+        extend(parser)
     args = parser.parse_args(argv)
 
-    apply_quick(args, argv, QUICK)
+    apply_quick(args, argv, QUICK if quick is None else quick)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
     for name in ("rounds", "steps", "batch_size", "nproc", "threads"):

@@ -1,73 +1,249 @@
 """What does ``CommProfiler`` cost per training step?
 
 The 8M-parameter MLP of ``bench/common.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
-``strategy="ddp_tuned"`` with and without ``CommProfiler(every_n_steps=50)``. Every launch
-is measured the way ``bench/overhead.py`` measures (same launcher, model, data, warm-up
-and statistics; see its docstring); the two configurations alternate in one run, in an
-order rotated each round, and each figure is the median over rounds of per-launch medians.
+``strategy="ddp_tuned"`` with and without ``CommProfiler(every_n_steps=50)``.
 
-Target: the profiler adds at most 3% to the step time.
+Target: the profiler adds at most 3% to the iteration time (one step's start to the next:
+the profiler's own work at the end of a batch, and every 50 steps a gather across ranks,
+runs after a step-end stamp, so the step span alone would miss part of its cost).
 
-The verdict uses the *iteration* time (one step's start to the next): the profiler's own
-work at the end of a batch (resolving the step's stamps, and every 50 steps a gather
-across ranks) runs after the benchmark's step-end stamp, so the step span alone would
-miss part of its cost.
-
-    python bench/profiler_overhead.py               # 5 rounds x 2 launches, 100 timed steps each
+    python bench/profiler_overhead.py               # 2 launches x 6 rounds x (with, without)
     python bench/profiler_overhead.py --quick       # smoke run
+    python bench/profiler_overhead.py --method launches --rounds 7 --steps 150   # former design
     python bench/profiler_overhead.py --accelerator cuda --nproc 2
+
+How it is measured (``--method interleaved``, the default): the same run, interleaved.
+Each of ``--launches`` launches of ``torch.distributed.run`` trains the model ``2 x
+(--rounds + 1)`` times in the same processes, one ``Trainer.fit`` after another,
+alternating with and without the profiler in ABBA order (without, with, with, without,
+...); the first round is not kept (a process's first fits pay one-time costs). Every fit
+builds a fresh model, DDP wrapper and, when on, a fresh profiler, skips ``--warmup`` steps
+and times ``--steps`` steps on rank 0 with ``bench/overhead.py``'s loop and clock. A round's
+two fits run back to back in one process, so they share the machine's state of the moment
+(load from elsewhere, heap, page cache); the figure is the median over all rounds of the
+per-round ratio with/without, with a distribution-free 95% confidence interval of that
+median. Rank 0's CPU time per iteration (every thread of the process) is reported beside
+the wall time: it is far less disturbed by other load on a shared machine.
+
+``--method launches`` is the design used before: each configuration its own launch of
+``bench/overhead.py``'s worker, launches alternating; process-to-process differences
+(heap layout, page faults, where the scheduler puts the threads) then add a few percent of
+noise to every launch, more than the margin being tested.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import json
+import math
+import os
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import overhead  # noqa: E402
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import StepTimer, make_data, percentile, print_table, summarize, write_json  # noqa: E402
 
 CONFIGS = ("ddp_tuned", "ddp_tuned+profiler")
-LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): 1.03}
+LIMIT = 1.03
+LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): LIMIT}
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "profiler_overhead.json"
+ROUNDS, STEPS, LAUNCHES = 6, 60, 2
+QUICK = {"rounds": 1, "steps": 10, "warmup": 2, "launches": 1}
+INTERLEAVED_WORKER = "interleaved"
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    # Launches run bench/overhead.py's worker, which knows the "+profiler" configuration.
-    args = overhead.parse_args(argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT)
-    print(
-        f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; "
-        f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n"
+# ----------------------------------------------------------------------------- statistics
+def median_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median: the order statistics whose
+    ranks a Binomial(n, 1/2) count puts around the middle (no normality assumed). With
+    fewer than 6 values no interval reaches 95%: the range is returned instead."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("median_ci of an empty sequence")
+    alpha = 1 - confidence
+    cumulative, k = 0.0, 0
+    # largest k with P(X < k) <= alpha / 2, X ~ Binomial(n, 1/2)
+    while k < n and cumulative + math.comb(n, k) / 2**n <= alpha / 2:
+        cumulative += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
+
+
+# ----------------------------------------------------------------------------- the interleaved worker (every rank)
+def run_interleaved_worker(args: argparse.Namespace) -> None:
+    """``2 x (rounds + 1)`` fits in these processes, with and without the profiler in ABBA order;
+    rank 0 writes every fit's timings to ``--worker-out``."""
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    device = overhead._worker_device(args.accelerator)
+    world_size = int(os.environ["WORLD_SIZE"])
+    total_steps = args.warmup + args.steps
+    dataset = make_data(total_steps * args.batch_size * world_size)
+    rank0 = int(os.environ["RANK"]) == 0
+    fits: list[dict[str, Any]] = []
+    # Round -1 is not kept: a process's first fits pay one-time costs (lazy initialisation,
+    # the allocator growing its heap) that would favour whichever configuration runs later.
+    for round_index in range(-1, args.rounds):
+        order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
+        for position, config in enumerate(order):
+            timer = StepTimer(device)
+            args.worker = config  # overhead._train_lightning reads the configuration from here
+            result = overhead._train_lightning(args, dataset, timer, device, total_steps)
+            if rank0 and round_index >= 0:
+                fits.append(
+                    {
+                        **result,
+                        "config": config,
+                        "round": round_index,
+                        "position": position,
+                        "label": f"round{round_index + 1}_{config}",
+                        "step": summarize(timer.step_ms(skip=args.warmup)),
+                        "iteration": summarize(timer.iteration_ms(skip=args.warmup)),
+                        "cpu_iteration": summarize(timer.cpu_iteration_ms(skip=args.warmup)),
+                    }
+                )
+            gc.collect()  # the finished Trainer's (cyclic) objects, before the next fit is timed
+    args.worker = INTERLEAVED_WORKER
+    if rank0:
+        Path(args.worker_out).write_text(json.dumps({"fits": fits, "world_size": world_size}))
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
+    fits: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
+        for launch_index in range(args.launches):
+            label = f"launch{launch_index + 1}"
+            report = overhead.launch(
+                INTERLEAVED_WORKER,
+                args,
+                Path(scratch),
+                label,
+                script=Path(__file__).resolve(),
+                extra_args=("--rounds", str(args.rounds)),
+            )
+            for fit in report["fits"]:
+                fit.update(launch=launch_index, label=f"{label}_{fit['label']}")
+                fits.append(fit)
+            overhead.check_same_buckets(fits)
+            for round_index in range(args.rounds):
+                pair = {f["config"]: f for f in report["fits"] if f["round"] == round_index}
+                off, on = pair[CONFIGS[0]], pair[CONFIGS[1]]
+                print(
+                    f"launch {launch_index + 1}/{args.launches} round {round_index + 1}/{args.rounds}  "
+                    f"iteration {off['iteration']['median']:7.2f} -> {on['iteration']['median']:7.2f} ms "
+                    f"(x{on['iteration']['median'] / off['iteration']['median']:.3f})  "
+                    f"cpu {off['cpu_iteration']['median']:7.2f} -> {on['cpu_iteration']['median']:7.2f} ms"
+                )
+            print(f"  ({report['launch_wall_s']:.0f} s)")
+    return fits
+
+
+def paired_ratios(fits: list[dict[str, Any]], measure: str) -> list[float]:
+    """with/without of the per-fit medians of ``measure``, one ratio per round of each launch."""
+    ratios = []
+    for key in sorted({(f["launch"], f["round"]) for f in fits}):
+        pair = {f["config"]: f for f in fits if (f["launch"], f["round"]) == key}
+        ratios.append(pair[CONFIGS[1]][measure]["median"] / pair[CONFIGS[0]][measure]["median"])
+    return ratios
+
+
+def summarize_interleaved(fits: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    summary: dict[str, Any] = {}
+    for config in CONFIGS:
+        mine = [f for f in fits if f["config"] == config]
+        iteration = [f["iteration"]["median"] for f in mine]
+        center = percentile(iteration, 50)
+        summary[config] = {
+            "fits": len(mine),
+            "iteration_ms_median": center,
+            "iteration_ms_spread": [min(iteration), max(iteration)],
+            "relative_spread": (max(iteration) - min(iteration)) / center,
+            "step_ms_median": percentile([f["step"]["median"] for f in mine], 50),
+            "cpu_iteration_ms_median": percentile([f["cpu_iteration"]["median"] for f in mine], 50),
+        }
+    ratios = paired_ratios(fits, "iteration")
+    low, high = median_ci(ratios)
+    cpu_ratios = paired_ratios(fits, "cpu_iteration")
+    cpu_low, cpu_high = median_ci(cpu_ratios)
+    ratio = percentile(ratios, 50)
+    target = {
+        "measure": "median over rounds of the paired ratio with/without of per-fit median iteration times",
+        "ratio": ratio,
+        "ci95": [low, high],
+        "ratio_per_round": ratios,
+        "ratio_of_medians": summary[CONFIGS[1]]["iteration_ms_median"] / summary[CONFIGS[0]]["iteration_ms_median"],
+        "step_ratio": percentile(paired_ratios(fits, "step"), 50),
+        "cpu_ratio": percentile(cpu_ratios, 50),
+        "cpu_ci95": [cpu_low, cpu_high],
+        "limit": LIMIT,
+        "met": ratio <= LIMIT,
+        # "met" is only as good as the interval: both ends on the same side of the limit,
+        # or the interval straddles it (the data cannot tell).
+        "conclusive": high <= LIMIT or low > LIMIT,
+    }
+    return summary, {f"{CONFIGS[1]}/{CONFIGS[0]}": target}
+
+
+def print_interleaved(summary: dict[str, Any], targets: dict[str, Any]) -> None:
+    base = summary[CONFIGS[0]]
+    rows = []
+    for config in CONFIGS:
+        entry = summary[config]
+        rows.append(
+            [
+                config,
+                str(entry["fits"]),
+                f"{entry['iteration_ms_median']:.2f}",
+                f"{entry['iteration_ms_spread'][0]:.2f}–{entry['iteration_ms_spread'][1]:.2f} "
+                f"({entry['relative_spread']:.1%})",
+                f"{entry['step_ms_median']:.2f}",
+                f"{entry['cpu_iteration_ms_median']:.2f}",
+                f"{entry['iteration_ms_median'] / base['iteration_ms_median']:.3f}",
+            ]
+        )
+    print()
+    print_table(
+        "CommProfiler cost, the same run interleaved (medians over fits)",
+        ["configuration", "fits", "iteration ms", "spread (min–max)", "step ms", "CPU ms/iter", "× without"],
+        rows,
     )
-    started = time.perf_counter()
+    for name, target in targets.items():
+        verdict = "met" if target["met"] else "NOT met"
+        certainty = "" if target["conclusive"] else " (inconclusive: the interval straddles the limit)"
+        print(
+            f"{name}: iteration x{target['ratio']:.3f}, 95% CI {target['ci95'][0]:.3f}–{target['ci95'][1]:.3f} "
+            f"(limit {target['limit']:.2f}) -> {verdict}{certainty}; step x{target['step_ratio']:.3f}; "
+            f"CPU time x{target['cpu_ratio']:.3f} (95% CI {target['cpu_ci95'][0]:.3f}–{target['cpu_ci95'][1]:.3f})"
+        )
+
+
+def run_launches(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The former design: every configuration its own launch of bench/overhead.py's worker."""
     launches = overhead.run_rounds(CONFIGS, args)
-    buckets = overhead.check_same_buckets(launches)
+    overhead.check_same_buckets(launches)
     summary = overhead.summarize_rounds(launches, CONFIGS)
     targets = overhead.compare(summary, launches, LIMITS, measure="iteration")
-    elapsed = time.perf_counter() - started
-    header = overhead.report_header(args, CONFIGS)
-    payload: dict[str, Any] = {
-        "benchmark": "profiler_overhead",
-        "machine": header["machine"],
-        "settings": {
-            **header["settings"],
-            "profiler": "CommProfiler(warmup_steps=--warmup, every_n_steps=50)",
-            "measure": "iteration: one step start to the next (rank 0)",
-        },
-        "bucket_layout": buckets,
-        "launches": launches,
-        "summary": summary,
-        "targets": targets,
-        "wall_s": elapsed,
-    }
-    out = write_json(args.out, payload)
     rows = []
-    base = summary["ddp_tuned"]
+    base = summary[CONFIGS[0]]
     for config in CONFIGS:
         entry = summary[config]
         rows.append(
@@ -81,7 +257,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         )
     print()
     print_table(
-        "CommProfiler cost (median over rounds of per-launch medians)",
+        "CommProfiler cost, separate launches (median over rounds of per-launch medians)",
         ["configuration", "iteration ms", "step ms", "step spread (min–max)", "× without profiler"],
         rows,
     )
@@ -90,6 +266,83 @@ def main(argv: Optional[list[str]] = None) -> None:
         noise = " (within noise: a spread is wider than the margin)" if target["within_noise"] else ""
         print(f"{name}: iteration {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
               f"step {target['step_ratio']:.3f}")
+    return launches, summary, targets
+
+
+def _extend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--method",
+        choices=("interleaved", "launches"),
+        default="interleaved",
+        help="interleaved: fits with and without alternate inside each launch (default); "
+        "launches: each configuration its own launch",
+    )
+    parser.add_argument("--launches", type=int, default=LAUNCHES, help="launches, interleaved method (%(default)s)")
+    parser.set_defaults(rounds=ROUNDS, steps=STEPS)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    args = overhead.parse_args(
+        argv,
+        description=__doc__.split("\n\n")[0],
+        default_out=DEFAULT_OUT,
+        workers=(*overhead.WORKERS, INTERLEAVED_WORKER),
+        extend=_extend,
+        quick=QUICK,
+    )
+    if args.launches < 1:
+        raise SystemExit(f"profiler_overhead.py: error: --launches must be >= 1, got {args.launches}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.worker == INTERLEAVED_WORKER:
+        run_interleaved_worker(args)
+        return
+    if args.worker:  # --method launches: bench/overhead.py's worker
+        overhead.run_worker(args)
+        return
+    started = time.perf_counter()
+    if args.method == "interleaved":
+        print(
+            f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; {args.launches} "
+            f"launch(es) x {args.rounds} round(s) x {len(CONFIGS)} fits, {args.warmup} warm-up + {args.steps} timed "
+            "steps each\n"
+        )
+        runs = run_interleaved(args)
+        summary, targets = summarize_interleaved(runs)
+        print_interleaved(summary, targets)
+    else:
+        print(
+            f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; "
+            f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n"
+        )
+        runs, summary, targets = run_launches(args)
+    elapsed = time.perf_counter() - started
+    header = overhead.report_header(args, CONFIGS)
+    final_losses = {run["label"]: run["final_loss"] for run in runs}
+    payload: dict[str, Any] = {
+        "benchmark": "profiler_overhead",
+        "machine": header["machine"],
+        "settings": {
+            **header["settings"],
+            "method": args.method,
+            "launches": args.launches if args.method == "interleaved" else args.rounds * len(CONFIGS),
+            "profiler": "CommProfiler(warmup_steps=--warmup, every_n_steps=50)",
+            "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
+        },
+        "bucket_layout": overhead.check_same_buckets(runs),
+        "final_losses": final_losses,
+        "same_final_loss": len(set(final_losses.values())) == 1,
+        ("fits" if args.method == "interleaved" else "launches"): runs,
+        "summary": summary,
+        "targets": targets,
+        "wall_s": elapsed,
+    }
+    out = write_json(args.out, payload)
+    if not payload["same_final_loss"]:
+        print(f"WARNING: final losses differ, with and without the profiler do not compute the same: {final_losses}")
     print(f"\n{elapsed:.0f} s in all; wrote {out}")
 
 

@@ -74,20 +74,50 @@ def test_overhead_quick_run(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
-    """bench/profiler_overhead.py reuses overhead.py's launches; the profiled run computes the same thing."""
+    """bench/profiler_overhead.py alternates fits with and without the profiler inside one launch."""
     out = tmp_path / "profiler_overhead.json"
     script = str(REPO_ROOT / "bench" / "profiler_overhead.py")
-    completed = run_python([script, "--quick", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
+    completed = run_python([script, "--quick", "--rounds", "2", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
     report = json.loads(out.read_text())
-    launches = report["launches"]
-    assert {launch["config"] for launch in launches} == {"ddp_tuned", "ddp_tuned+profiler"}
-    assert {tuple(launch["lightning_callbacks"]) for launch in launches} == {
-        ("TimeEachStep",),
-        ("TimeEachStep", "CommProfiler"),
-    }
+    fits = report["fits"]
+    # 2 kept rounds (the warm-up round is dropped), ABBA order within the one launch
+    assert [(f["round"], f["config"]) for f in fits] == [
+        (0, "ddp_tuned"),
+        (0, "ddp_tuned+profiler"),
+        (1, "ddp_tuned+profiler"),
+        (1, "ddp_tuned"),
+    ]
+    assert {tuple(f["lightning_callbacks"]) for f in fits} == {("TimeEachStep",), ("TimeEachStep", "CommProfiler")}
     # The profiler's hook path (1/n on the loss) trains bit for bit like DDP's built-in all-reduce.
-    assert len({launch["final_loss"] for launch in launches}) == 1
+    assert report["same_final_loss"] is True and len({f["final_loss"] for f in fits}) == 1
+    assert all(f["iteration"]["n"] == 9 and f["cpu_iteration"]["median"] > 0 for f in fits)
     target = report["targets"]["ddp_tuned+profiler/ddp_tuned"]
-    assert target["measure"] == "iteration" and target["limit"] == 1.03
+    assert target["limit"] == 1.03 and len(target["ratio_per_round"]) == 2
+    assert target["ci95"][0] <= target["ratio"] <= target["ci95"][1]
     assert target["met"] == (target["ratio"] <= target["limit"])
-    assert "CommProfiler cost" in completed.stdout
+    assert "CommProfiler cost, the same run interleaved" in completed.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_profiler_overhead_separate_launches_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "profiler_overhead.json"
+    script = str(REPO_ROOT / "bench" / "profiler_overhead.py")
+    completed = run_python([script, "--method", "launches", "--quick", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
+    report = json.loads(out.read_text())
+    assert {launch["config"] for launch in report["launches"]} == {"ddp_tuned", "ddp_tuned+profiler"}
+    assert report["same_final_loss"] is True
+    target = report["targets"]["ddp_tuned+profiler/ddp_tuned"]
+    assert target["measure"] == "iteration" and target["met"] == (target["ratio"] <= target["limit"])
+    assert "CommProfiler cost, separate launches" in completed.stdout
+
+
+def test_median_confidence_interval_uses_binomial_order_statistics() -> None:
+    from bench.profiler_overhead import median_ci
+
+    # Binomial(12, 1/2): P(X <= 2) = 79/4096 <= 0.025 < P(X <= 3): the 3rd and 10th values.
+    assert median_ci(list(range(12))) == (2, 9)
+    assert median_ci([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # n = 5 cannot reach 95%: the range
+    assert median_ci(list(range(100)))[0] < 49.5 < median_ci(list(range(100)))[1]
+    with pytest.raises(ValueError):
+        median_ci([])
