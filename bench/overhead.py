@@ -95,8 +95,9 @@ from bench.common import (  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings
 CONFIGS = ("raw", "ddp", "ddp_tuned")
-# Every configuration a worker can run; "+profiler" adds CommProfiler (bench/profiler_overhead.py).
-WORKERS = (*CONFIGS, "ddp_tuned+profiler")
+# Every configuration a worker can run; "+profiler" adds CommProfiler, "+hook" only the
+# communication hook CommProfiler times through (bench/profiler_overhead.py --breakdown).
+WORKERS = (*CONFIGS, "ddp_tuned+profiler", "ddp_tuned+hook")
 TARGETS = {  # (numerator, denominator): the largest acceptable ratio of median step times
     ("ddp_tuned", "ddp"): 1.02,
     ("ddp_tuned", "raw"): 1.05,
@@ -240,6 +241,15 @@ def _train_lightning(
     if extra == "profiler":
         # Logs every 50 profiled steps (a gather across ranks), as a user's run would.
         callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=args.warmup, every_n_steps=50))
+    elif extra == "hook":
+
+        class HookOnly(L.Callback):
+            """DDP's all-reduce as the Python hook CommProfiler wraps, with nothing timed."""
+
+            def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+                trainer.strategy.add_comm_hook_wrapper(lambda hook: hook)
+
+        callbacks.append(HookOnly())
     trainer = L.Trainer(
         accelerator="cuda" if device.type == "cuda" else "cpu",
         devices=local_world_size,

@@ -9,6 +9,7 @@ runs after a step-end stamp, so the step span alone would miss part of its cost)
 
     python bench/profiler_overhead.py               # 2 launches x 6 rounds x (with, without)
     python bench/profiler_overhead.py --quick       # smoke run
+    python bench/profiler_overhead.py --breakdown   # + ddp_tuned with only the profiler's hook
     python bench/profiler_overhead.py --method launches --rounds 7 --steps 150   # former design
     python bench/profiler_overhead.py --accelerator cuda --nproc 2
 
@@ -24,6 +25,10 @@ two fits run back to back in one process, so they share the machine's state of t
 per-round ratio with/without, with a distribution-free 95% confidence interval of that
 median. Rank 0's CPU time per iteration (every thread of the process) is reported beside
 the wall time: it is far less disturbed by other load on a shared machine.
+
+``--breakdown`` adds a third configuration to the rotation (ABC CBA ...): ``ddp_tuned`` with
+only the communication hook the profiler times through (DDP's all-reduce as a Python hook,
+nothing timed, no callback), to tell what the hook costs from what the profiler adds.
 
 ``--method launches`` is the design used before: each configuration its own launch of
 ``bench/overhead.py``'s worker, launches alternating; process-to-process differences
@@ -53,6 +58,7 @@ from bench import overhead  # noqa: E402
 from bench.common import StepTimer, make_data, percentile, print_table, summarize, write_json  # noqa: E402
 
 CONFIGS = ("ddp_tuned", "ddp_tuned+profiler")
+HOOK_ONLY = "ddp_tuned+hook"  # --breakdown: the communication hook alone, nothing timed
 LIMIT = 1.03
 LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): LIMIT}
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "profiler_overhead.json"
@@ -96,10 +102,11 @@ def run_interleaved_worker(args: argparse.Namespace) -> None:
     dataset = make_data(total_steps * args.batch_size * world_size)
     rank0 = int(os.environ["RANK"]) == 0
     fits: list[dict[str, Any]] = []
+    configs = configs_of(args)
     # Round -1 is not kept: a process's first fits pay one-time costs (lazy initialisation,
     # the allocator growing its heap) that would favour whichever configuration runs later.
     for round_index in range(-1, args.rounds):
-        order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
+        order = configs if round_index % 2 == 0 else configs[::-1]
         for position, config in enumerate(order):
             timer = StepTimer(device)
             args.worker = config  # overhead._train_lightning reads the configuration from here
@@ -126,6 +133,11 @@ def run_interleaved_worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """Without the profiler, (with only its hook,) with it: ABC CBA ... within a launch."""
+    return (CONFIGS[0], HOOK_ONLY, CONFIGS[1]) if args.breakdown else CONFIGS
+
+
 # ----------------------------------------------------------------------------- driver
 def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
     fits: list[dict[str, Any]] = []
@@ -138,37 +150,52 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
                 Path(scratch),
                 label,
                 script=Path(__file__).resolve(),
-                extra_args=("--rounds", str(args.rounds)),
+                extra_args=("--rounds", str(args.rounds), *(("--breakdown",) if args.breakdown else ())),
             )
             for fit in report["fits"]:
                 fit.update(launch=launch_index, label=f"{label}_{fit['label']}")
                 fits.append(fit)
             overhead.check_same_buckets(fits)
             for round_index in range(args.rounds):
-                pair = {f["config"]: f for f in report["fits"] if f["round"] == round_index}
-                off, on = pair[CONFIGS[0]], pair[CONFIGS[1]]
-                print(
-                    f"launch {launch_index + 1}/{args.launches} round {round_index + 1}/{args.rounds}  "
-                    f"iteration {off['iteration']['median']:7.2f} -> {on['iteration']['median']:7.2f} ms "
-                    f"(x{on['iteration']['median'] / off['iteration']['median']:.3f})  "
-                    f"cpu {off['cpu_iteration']['median']:7.2f} -> {on['cpu_iteration']['median']:7.2f} ms"
+                group = {f["config"]: f for f in report["fits"] if f["round"] == round_index}
+                off = group[CONFIGS[0]]
+                figures = "  ".join(
+                    f"{config} {group[config]['iteration']['median']:6.2f} ms "
+                    f"(x{group[config]['iteration']['median'] / off['iteration']['median']:.3f}, "
+                    f"cpu {group[config]['cpu_iteration']['median']:6.2f})"
+                    for config in configs_of(args)
                 )
+                print(f"launch {launch_index + 1}/{args.launches} round {round_index + 1}/{args.rounds}  {figures}")
             print(f"  ({report['launch_wall_s']:.0f} s)")
     return fits
 
 
-def paired_ratios(fits: list[dict[str, Any]], measure: str) -> list[float]:
-    """with/without of the per-fit medians of ``measure``, one ratio per round of each launch."""
+def paired_ratios(
+    fits: list[dict[str, Any]], measure: str, numerator: str = CONFIGS[1], denominator: str = CONFIGS[0]
+) -> list[float]:
+    """numerator/denominator of the per-fit medians of ``measure``, one ratio per round of each launch."""
     ratios = []
     for key in sorted({(f["launch"], f["round"]) for f in fits}):
-        pair = {f["config"]: f for f in fits if (f["launch"], f["round"]) == key}
-        ratios.append(pair[CONFIGS[1]][measure]["median"] / pair[CONFIGS[0]][measure]["median"])
+        group = {f["config"]: f for f in fits if (f["launch"], f["round"]) == key}
+        ratios.append(group[numerator][measure]["median"] / group[denominator][measure]["median"])
     return ratios
+
+
+def breakdown(fits: list[dict[str, Any]]) -> dict[str, Any]:
+    """--breakdown: what the hook alone costs, and what the profiler adds on top of it."""
+    out = {}
+    for numerator, denominator in ((HOOK_ONLY, CONFIGS[0]), (CONFIGS[1], HOOK_ONLY)):
+        entry = {}
+        for measure in ("iteration", "cpu_iteration"):
+            ratios = paired_ratios(fits, measure, numerator, denominator)
+            entry[measure] = {"ratio": percentile(ratios, 50), "ci95": list(median_ci(ratios))}
+        out[f"{numerator}/{denominator}"] = entry
+    return out
 
 
 def summarize_interleaved(fits: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     summary: dict[str, Any] = {}
-    for config in CONFIGS:
+    for config in sorted({f["config"] for f in fits}, key=lambda c: (c != CONFIGS[0], c == CONFIGS[1], c)):
         mine = [f for f in fits if f["config"] == config]
         iteration = [f["iteration"]["median"] for f in mine]
         center = percentile(iteration, 50)
@@ -203,10 +230,10 @@ def summarize_interleaved(fits: list[dict[str, Any]]) -> tuple[dict[str, Any], d
     return summary, {f"{CONFIGS[1]}/{CONFIGS[0]}": target}
 
 
-def print_interleaved(summary: dict[str, Any], targets: dict[str, Any]) -> None:
+def print_interleaved(summary: dict[str, Any], targets: dict[str, Any], parts: Optional[dict[str, Any]]) -> None:
     base = summary[CONFIGS[0]]
     rows = []
-    for config in CONFIGS:
+    for config in summary:
         entry = summary[config]
         rows.append(
             [
@@ -233,6 +260,12 @@ def print_interleaved(summary: dict[str, Any], targets: dict[str, Any]) -> None:
             f"{name}: iteration x{target['ratio']:.3f}, 95% CI {target['ci95'][0]:.3f}–{target['ci95'][1]:.3f} "
             f"(limit {target['limit']:.2f}) -> {verdict}{certainty}; step x{target['step_ratio']:.3f}; "
             f"CPU time x{target['cpu_ratio']:.3f} (95% CI {target['cpu_ci95'][0]:.3f}–{target['cpu_ci95'][1]:.3f})"
+        )
+    for name, entry in (parts or {}).items():
+        wall, cpu = entry["iteration"], entry["cpu_iteration"]
+        print(
+            f"  breakdown {name}: iteration x{wall['ratio']:.3f} (95% CI {wall['ci95'][0]:.3f}–{wall['ci95'][1]:.3f}), "
+            f"CPU time x{cpu['ratio']:.3f} (95% CI {cpu['ci95'][0]:.3f}–{cpu['ci95'][1]:.3f})"
         )
 
 
@@ -278,6 +311,11 @@ def _extend(parser: argparse.ArgumentParser) -> None:
         "launches: each configuration its own launch",
     )
     parser.add_argument("--launches", type=int, default=LAUNCHES, help="launches, interleaved method (%(default)s)")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="interleaved method: also run ddp_tuned with only the profiler's communication hook (nothing timed)",
+    )
     parser.set_defaults(rounds=ROUNDS, steps=STEPS)
 
 
@@ -307,20 +345,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.method == "interleaved":
         print(
             f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; {args.launches} "
-            f"launch(es) x {args.rounds} round(s) x {len(CONFIGS)} fits, {args.warmup} warm-up + {args.steps} timed "
-            "steps each\n"
+            f"launch(es) x {args.rounds} round(s) x {len(configs_of(args))} fits, {args.warmup} warm-up + {args.steps} "
+            "timed steps each\n"
         )
         runs = run_interleaved(args)
         summary, targets = summarize_interleaved(runs)
-        print_interleaved(summary, targets)
+        parts = breakdown(runs) if args.breakdown else None
+        print_interleaved(summary, targets, parts)
     else:
         print(
             f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; "
             f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n"
         )
         runs, summary, targets = run_launches(args)
+        parts = None
     elapsed = time.perf_counter() - started
-    header = overhead.report_header(args, CONFIGS)
+    header = overhead.report_header(args, configs_of(args) if args.method == "interleaved" else CONFIGS)
     final_losses = {run["label"]: run["final_loss"] for run in runs}
     payload: dict[str, Any] = {
         "benchmark": "profiler_overhead",
@@ -338,6 +378,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         ("fits" if args.method == "interleaved" else "launches"): runs,
         "summary": summary,
         "targets": targets,
+        "breakdown": parts,
         "wall_s": elapsed,
     }
     out = write_json(args.out, payload)
