@@ -85,8 +85,9 @@ class PrescaledAllreduce:
 
     DDP's built-in all-reduce divides each gradient by the world size while copying it into
     its bucket; a Python hook must divide the bucket itself: one more pass over every
-    gradient byte (on CPU, ~3% of an 8M-parameter MLP's step). Here :meth:`prescale` puts the 1/n on the loss instead, so autograd produces the
-    gradients already divided and the hook only sums. A backward that did not start from a
+    gradient byte (on CPU, ~3% of an 8M-parameter MLP's step). Here :meth:`prescale` puts
+    the 1/n on the loss instead, so autograd produces the gradients already divided and the
+    hook only sums. A backward that did not start from a
     prescaled loss (a raw ``loss.backward()``) is detected, and its buckets are divided
     as usual: the result is the average either way.
 
