@@ -87,9 +87,9 @@ class PrescaledAllreduce:
     its bucket; a Python hook must divide the bucket itself: one more pass over every
     gradient byte (on CPU, ~3% of an 8M-parameter MLP's step). Here :meth:`prescale` puts
     the 1/n on the loss instead, so autograd produces the gradients already divided and the
-    hook only sums. A backward that did not start from a
-    prescaled loss (a raw ``loss.backward()``) is detected, and its buckets are divided
-    as usual: the result is the average either way.
+    hook only sums. A backward that did not start from a prescaled loss (a raw
+    ``loss.backward()``) is detected, and its buckets are divided as usual: the result is
+    the average either way.
 
     With gradient accumulation every backward of the window must go through the strategy
     (Lightning's own ``backward`` / ``manual_backward``, which DDP needs anyway).

@@ -30,11 +30,12 @@ stages' graphs apart:
 
 Summing per-micro-batch weight gradients costs, for every micro-batch, a fresh weight-sized
 tensor and one more pass over it. A stage's plain ``nn.Linear`` layers (exactly that class,
-no hooks on them, directly in the stage or in plain ``nn.Sequential`` s inside it) avoid both: their forward goes through a small autograd function whose
-backward adds ``grad_out^T @ input`` straight into the step's running sum
-(``addmm_``, the same arithmetic an ``nn.Linear`` backward does) and hands autograd no
-weight gradient at all; the sums then go through the single accumulation above. Under
-autocast, or with inputs of another dtype than the weight, those layers run as usual.
+no hooks on them, directly in the stage or in plain ``nn.Sequential`` s inside it) avoid
+both: their forward goes through a small autograd function whose backward adds
+``grad_out^T @ input`` straight into the step's running sum (``addmm_``, the same
+arithmetic an ``nn.Linear`` backward does) and hands autograd no weight gradient at all;
+the sums then go through the single accumulation above. Under autocast, or with inputs of
+another dtype or device than the weight, those layers run as usual.
 
 Gradients equal those of the full batch whenever the layers treat samples independently
 (no BatchNorm in training mode: it normalises per micro-batch), up to float summation
@@ -152,13 +153,15 @@ class Pipeline:
 
         def run_stage(j: int, receive: Callable[[int], torch.Tensor], send: Callable[[int, torch.Tensor], None]) -> None:
             with self._stage_context(j, modes):
+                # once per call (inside the stage's autocast/grad context), not per micro-batch
+                run = (self._accumulating_forward(j) if record_graph else None) or self.stages[j]
                 for i in range(m):
                     inp = receive(i)
                     if record_graph and (j > 0 or grad_of_input) and (inp.is_floating_point() or inp.is_complex()):
                         inp = inp.detach().requires_grad_()
                     else:
                         inp = inp.detach()
-                    out = self._run_forward(j, i, m, inp, record_graph)
+                    out = self._run_forward(j, run, i, m, inp, record_graph)
                     if record_graph:
                         inputs[j][i] = inp if inp.requires_grad else None
                         outputs[j][i] = out
@@ -184,14 +187,12 @@ class Pipeline:
             )
         return result.clone()  # not the leaf itself: the caller may modify the output in place
 
-    def _run_forward(self, j: int, i: int, m: int, inp: torch.Tensor, record_graph: bool) -> torch.Tensor:
-        stage = self.stages[j]
+    def _run_forward(
+        self, j: int, run: Callable[[torch.Tensor], torch.Tensor], i: int, m: int, inp: torch.Tensor, record_graph: bool
+    ) -> torch.Tensor:
         if inp.requires_grad and self._inplace_first[j]:
             inp = inp.clone()  # an in-place first layer cannot modify the leaf we differentiate against
         use_checkpoint = record_graph and (self.checkpoint == "always" or (self.checkpoint == "except_last" and i < m - 1))
-        run = self._accumulating_forward(j) if record_graph else None
-        if run is None:
-            run = stage
         out = activation_checkpoint(run, inp, use_reentrant=False) if use_checkpoint else run(inp)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {j} returned {type(out).__name__}; every stage must return one tensor")
@@ -205,14 +206,14 @@ class Pipeline:
         stage = self.stages[j]
         if type(stage) is not nn.Sequential or _has_hooks(stage) or _global_module_hooks() or _autocast_on():
             return None
-        layers = list(_flat_layers(stage))
-        if not any(_accumulates(layer) for layer in layers):
+        layers = [(layer, _accumulates(layer)) for layer in _flat_layers(stage)]
+        if not any(fast for _, fast in layers):
             return None
         sums = self._linear_sums[j]
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            for layer in layers:
-                if _accumulates(layer) and x.dtype == layer.weight.dtype and x.dim() >= 1 and x.device == layer.weight.device:
+            for layer, fast in layers:
+                if fast and x.dtype == layer.weight.dtype and x.device == layer.weight.device:
                     bias = layer.bias if layer.bias is not None and layer.bias.requires_grad else None
                     weight_sum = sums.setdefault(id(layer.weight), _GradSum())
                     bias_sum = sums.setdefault(id(bias), _GradSum()) if bias is not None else None
@@ -485,8 +486,9 @@ def retain_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 
     Micro-batching on CPU allocates and frees large tensors once per micro-batch (boundary
     activations, and the weight gradients of layers other than plain ``nn.Linear``); with
     glibc's defaults a large freed block goes back to the OS and the next allocation
-    page-faults it in again (thousands of faults per step, ``bench/pipeline.py`` counts them). This sets ``M_MMAP_THRESHOLD`` and
-    ``M_TRIM_THRESHOLD`` with ``mallopt`` — the same as starting Python with
+    page-faults it in again (thousands of faults per step, ``bench/pipeline.py`` counts
+    them). This sets ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` with ``mallopt`` — the
+    same as starting Python with
     ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment — for the
     whole process: the resident size then stays near its peak. Returns ``False`` where it
     cannot apply (not glibc). GPU memory is unaffected (CUDA has its own caching allocator).
@@ -601,10 +603,4 @@ def _global_module_hooks() -> bool:
 
 
 def _autocast_on() -> bool:
-    for device_type in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device_type):
-                return True
-        except (RuntimeError, TypeError):  # pragma: no cover - older torch signatures
-            continue
-    return False
+    return any(enabled for enabled, _ in _thread_modes()["autocast"].values())
