@@ -111,6 +111,35 @@ def test_fp16_halves_the_wire_bytes_and_busbw_is_put_against_the_sweep(tmp_path:
     assert summary["busbw_fraction"] == pytest.approx(summary["busbw_gbps"] / peak)
 
 
+def test_windows_follow_the_schedule_and_agree_with_ddps_own_timers(tmp_path: Path) -> None:
+    """5 profiled steps every 12: between windows DDP runs its built-in all-reduce (re-wrapped
+    without the hook); each window skips the 2 settling steps of its new DDP wrapper."""
+    result = profile_run(tmp_path, "--steps", "40", "--profile-steps", "5", "--profile-every", "12", "--every", "50")
+    assert result["profiled_steps"] == [4, 5, 6, 7, 8, 15, 16, 17, 18, 19, 27, 28, 29, 30, 31, 39, 40]
+    assert result["switches"] == [[8, False], [12, True], [19, False], [24, True], [31, False], [36, True]]
+    # every new wrapper: builtin all-reduce out of a window, the timed hook in one
+    assert result["wrappers"] == [[step, None if not on else "timed_averaging_allreduce"] for step, on in result["switches"]]
+    summary = result["summary"]
+    assert summary["steps"] == 17 and summary["bytes_per_step"] == result["gradient_bytes"]
+    assert summary["schedule"] == {"warmup_steps": WARMUP, "profile_steps": 5, "profile_every": 12}
+    assert LOGGED <= set(result["logged"])  # logged at the end of each window (every_n_steps=50 never reached)
+    pairs = result["pairs"]
+    assert len(pairs) >= 8
+    for key in ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time"):
+        rel = [abs(p["ours"][key] / p["ddp"][key] - 1) for p in pairs if p["ddp"][key] > 0]
+        assert statistics.median(rel) < 0.15, (key, statistics.median(rel))
+
+
+def test_windows_with_a_compression_hook_pause_stamping_without_rewrapping(tmp_path: Path) -> None:
+    """fp16's hook is Python anyway: it stays registered and only the profiler's stamping pauses."""
+    flags = ("--steps", "20", "--strategy", "ddp_tuned_fp16", "--profile-steps", "3", "--profile-every", "8")
+    result = profile_run(tmp_path, *flags)
+    assert result["wrappers"] == []  # never re-wrapped
+    assert result["switches"] == [[6, False], [8, True], [13, False], [16, True]]
+    assert result["profiled_steps"] == [4, 5, 6, 11, 12, 13, 19, 20]
+    assert result["summary"]["compression_ratio"] == 2.0
+
+
 def test_gradient_accumulation_profiles_only_synchronising_steps(tmp_path: Path) -> None:
     result = profile_run(tmp_path, "--steps", "10", "--accumulate", "3")
     assert result["global_step"] == 10

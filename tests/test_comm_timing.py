@@ -148,6 +148,10 @@ def test_profiler_rejects_bad_arguments(tmp_path: Any) -> None:
         ({"timeline_steps": -1}, "timeline_steps"),
         ({"history": 1.5}, "history"),
         ({"warmup_steps": True}, "warmup_steps"),
+        ({"profile_steps": 0}, "profile_steps"),
+        ({"profile_every": 0}, "profile_every"),
+        ({"profile_every": 25}, "profile_every"),  # 5 warm-up + 20 profiled: no step left outside
+        ({"profile_steps": 3, "profile_every": 5}, "profile_every"),  # 2 settling + 3 profiled after a re-wrap
     ]:
         with pytest.raises(ValueError, match=name):
             CommProfiler(**kwargs)
@@ -157,6 +161,17 @@ def test_profiler_rejects_bad_arguments(tmp_path: Any) -> None:
     bad.write_text(f'{{"schema_version": {SCHEMA_VERSION}, "peak_busbw_gbps": 0}}')
     with pytest.raises(ValueError, match="expected > 0"):
         CommProfiler(sweep=bad)
+
+
+def test_profiling_windows_follow_the_schedule() -> None:
+    """Window 0 after the warm-up, later windows after 2 settling steps of the new DDP wrapper."""
+    profiler = CommProfiler(warmup_steps=3, profile_steps=4, profile_every=10)
+    phases = "".join(profiler._phase(n)[0] for n in range(1, 31))  # s(kip), p(rofile), o(ff)
+    assert phases == "sssppppooo" + "ssppppoooo" * 2
+    assert CommProfiler(warmup_steps=2, profile_steps=1, profile_every=4)._phase(5) == "skip"
+    every = CommProfiler(warmup_steps=3, profile_every=None)
+    assert "".join(every._phase(n)[0] for n in range(1, 9)) == "sssppppp"
+    assert CommProfiler().profile_steps == 20 and CommProfiler().profile_every == 200
 
 
 def test_profiler_reads_a_bench_comm_result() -> None:

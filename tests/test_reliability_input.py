@@ -65,7 +65,10 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any], list[str]]] = 
         "devices_per_replica", "balance", "microbatches", "checkpoint", "split_module", "sample_input",
         "threads_per_stage",
     ]),
-    "CommProfiler": (CommProfiler, {}, ["warmup_steps", "every_n_steps", "export_dir", "timeline_steps", "history", "sweep"]),
+    "CommProfiler": (CommProfiler, {}, [
+        "warmup_steps", "every_n_steps", "export_dir", "timeline_steps", "history", "sweep", "profile_steps",
+        "profile_every",
+    ]),
     "DistributedDoctor": (DistributedDoctor, {}, [
         "strict", "every_n_steps", "disable", "data_wait_threshold", "batchnorm_min_batch",
     ]),

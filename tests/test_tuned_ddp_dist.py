@@ -152,3 +152,14 @@ def test_profiled_training_ends_on_the_same_parameters(tmp_path: Path) -> None:
     assert profiled["comm_hook"] == "timed_averaging_allreduce"
     assert profiled["losses"] == plain["losses"]
     assert profiled["params_per_rank"] == plain["params_per_rank"]
+
+
+def test_profiling_windows_switch_ddp_hooks_and_train_the_same_parameters(tmp_path: Path) -> None:
+    """Windows of 2 profiled steps every 5: DDP is re-wrapped without and with the profiler's hook
+    after steps 3, 5, 9, 10 and 14; the losses and weights stay those of a run without the profiler."""
+    plain = fit_tiny(tmp_path, "--steps", "15")
+    sampled = fit_tiny(tmp_path, "--steps", "15", "--profiler", "--profile-schedule", "2,5")
+    # step 15 is outside a window; step 16's window does not start: the fit ends at 15
+    assert sampled["comm_hook"] in (None, "", "builtin_allreduce")
+    assert sampled["losses"] == plain["losses"]
+    assert sampled["params_per_rank"] == plain["params_per_rank"]

@@ -26,13 +26,26 @@ key                             meaning
                                 compute): how long the others wait for the slowest
 ==============================  ==============================================================
 
+Which steps: by default a window of ``profile_steps`` (20) synchronising steps out of every
+``profile_every`` (200). Timing a bucket needs a Python communication hook, and with one DDP
+copies each gradient into its bucket and completes each bucket through Python instead of its
+fused C++ all-reduce: on CPU about 2% of an 8M-parameter MLP's step. Between windows the
+profiler takes its hook out (``TunedDDPStrategy`` re-wraps the model in DDP, no weight
+broadcast; with a compression hook, which is Python anyway, the hook stays and only the
+stamping pauses), so a long run pays that for a tenth of its steps. ``profile_every=None``
+profiles every step. The first ``warmup_steps`` synchronising steps of a fit are not profiled;
+nor are the first two steps of any new DDP wrapper (after the profiler's or
+``bucket_cap_mb="auto"``'s re-wraps, and after a resume): the first runs DDP's initial bucket
+layout, the second rebuilds it. With ``bucket_cap_mb="auto"`` the steps it measures bucket
+sizes on are not profiled (with the hook in, so that every candidate pays the same): the
+schedule, warm-up included, starts on the size it keeps. With gradient accumulation only
+the synchronising step of each accumulation window counts: the others do not communicate. Figures are gathered and
+logged every ``every_n_steps`` profiled steps and at the end of each window.
+
 Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
 callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read
-one step later, so no step synchronises for the profiler. The first ``warmup_steps``
-synchronising steps are not profiled (DDP's first step, which builds and then rebuilds its
-buckets, never is). With gradient accumulation only the synchronising step of each
-accumulation window is profiled: the others do not communicate. Memory is bounded: medians
-come from the last ``history`` steps; full timelines are kept for ``timeline_steps`` steps.
+one step later, so no step synchronises for the profiler. Memory is bounded: medians come
+from the last ``history`` profiled steps; full timelines are kept for ``timeline_steps`` steps.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -69,6 +83,9 @@ from lightning_mgpu.comm.timing import (
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 _GB = 1e9
+SETTLE_STEPS = 2
+"""Steps of a new DDP wrapper never profiled: the first runs DDP's initial bucket layout, the
+second rebuilds it (in its forward)."""
 
 
 def _median(values: list[float]) -> float:
@@ -86,16 +103,21 @@ class CommProfiler(L.Callback):
     """Measure DDP communication per step and per bucket, on CPU and GPU.
 
     Args:
-        warmup_steps: synchronising steps to skip before profiling (at least 1: DDP's first
-            step, with its bucket rebuild, is always skipped).
+        warmup_steps: synchronising steps of a fit not profiled (at least 1: DDP's first step,
+            on its initial bucket layout, never is).
         every_n_steps: gather the figures from every rank and log them every this many
-            profiled steps.
+            profiled steps, and at the end of each profiling window.
         export_dir: if given, rank 0 writes ``comm_profile.json``, ``comm_buckets.csv``,
             ``comm_timeline.png`` and ``comm_trace.json`` (Chrome trace) there at the end.
         timeline_steps: profiled steps per rank kept whole for the timeline plot and trace.
         history: profiled steps whose figures are kept for the medians (bounds memory).
         sweep: path to a ``lightning-mgpu bench-comm --json`` result; the summary then
             reports DDP's achieved bus bandwidth as a fraction of that machine's peak.
+        profile_steps: synchronising steps profiled per window.
+        profile_every: a profiling window starts every this many synchronising steps (the
+            first right after ``warmup_steps``); between windows DDP runs without the
+            profiler's hook. ``None``: profile every step (on CPU ~2-3% slower steps with
+            ``ddp_tuned``, see the README).
     """
 
     def __init__(
@@ -107,17 +129,27 @@ class CommProfiler(L.Callback):
         timeline_steps: int = 4,
         history: int = 10_000,
         sweep: Optional[Union[str, Path]] = None,
+        profile_steps: int = 20,
+        profile_every: Optional[int] = 200,
     ) -> None:
         for name, value, minimum in (
             ("warmup_steps", warmup_steps, 1),
             ("every_n_steps", every_n_steps, 1),
             ("timeline_steps", timeline_steps, 0),
             ("history", history, 1),
+            ("profile_steps", profile_steps, 1),
+            ("profile_every", 1 if profile_every is None else profile_every, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= sys.maxsize:
                 raise ValueError(
                     f"CommProfiler: {name} must be an integer >= {minimum} (at most {sys.maxsize}), got {value!r:.60}"
                 )
+        if profile_every is not None and profile_every <= max(warmup_steps, SETTLE_STEPS) + profile_steps:
+            raise ValueError(
+                f"CommProfiler: profile_every={profile_every} leaves no step outside the profiling window "
+                f"(warmup_steps={warmup_steps} or the {SETTLE_STEPS} settling steps of a re-wrap, plus "
+                f"profile_steps={profile_steps}); make it larger, or profile_every=None to profile every step"
+            )
         if export_dir is not None and (not isinstance(export_dir, (str, os.PathLike)) or not str(export_dir).strip()):
             raise ValueError(
                 f"CommProfiler: export_dir must be a directory path (str or pathlib.Path) or None, got {export_dir!r:.80}"
@@ -129,6 +161,8 @@ class CommProfiler(L.Callback):
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.timeline_steps = timeline_steps
         self.history = history
+        self.profile_steps = profile_steps
+        self.profile_every = profile_every
         self.peak_busbw_gbps = _read_sweep_peak(sweep) if sweep is not None else None
         self.summary: Optional[dict[str, Any]] = None
         """After fit: the ``summary`` of comm_profile.json (every rank), for code and tests."""
@@ -141,6 +175,13 @@ class CommProfiler(L.Callback):
         self._clock: Optional[Clock] = None
         self._measures_comm = False
         self._sync_steps_seen = 0
+        self._origin = 0  # the schedule counts from here: after bucket_cap_mb="auto" has measured
+        self._tuning = False  # bucket_cap_mb="auto" was measuring when this batch started
+        self._timing_on = True  # the profiler's hook wrapper is in DDP's hook and stamping
+        self._settle_left = 0  # steps of a new DDP wrapper still to skip
+        self._wrapper: Optional[weakref.ref[torch.nn.Module]] = None
+        self.switches: deque[tuple[int, bool]] = deque(maxlen=1000)
+        """(global step, on): the hook went into DDP (True) or out of it after that step (last 1000)."""
         self._marks: dict[str, Stamp] = {}
         self._pending: Optional[tuple[int, dict[str, Stamp], list[Any], list[Any]]] = None
         self._since_log: list[StepBreakdown] = []
@@ -185,6 +226,43 @@ class CommProfiler(L.Callback):
         if self._clock is not None and isinstance(model, DistributedDataParallel):
             self._forward_hook = model.register_forward_hook(lambda *_: self._stamp("forward_end"))
 
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = trainer.strategy.model
+        self._wrapper = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+        # A resumed fit has a new DDP wrapper but no warm-up left: let it settle.
+        self._settle_left = SETTLE_STEPS if self._sync_steps_seen else 0
+        if self._phase(self._sync_steps_seen + 1) == "off":
+            self._switch(trainer, on=False)
+
+    # ------------------------------------------------------------------ schedule
+
+    def _phase(self, n: int) -> str:
+        """What synchronising step ``n`` (1-based, counted across resumes) is for:
+        "skip" (hooked, not profiled), "profile", or "off" (DDP without the profiler's hook)."""
+        n -= self._origin
+        if n <= 0:
+            return "skip"
+        if self.profile_every is None:
+            return "skip" if n <= self.warmup_steps else "profile"
+        window, offset = divmod(n - 1, self.profile_every)
+        skip = self.warmup_steps if window == 0 else SETTLE_STEPS
+        if offset < skip:
+            return "skip"
+        return "profile" if offset < skip + self.profile_steps else "off"
+
+    def _switch(self, trainer: L.Trainer, on: bool) -> None:
+        """Put the profiler's hook into DDP or take it out (between steps, on every rank alike)."""
+        strategy = trainer.strategy
+        if self._timer is None or not isinstance(strategy, TunedDDPStrategy):
+            self._timing_on = on  # nothing to switch: step timings only
+            return
+        if not strategy.set_comm_hook_wrappers(on):
+            return  # bucket_cap_mb="auto" is still measuring: keep the hook as it is for now
+        self._timer.enabled = on
+        self._timing_on = on
+        self.switches.append((trainer.global_step, on))
+
     # ------------------------------------------------------------------ per step
 
     def _stamp(self, name: str) -> None:
@@ -195,6 +273,11 @@ class CommProfiler(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
+        model = trainer.strategy.model
+        if self._wrapper is not None and self._wrapper() is not model and isinstance(model, torch.nn.Module):
+            self._wrapper = weakref.ref(model)  # re-wrapped (by us or by bucket_cap_mb="auto")
+            self._settle_left = SETTLE_STEPS
+        self._tuning = getattr(trainer.strategy, "tuning_status", None) in ("observing", "measuring")
         self._marks = {}
         self._stamp("start")
         self._marks["start_ns"] = _host_ns()
@@ -229,16 +312,27 @@ class CommProfiler(L.Callback):
         if compute_end is not None:
             self._marks["compute_end"] = compute_end
         self._sync_steps_seen += 1
-        if self._sync_steps_seen <= self.warmup_steps:
-            return
-        step = (trainer.global_step, self._marks, launches, dones)
-        if self._clock.device_type == "cuda":
-            # CUDA events are read one step later, so that no step waits for the GPU here.
-            step, self._pending = self._pending, step
-        if step is not None:
-            self._record(trainer.global_rank, *step)
-        if len(self._since_log) >= self.every_n_steps:
+        n = self._sync_steps_seen
+        if self._tuning:
+            # bucket_cap_mb="auto" is trying layouts (it may re-wrap after this very step):
+            # profile the one it keeps, from the warm-up on
+            self._origin = n
+        settling = self._settle_left > 0
+        self._settle_left = max(0, self._settle_left - 1)
+        if self._phase(n) == "profile" and self._timing_on and not settling:
+            step = (trainer.global_step, self._marks, launches, dones)
+            if self._clock.device_type == "cuda":
+                # CUDA events are read one step later, so that no step waits for the GPU here.
+                step, self._pending = self._pending, step
+            if step is not None:
+                self._record(trainer.global_rank, *step)
+        following = self._phase(n + 1)
+        window_ended = following != "profile" and self.profile_every is not None
+        if self._since_log and (len(self._since_log) >= self.every_n_steps or window_ended):
             self._log(trainer, pl_module)
+        last = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
+        if (following != "off") != self._timing_on and not last:
+            self._switch(trainer, on=following != "off")
 
     def _record(self, rank: int, step: int, marks: dict[str, Stamp], launches: list[Any], dones: list[Any]) -> None:
         assert self._clock is not None
@@ -408,6 +502,11 @@ class CommProfiler(L.Callback):
             "busbw_fraction": metrics.get("comm/busbw_fraction"),
             "straggler_ms": straggler,
             "measures_comm": self._measures_comm,
+            "schedule": {
+                "warmup_steps": self.warmup_steps,
+                "profile_steps": self.profile_steps,
+                "profile_every": self.profile_every,
+            },
         }
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         return {
@@ -444,11 +543,12 @@ class CommProfiler(L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"sync_steps_seen": self._sync_steps_seen}
+        return {"sync_steps_seen": self._sync_steps_seen, "schedule_origin": self._origin}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._sync_steps_seen = int(state_dict.get("sync_steps_seen", 0))
+        self._origin = int(state_dict.get("schedule_origin", 0))
 
 
 def _host_ns() -> int:

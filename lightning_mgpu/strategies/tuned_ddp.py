@@ -306,6 +306,7 @@ class TunedDDPStrategy(DDPStrategy):
         )
         self._wire_dtype: Optional[torch.dtype] = None
         self._comm_hook_wrappers: list[Callable[[Callable], Callable]] = []
+        self._comm_hook_wrappers_on = True
         self._prescaler: Optional[PrescaledAllreduce] = None
         self._powersgd_keeper: Optional[powersgd_memory.PowerSGDLayoutKeeper] = None
         self._pending_powersgd: Optional[dict[str, Any]] = None
@@ -482,11 +483,46 @@ class TunedDDPStrategy(DDPStrategy):
             )
         self._comm_hook_wrappers.append(wrapper)
 
+    @property
+    def has_own_comm_hook(self) -> bool:
+        """True when DDP runs a Python communication hook whatever the wrappers (compression,
+        ``ddp_comm_hook``, ``ddp_comm_wrapper``); False when it would use its built-in C++ all-reduce."""
+        return self._ddp_comm_hook is not None or self._ddp_comm_wrapper is not None
+
+    @property
+    def comm_hook_wrappers_on(self) -> bool:
+        """Whether the wrappers added by :meth:`add_comm_hook_wrapper` are in DDP's hook now."""
+        return self._comm_hook_wrappers_on
+
+    def set_comm_hook_wrappers(self, on: bool) -> bool:
+        """Put the wrappers added by :meth:`add_comm_hook_wrapper` into DDP's hook (``on``) or take
+        them out, between optimizer steps; e.g. ``CommProfiler`` profiles a window of steps so.
+
+        DDP cannot unregister a hook: with a hook of its own (:attr:`has_own_comm_hook`) the
+        strategy keeps the wrappers in place (a wrapper that can pause has its own switch) and
+        only records the state; without one, it re-wraps the model in a new DDP (no weight
+        broadcast), which runs DDP's built-in C++ all-reduce while the wrappers are off. Like any
+        new DDP wrapper, the new one uses its initial bucket layout for one step and rebuilds it
+        at the start of the next. Returns whether the wrappers are now ``on`` as asked: False
+        (nothing changed) while ``bucket_cap_mb="auto"`` is still measuring, so that every
+        candidate is timed with the same hook.
+        """
+        if on == self._comm_hook_wrappers_on:
+            return True
+        if self._tuner is not None and self._tuner.active:
+            return False
+        self._comm_hook_wrappers_on = on
+        if self._comm_hook_wrappers and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel):
+            self._rewrap_ddp()
+        return True
+
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; DDP supports them on every backend.
         hook, state = self._ddp_comm_hook, self._ddp_comm_state
-        if hook is None and self._ddp_comm_wrapper is None and not self._comm_hook_wrappers:
+        wrappers = self._comm_hook_wrappers if self._comm_hook_wrappers_on else []
+        self._prescaler = None
+        if hook is None and self._ddp_comm_wrapper is None and not wrappers:
             return  # DDP's built-in C++ all-reduce: the fastest path
         assert isinstance(self.model, DistributedDataParallel)
         if hook is None and self._ddp_comm_wrapper is None:
@@ -509,7 +545,7 @@ class TunedDDPStrategy(DDPStrategy):
             hook = powersgd_memory.one_bucket_at_a_time(hook)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
-        for wrapper in self._comm_hook_wrappers:
+        for wrapper in wrappers:
             hook = wrapper(hook)
         self.model.register_comm_hook(state=state, hook=hook)
 
@@ -594,22 +630,32 @@ class TunedDDPStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         trainer = module.trainer
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop._should_accumulate():  # cannot happen after an optimizer step; never risk it
-            raise RuntimeError(
-                f"{type(self).__name__}: refusing to re-wrap the model inside a gradient-accumulation window "
-                f"(global step {trainer.global_step}); please report this."
-            )
-        old = self.model
-        assert isinstance(old, DistributedDataParallel)
+        previous, self._bucket_cap_mb = self._bucket_cap_mb, bucket_cap_mb
+        try:
+            self._rewrap_ddp()
+        except BaseException:
+            self._bucket_cap_mb = previous
+            raise
         self.rewraps.append(
             {
                 "global_step": trainer.global_step,
-                "batches_in_epoch": epoch_loop.batch_progress.current.ready,
+                "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.ready,
                 "bucket_cap_mb": bucket_cap_mb,
             }
         )
-        self._bucket_cap_mb = bucket_cap_mb
+
+    def _rewrap_ddp(self) -> None:
+        """Replace the DDP wrapper by a new one built from the current settings, hooks carried over."""
+        module = self.lightning_module
+        assert module is not None
+        epoch_loop = module.trainer.fit_loop.epoch_loop
+        if epoch_loop._should_accumulate():  # callers re-wrap after an optimizer step; never risk it
+            raise RuntimeError(
+                f"{type(self).__name__}: refusing to re-wrap the model inside a gradient-accumulation window "
+                f"(global step {module.trainer.global_step}); please report this."
+            )
+        old = self.model
+        assert isinstance(old, DistributedDataParallel)
         remove_hooks = getattr(old.reducer, "_remove_autograd_hooks", None)
         if remove_hooks is not None:
             remove_hooks()  # the old reducer must not see the next backward
@@ -782,6 +828,7 @@ class TunedDDPStrategy(DDPStrategy):
         super().teardown()
         # Wrappers belong to one fit (callbacks add them again in their setup).
         self._comm_hook_wrappers.clear()
+        self._comm_hook_wrappers_on = True
         self._prescaler = None
         # The PowerSGD keeper stays: a checkpoint saved after fit still carries its memory.
         # The DDP wrapper holds the process group and its gloo threads; freed only at

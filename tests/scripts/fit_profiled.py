@@ -46,12 +46,22 @@ class DDPTimers(L.Callback):
         self.skip = skip
         self.rows: list[dict[str, float]] = []
         self.comm_hooks: list[Any] = []  # the hook DDP registered, per fit
+        self.wrappers: list[tuple[int, Any]] = []  # (global step, hook) of each DDP wrapper after the first
+        self._seen: Any = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
             model._set_ddp_runtime_logging_sample_rate(1)
             self.comm_hooks.append(model._get_ddp_logging_data().get("comm_hook"))
+        self._seen = model
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        model = trainer.strategy.model
+        if model is not self._seen and isinstance(model, DistributedDataParallel):  # CommProfiler re-wrapped DDP
+            model._set_ddp_runtime_logging_sample_rate(1)
+            self.wrappers.append((trainer.global_step, model._get_ddp_logging_data().get("comm_hook")))
+        self._seen = model
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         model = trainer.strategy.model
@@ -85,6 +95,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--profile-every", type=int, default=0, help="0: profile every step (profile_every=None)")
     parser.add_argument("--export-dir", default=None)
     parser.add_argument("--sweep", default=None, help="a bench-comm --json result for busbw_fraction")
     parser.add_argument("--fits", type=int, default=1, help="call trainer.fit this many times")
@@ -103,6 +115,8 @@ def main() -> None:
         export_dir=args.export_dir,
         timeline_steps=args.steps,
         sweep=args.sweep,
+        profile_steps=args.profile_steps,
+        profile_every=args.profile_every or None,
     )
     timers = DDPTimers(skip=args.warmup)
     trainer = L.Trainer(
@@ -151,6 +165,9 @@ def main() -> None:
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "comm_hooks": timers.comm_hooks,
+        "wrappers": timers.wrappers,
+        "switches": list(profiler.switches),
+        "profiled_steps": list(profiler._step_numbers),
         "ddp": {
             "rows": len(timers.rows),
             "backward_compute_ms": median("backward_compute_time"),

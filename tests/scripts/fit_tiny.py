@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=1, help="hidden width x width layers")
     parser.add_argument("--profiler", action="store_true", help="add CommProfiler(warmup_steps=1)")
+    parser.add_argument("--profile-schedule", default=None, help="STEPS,EVERY: the profiler's profile_steps, profile_every")
     parser.add_argument("--ckpt", default=None, help="save a checkpoint here after fit")
     parser.add_argument("--stock", action="store_true", help="Lightning's own DDPStrategy(**strategy_kwargs)")
     args = parser.parse_args()
@@ -143,7 +144,11 @@ def main() -> None:
     )
     trainer.callbacks.append(Probe(args.out))
     if args.profiler:
-        trainer.callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=1, every_n_steps=2))
+        schedule = {}
+        if args.profile_schedule:
+            steps, every = (int(v) for v in args.profile_schedule.split(","))
+            schedule = {"profile_steps": steps, "profile_every": every}
+        trainer.callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=1, every_n_steps=2, **schedule))
     trainer.fit(model, loader)
     if args.ckpt:
         trainer.save_checkpoint(args.ckpt)
