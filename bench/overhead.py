@@ -95,9 +95,10 @@ from bench.common import (  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings
 CONFIGS = ("raw", "ddp", "ddp_tuned")
-# Every configuration a worker can run; "+profiler" adds CommProfiler, "+hook" only the
-# communication hook CommProfiler times through (bench/profiler_overhead.py --breakdown).
-WORKERS = (*CONFIGS, "ddp_tuned+profiler", "ddp_tuned+hook")
+# Every configuration a worker can run; "+profiler" adds CommProfiler with its default
+# schedule, "+profiler_all" CommProfiler timing every step, "+hook" only the communication
+# hook CommProfiler times through (bench/profiler_overhead.py).
+WORKERS = (*CONFIGS, "ddp_tuned+profiler", "ddp_tuned+profiler_all", "ddp_tuned+hook")
 TARGETS = {  # (numerator, denominator): the largest acceptable ratio of median step times
     ("ddp_tuned", "ddp"): 1.02,
     ("ddp_tuned", "raw"): 1.05,
@@ -239,8 +240,12 @@ def _train_lightning(
     strategy, _, extra = args.worker.partition("+")
     callbacks: list[L.Callback] = [TimeEachStep()]
     if extra == "profiler":
-        # Logs every 50 profiled steps (a gather across ranks), as a user's run would.
-        callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=args.warmup, every_n_steps=50))
+        # As a user's run would: default schedule (20 steps of every 200 after 5 warm-up
+        # steps), logs every 50 profiled steps and at each window's end (a gather across ranks).
+        callbacks.append(lightning_mgpu.CommProfiler(every_n_steps=50))
+    elif extra == "profiler_all":
+        # Every step after the warm-up, as before profiling windows existed.
+        callbacks.append(lightning_mgpu.CommProfiler(warmup_steps=args.warmup, every_n_steps=50, profile_every=None))
     elif extra == "hook":
 
         class HookOnly(L.Callback):

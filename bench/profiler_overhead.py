@@ -1,34 +1,39 @@
 """What does ``CommProfiler`` cost per training step?
 
 The 8M-parameter MLP of ``bench/common.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
-``strategy="ddp_tuned"`` with and without ``CommProfiler(every_n_steps=50)``.
+``strategy="ddp_tuned"`` without the profiler, with ``CommProfiler(every_n_steps=50)`` (its
+default schedule: 20 profiled steps of every 200, DDP re-wrapped without the profiler's hook
+in between), and with ``CommProfiler(profile_every=None)`` (every step profiled).
 
-Target: the profiler adds at most 3% to the iteration time (one step's start to the next:
-the profiler's own work at the end of a batch, and every 50 steps a gather across ranks,
-runs after a step-end stamp, so the step span alone would miss part of its cost).
+Target: the profiler, as configured by default, adds at most 3% to the iteration time (one
+step's start to the next: the profiler's own work at the end of a batch, its gathers across
+ranks and its re-wraps of DDP run after a step-end stamp, so the step span alone would miss
+part of its cost). The default ``--steps 200`` is one profiling period: the timed span holds
+the end of the first window, both re-wraps (and the slow first steps of each new DDP
+wrapper) and the start of the next window.
 
-    python bench/profiler_overhead.py               # 2 launches x 6 rounds x (with, without)
+    python bench/profiler_overhead.py               # 2 launches x 6 rounds x 3 configurations
     python bench/profiler_overhead.py --quick       # smoke run
     python bench/profiler_overhead.py --breakdown   # + ddp_tuned with only the profiler's hook
     python bench/profiler_overhead.py --method launches --rounds 7 --steps 150   # former design
     python bench/profiler_overhead.py --accelerator cuda --nproc 2
 
 How it is measured (``--method interleaved``, the default): the same run, interleaved.
-Each of ``--launches`` launches of ``torch.distributed.run`` trains the model ``2 x
-(--rounds + 1)`` times in the same processes, one ``Trainer.fit`` after another,
-alternating with and without the profiler in ABBA order (without, with, with, without,
-...); the first round is not kept (a process's first fits pay one-time costs). Every fit
-builds a fresh model, DDP wrapper and, when on, a fresh profiler, skips ``--warmup`` steps
-and times ``--steps`` steps on rank 0 with ``bench/overhead.py``'s loop and clock. A round's
-two fits run back to back in one process, so they share the machine's state of the moment
-(load from elsewhere, heap, page cache); the figure is the median over all rounds of the
-per-round ratio with/without, with a distribution-free 95% confidence interval of that
-median. Rank 0's CPU time per iteration (every thread of the process) is reported beside
-the wall time: it is far less disturbed by other load on a shared machine.
+Each of ``--launches`` launches of ``torch.distributed.run`` trains the model ``3 x
+(--rounds + 1)`` times in the same processes, one ``Trainer.fit`` after another, the
+configurations in ABC CBA order; the first round is not kept (a process's first fits pay
+one-time costs). Every fit builds a fresh model, DDP wrapper and, when on, a fresh profiler,
+skips ``--warmup`` steps and times ``--steps`` steps on rank 0 with ``bench/overhead.py``'s
+loop and clock. A round's fits run back to back in one process, so they share the machine's
+state of the moment (load from elsewhere, heap, page cache); each figure is the median over
+all rounds of the per-round ratio configuration/without, with a distribution-free 95%
+confidence interval of that median. Rank 0's CPU time per iteration (every thread of the
+process) is reported beside the wall time: it is far less disturbed by other load on a
+shared machine.
 
-``--breakdown`` adds a third configuration to the rotation (ABC CBA ...): ``ddp_tuned`` with
-only the communication hook the profiler times through (DDP's all-reduce as a Python hook,
-nothing timed, no callback), to tell what the hook costs from what the profiler adds.
+``--breakdown`` adds ``ddp_tuned`` with only the communication hook the profiler times
+through (DDP's all-reduce as a Python hook, nothing timed, no callback) to the rotation, to
+tell what the hook costs from what the profiler adds.
 
 ``--method launches`` is the design used before: each configuration its own launch of
 ``bench/overhead.py``'s worker, launches alternating; process-to-process differences
@@ -57,12 +62,13 @@ if str(REPO_ROOT) not in sys.path:
 from bench import overhead  # noqa: E402
 from bench.common import StepTimer, make_data, percentile, print_table, summarize, write_json  # noqa: E402
 
-CONFIGS = ("ddp_tuned", "ddp_tuned+profiler")
+CONFIGS = ("ddp_tuned", "ddp_tuned+profiler")  # without; with (the target)
+EVERY_STEP = "ddp_tuned+profiler_all"  # profile_every=None: every step profiled
 HOOK_ONLY = "ddp_tuned+hook"  # --breakdown: the communication hook alone, nothing timed
 LIMIT = 1.03
 LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): LIMIT}
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "profiler_overhead.json"
-ROUNDS, STEPS, LAUNCHES = 6, 60, 2
+ROUNDS, STEPS, LAUNCHES = 6, 200, 2
 QUICK = {"rounds": 1, "steps": 10, "warmup": 2, "launches": 1}
 INTERLEAVED_WORKER = "interleaved"
 
@@ -89,8 +95,8 @@ def median_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float,
 
 # ----------------------------------------------------------------------------- the interleaved worker (every rank)
 def run_interleaved_worker(args: argparse.Namespace) -> None:
-    """``2 x (rounds + 1)`` fits in these processes, with and without the profiler in ABBA order;
-    rank 0 writes every fit's timings to ``--worker-out``."""
+    """``len(configs) x (rounds + 1)`` fits in these processes, in ABC CBA order; rank 0 writes
+    every fit's timings to ``--worker-out``."""
     import torch
     import torch.distributed as dist
 
@@ -134,8 +140,9 @@ def run_interleaved_worker(args: argparse.Namespace) -> None:
 
 
 def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
-    """Without the profiler, (with only its hook,) with it: ABC CBA ... within a launch."""
-    return (CONFIGS[0], HOOK_ONLY, CONFIGS[1]) if args.breakdown else CONFIGS
+    """Without the profiler, (with only its hook,) every step profiled, default schedule:
+    ABC CBA ... within a launch."""
+    return (CONFIGS[0], *((HOOK_ONLY,) if args.breakdown else ()), EVERY_STEP, CONFIGS[1])
 
 
 # ----------------------------------------------------------------------------- driver
@@ -182,9 +189,13 @@ def paired_ratios(
 
 
 def breakdown(fits: list[dict[str, Any]]) -> dict[str, Any]:
-    """--breakdown: what the hook alone costs, and what the profiler adds on top of it."""
+    """Every step profiled vs without; with --breakdown, the hook alone vs without and the
+    every-step profiler on top of the hook."""
+    pairs = [(EVERY_STEP, CONFIGS[0])]
+    if any(f["config"] == HOOK_ONLY for f in fits):
+        pairs += [(HOOK_ONLY, CONFIGS[0]), (EVERY_STEP, HOOK_ONLY)]
     out = {}
-    for numerator, denominator in ((HOOK_ONLY, CONFIGS[0]), (CONFIGS[1], HOOK_ONLY)):
+    for numerator, denominator in pairs:
         entry = {}
         for measure in ("iteration", "cpu_iteration"):
             ratios = paired_ratios(fits, measure, numerator, denominator)
@@ -195,7 +206,7 @@ def breakdown(fits: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize_interleaved(fits: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     summary: dict[str, Any] = {}
-    for config in sorted({f["config"] for f in fits}, key=lambda c: (c != CONFIGS[0], c == CONFIGS[1], c)):
+    for config in sorted({f["config"] for f in fits}, key=lambda c: (c != CONFIGS[0], c == CONFIGS[1], c != HOOK_ONLY)):
         mine = [f for f in fits if f["config"] == config]
         iteration = [f["iteration"]["median"] for f in mine]
         center = percentile(iteration, 50)
@@ -264,7 +275,7 @@ def print_interleaved(summary: dict[str, Any], targets: dict[str, Any], parts: O
     for name, entry in (parts or {}).items():
         wall, cpu = entry["iteration"], entry["cpu_iteration"]
         print(
-            f"  breakdown {name}: iteration x{wall['ratio']:.3f} (95% CI {wall['ci95'][0]:.3f}–{wall['ci95'][1]:.3f}), "
+            f"  {name}: iteration x{wall['ratio']:.3f} (95% CI {wall['ci95'][0]:.3f}–{wall['ci95'][1]:.3f}), "
             f"CPU time x{cpu['ratio']:.3f} (95% CI {cpu['ci95'][0]:.3f}–{cpu['ci95'][1]:.3f})"
         )
 
@@ -350,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         )
         runs = run_interleaved(args)
         summary, targets = summarize_interleaved(runs)
-        parts = breakdown(runs) if args.breakdown else None
+        parts = breakdown(runs)
         print_interleaved(summary, targets, parts)
     else:
         print(
@@ -369,7 +380,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             **header["settings"],
             "method": args.method,
             "launches": args.launches if args.method == "interleaved" else args.rounds * len(CONFIGS),
-            "profiler": "CommProfiler(warmup_steps=--warmup, every_n_steps=50)",
+            "profiler": "CommProfiler(every_n_steps=50): 20 profiled steps of every 200 after 5 warm-up steps",
+            "profiler_all": "CommProfiler(warmup_steps=--warmup, every_n_steps=50, profile_every=None)",
             "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
         },
         "bucket_layout": overhead.check_same_buckets(runs),

@@ -172,11 +172,13 @@ def test_checkpoints_round_trip_between_hybrid_ddp_tuned_and_one_device(tmp_path
 @pytest.mark.timeout(600)
 def test_two_replicas_of_two_devices_with_a_given_split(tmp_path: Path) -> None:
     """4 CPU devices = 2 processes x 2 stages, half the batch each == one process, full batch."""
-    # CommProfiler on: its all-reduce divides the loss, not the buckets, and must not divide twice.
+    # CommProfiler on: its all-reduce divides the loss, not the buckets, and must not divide twice;
+    # windows of 2 steps every 5: DDP re-wrapped without its hook after step 3, with it after 5.
     flags = ["--devices", "4", "--batch-size", "16", "--balance", "3,2", "--m", "2", "--profiler"]
-    two = _fit(tmp_path, "two", "--strategy", "hybrid", *flags)
+    two = _fit(tmp_path, "two", "--strategy", "hybrid", *flags, "--profile-schedule", "2,5")
     one = _fit(tmp_path, "one", "--strategy", "single", "--batch-size", "32")
     assert two["world_size"] == 2 and two["plan"] == [3, 2]
+    assert two["profiler_switches"] == [[(3, False), (5, True)]]
     assert two["grads_seen"] and all(two["grads_seen"]), "on_after_backward ran before the stages' backward"
     assert json.loads(two["stdout"].strip().splitlines()[-1])["world_size"] == 2
     _assert_same(two, one)

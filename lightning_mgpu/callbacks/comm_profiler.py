@@ -33,14 +33,15 @@ fused C++ all-reduce: on CPU about 2% of an 8M-parameter MLP's step. Between win
 profiler takes its hook out (``TunedDDPStrategy`` re-wraps the model in DDP, no weight
 broadcast; with a compression hook, which is Python anyway, the hook stays and only the
 stamping pauses), so a long run pays that for a tenth of its steps. ``profile_every=None``
-profiles every step. The first ``warmup_steps`` synchronising steps of a fit are not profiled;
-nor are the first two steps of any new DDP wrapper (after the profiler's or
-``bucket_cap_mb="auto"``'s re-wraps, and after a resume): the first runs DDP's initial bucket
-layout, the second rebuilds it. With ``bucket_cap_mb="auto"`` the steps it measures bucket
-sizes on are not profiled (with the hook in, so that every candidate pays the same): the
-schedule, warm-up included, starts on the size it keeps. With gradient accumulation only
-the synchronising step of each accumulation window counts: the others do not communicate. Figures are gathered and
-logged every ``every_n_steps`` profiled steps and at the end of each window.
+profiles every step. The first ``warmup_steps`` synchronising steps of a fit are not
+profiled; nor are the first two steps of any new DDP wrapper (after the profiler's or
+``bucket_cap_mb="auto"``'s re-wraps, and after a resume): the first runs DDP's initial
+bucket layout, the second rebuilds it. With ``bucket_cap_mb="auto"`` the steps it measures
+bucket sizes on are not profiled (with the hook in, so that every candidate pays the same):
+the schedule, warm-up included, starts on the size it keeps. With gradient accumulation only
+the synchronising step of each accumulation window counts: the others do not communicate.
+Figures are gathered and logged every ``every_n_steps`` profiled steps and at the end of
+each window.
 
 Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
 callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read

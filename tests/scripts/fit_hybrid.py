@@ -30,6 +30,7 @@ parser.add_argument("--batch-size", type=int, default=32, help="per process")
 parser.add_argument("--ckpt-save", default=None, help="trainer.save_checkpoint here at the end")
 parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
 parser.add_argument("--profiler", action="store_true", help="add CommProfiler(warmup_steps=1)")
+parser.add_argument("--profile-schedule", default="20,200", help="STEPS,EVERY: the profiler's profile_steps, profile_every")
 parser.add_argument("--out", required=True)
 
 
@@ -69,6 +70,7 @@ class Net(L.LightningModule):
 
 def main() -> None:
     args = parser.parse_args()
+    profile_steps, profile_every = (int(v) for v in args.profile_schedule.split(","))
     torch.manual_seed(0)
     model = Net(args.batch_size)
     balance = [int(s) for s in args.balance.split(",")] if "," in args.balance else args.balance
@@ -88,7 +90,9 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[CommProfiler(warmup_steps=1, every_n_steps=2)] if args.profiler else [],
+        callbacks=[CommProfiler(warmup_steps=1, every_n_steps=2, profile_steps=profile_steps, profile_every=profile_every)]
+        if args.profiler
+        else [],
     )
     trainer.fit(model, ckpt_path=args.ckpt_path)
     if args.ckpt_save:
@@ -104,6 +108,7 @@ def main() -> None:
             "global_step": trainer.global_step,
             "body_class": type(model.body).__name__,
             "plan": getattr(trainer.strategy, "plan", None) and trainer.strategy.plan.sizes,
+            "profiler_switches": [list(c.switches) for c in trainer.callbacks if isinstance(c, CommProfiler)],
         }
         torch.save(record, args.out)
         print(json.dumps({"plan": record["plan"], "world_size": record["world_size"]}))
