@@ -174,6 +174,39 @@ def test_profiling_windows_follow_the_schedule() -> None:
     assert CommProfiler().profile_steps == 20 and CommProfiler().profile_every == 200
 
 
+def test_only_pausable_wrappers_leave_ddp_and_only_when_that_restores_the_builtin_all_reduce() -> None:
+    from lightning_mgpu import TunedDDPStrategy
+
+    strategy = TunedDDPStrategy()
+    assert not strategy.has_own_comm_hook
+    strategy.add_comm_hook_wrapper(lambda hook: hook, pausable=True)
+    assert not strategy.has_own_comm_hook  # off, DDP would run its C++ all-reduce: worth a re-wrap
+    strategy.add_comm_hook_wrapper(lambda hook: hook)  # a user's wrapper: a Python hook in any case
+    assert strategy.has_own_comm_hook
+    assert strategy.set_comm_hook_wrappers(False) and not strategy.comm_hook_wrappers_on
+    assert TunedDDPStrategy(compression="fp16").has_own_comm_hook
+
+
+def test_a_switch_is_never_made_after_the_last_step() -> None:
+    from types import SimpleNamespace
+
+    from lightning_mgpu.callbacks.comm_profiler import _fit_ends_here
+
+    def trainer(**kw: Any) -> Any:
+        state = {"should_stop": False, "max_steps": -1, "global_step": 10, "current_epoch": 0, "max_epochs": 3,
+                 "is_last_batch": False, **kw}  # fmt: skip
+        epoch_loop = SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=state["is_last_batch"]))
+        fit_loop = SimpleNamespace(max_epochs=state["max_epochs"], epoch_loop=epoch_loop)
+        return SimpleNamespace(fit_loop=fit_loop, **{k: state[k] for k in ("should_stop", "max_steps", "global_step", "current_epoch")})
+
+    assert not _fit_ends_here(trainer())
+    assert _fit_ends_here(trainer(should_stop=True))  # EarlyStopping
+    assert _fit_ends_here(trainer(max_steps=10)) and not _fit_ends_here(trainer(max_steps=11))
+    assert _fit_ends_here(trainer(current_epoch=2, is_last_batch=True))
+    assert not _fit_ends_here(trainer(current_epoch=1, is_last_batch=True))
+    assert not _fit_ends_here(trainer(current_epoch=2, is_last_batch=True, max_epochs=-1))
+
+
 def test_profiler_reads_a_bench_comm_result() -> None:
     profiler = CommProfiler(sweep=REPO / "bench" / "results" / "bench_comm_cpu.json")
     assert profiler.peak_busbw_gbps is not None and profiler.peak_busbw_gbps > 0

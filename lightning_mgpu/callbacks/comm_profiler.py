@@ -34,14 +34,15 @@ profiler takes its hook out (``TunedDDPStrategy`` re-wraps the model in DDP, no 
 broadcast; with a compression hook, which is Python anyway, the hook stays and only the
 stamping pauses), so a long run pays that for a tenth of its steps. ``profile_every=None``
 profiles every step. The first ``warmup_steps`` synchronising steps of a fit are not
-profiled; nor are the first two steps of any new DDP wrapper (after the profiler's or
-``bucket_cap_mb="auto"``'s re-wraps, and after a resume): the first runs DDP's initial
-bucket layout, the second rebuilds it. With ``bucket_cap_mb="auto"`` the steps it measures
-bucket sizes on are not profiled (with the hook in, so that every candidate pays the same):
-the schedule, warm-up included, starts on the size it keeps. With gradient accumulation only
-the synchronising step of each accumulation window counts: the others do not communicate.
-Figures are gathered and logged every ``every_n_steps`` profiled steps and at the end of
-each window.
+profiled; nor are the first two steps of every DDP wrapper (at the start of a fit, after a
+resume, after the profiler's or ``bucket_cap_mb="auto"``'s re-wraps): the first runs DDP's
+initial bucket layout, the second rebuilds it. A switch happens only at the end of a
+synchronising step (after its optimizer step), the same step on every rank. With
+``bucket_cap_mb="auto"`` the steps it measures bucket sizes on are not profiled (with the
+hook in, so that every candidate pays the same): the schedule, warm-up included, starts on
+the size it keeps. With gradient accumulation only the synchronising step of each
+accumulation window counts: the others do not communicate. Figures are gathered and logged
+every ``every_n_steps`` profiled steps and at the end of each window.
 
 Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
 callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read
@@ -104,8 +105,8 @@ class CommProfiler(L.Callback):
     """Measure DDP communication per step and per bucket, on CPU and GPU.
 
     Args:
-        warmup_steps: synchronising steps of a fit not profiled (at least 1: DDP's first step,
-            on its initial bucket layout, never is).
+        warmup_steps: synchronising steps of a fit not profiled (at least 1; DDP's first two
+            steps, on its initial bucket layout and then rebuilding it, never are).
         every_n_steps: gather the figures from every rank and log them every this many
             profiled steps, and at the end of each profiling window.
         export_dir: if given, rank 0 writes ``comm_profile.json``, ``comm_buckets.csv``,
@@ -210,7 +211,7 @@ class CommProfiler(L.Callback):
                 self._timer.wire_ratio = 0.5
             elif strategy.compression == "powersgd":
                 self._timer.wire_ratio = None
-            strategy.add_comm_hook_wrapper(self._timer.wrap)
+            strategy.add_comm_hook_wrapper(self._timer.wrap, pausable=True)
             self._measures_comm = True
         else:
             rank_zero_warn(
@@ -231,10 +232,10 @@ class CommProfiler(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = trainer.strategy.model
         self._wrapper = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
-        # A resumed fit has a new DDP wrapper but no warm-up left: let it settle.
-        self._settle_left = SETTLE_STEPS if self._sync_steps_seen else 0
-        if self._phase(self._sync_steps_seen + 1) == "off":
-            self._switch(trainer, on=False)
+        # A new DDP wrapper (a resumed fit has no warm-up left): its first two steps settle.
+        # A resumed fit due off the hook switches at its first step's end, as ever after an
+        # optimizer step (the restored batch counters may still be mid-accumulation here).
+        self._settle_left = SETTLE_STEPS
 
     # ------------------------------------------------------------------ schedule
 
@@ -329,10 +330,13 @@ class CommProfiler(L.Callback):
                 self._record(trainer.global_rank, *step)
         following = self._phase(n + 1)
         window_ended = following != "profile" and self.profile_every is not None
+        if window_ended and self._pending is not None:
+            # the window's last step (CUDA): read now, one wait for the GPU per window
+            self._record(trainer.global_rank, *self._pending)
+            self._pending = None
         if self._since_log and (len(self._since_log) >= self.every_n_steps or window_ended):
             self._log(trainer, pl_module)
-        last = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
-        if (following != "off") != self._timing_on and not last:
+        if (following != "off") != self._timing_on and not _fit_ends_here(trainer):
             self._switch(trainer, on=following != "off")
 
     def _record(self, rank: int, step: int, marks: dict[str, Stamp], launches: list[Any], dones: list[Any]) -> None:
@@ -441,8 +445,8 @@ class CommProfiler(L.Callback):
         profiled = [g for g in gathered if g["medians"] is not None]
         if not profiled:
             rank_zero_warn(
-                f"CommProfiler: no step was profiled (warmup_steps={self.warmup_steps}, and DDP's first step is "
-                "always skipped). Train longer or lower warmup_steps."
+                f"CommProfiler: no step was profiled (warmup_steps={self.warmup_steps}, and DDP's first two steps "
+                "are always skipped). Train longer or lower warmup_steps."
             )
             return
         profile = self._profile(trainer, gathered)
@@ -550,6 +554,17 @@ class CommProfiler(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._sync_steps_seen = int(state_dict.get("sync_steps_seen", 0))
         self._origin = int(state_dict.get("schedule_origin", 0))
+
+
+def _fit_ends_here(trainer: L.Trainer) -> bool:
+    """True when the step that just ended is the fit's last (as far as can be known now)."""
+    if trainer.should_stop:
+        return True
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return True
+    loop = trainer.fit_loop
+    last_epoch = loop.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= loop.max_epochs
+    return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
 
 
 def _host_ns() -> int:

@@ -305,7 +305,7 @@ class TunedDDPStrategy(DDPStrategy):
             **kwargs,
         )
         self._wire_dtype: Optional[torch.dtype] = None
-        self._comm_hook_wrappers: list[Callable[[Callable], Callable]] = []
+        self._comm_hook_wrappers: list[tuple[Callable[[Callable], Callable], bool]] = []  # (wrapper, pausable)
         self._comm_hook_wrappers_on = True
         self._prescaler: Optional[PrescaledAllreduce] = None
         self._powersgd_keeper: Optional[powersgd_memory.PowerSGDLayoutKeeper] = None
@@ -469,50 +469,64 @@ class TunedDDPStrategy(DDPStrategy):
             self._ddp_comm_hook, self._ddp_comm_state, self._wire_dtype = spec.hook, spec.state, spec.wire_dtype
         super().configure_ddp()
 
-    def add_comm_hook_wrapper(self, wrapper: Callable[[Callable], Callable]) -> None:
+    def add_comm_hook_wrapper(self, wrapper: Callable[[Callable], Callable], *, pausable: bool = False) -> None:
         """Wrap the communication hook DDP will use (the compression hook, or plain
         all-reduce) with ``wrapper(hook) -> hook``; e.g. ``CommProfiler`` times buckets so.
 
         DDP accepts one hook, registered when the model is wrapped: call this before
         ``fit`` reaches ``strategy.setup`` (a callback's ``setup`` hook is early enough).
+        A ``pausable`` wrapper is one that :meth:`set_comm_hook_wrappers` may take out of DDP
+        between steps; it must then also pass the hook through untouched when told to pause
+        by its owner (it stays in place whenever DDP runs a Python hook anyway).
         """
         if isinstance(self.model, DistributedDataParallel):
             raise RuntimeError(
                 "add_comm_hook_wrapper() was called after DDP registered its communication hook; "
                 "call it from a callback's setup() hook, before training starts."
             )
-        self._comm_hook_wrappers.append(wrapper)
+        self._comm_hook_wrappers.append((wrapper, pausable))
 
     @property
     def has_own_comm_hook(self) -> bool:
-        """True when DDP runs a Python communication hook whatever the wrappers (compression,
-        ``ddp_comm_hook``, ``ddp_comm_wrapper``); False when it would use its built-in C++ all-reduce."""
-        return self._ddp_comm_hook is not None or self._ddp_comm_wrapper is not None
+        """True when DDP runs a Python communication hook whatever the pausable wrappers
+        (compression, ``ddp_comm_hook``, ``ddp_comm_wrapper``, a wrapper that is not pausable);
+        False when without them it would use its built-in C++ all-reduce."""
+        return (
+            self._compression is not None  # its hook is set when DDP is configured
+            or self._ddp_comm_hook is not None
+            or self._ddp_comm_wrapper is not None
+            or any(not pausable for _, pausable in self._comm_hook_wrappers)
+        )
 
     @property
     def comm_hook_wrappers_on(self) -> bool:
-        """Whether the wrappers added by :meth:`add_comm_hook_wrapper` are in DDP's hook now."""
+        """Whether the pausable wrappers (:meth:`add_comm_hook_wrapper`) are switched on."""
         return self._comm_hook_wrappers_on
 
     def set_comm_hook_wrappers(self, on: bool) -> bool:
-        """Put the wrappers added by :meth:`add_comm_hook_wrapper` into DDP's hook (``on``) or take
-        them out, between optimizer steps; e.g. ``CommProfiler`` profiles a window of steps so.
+        """Switch the pausable wrappers added by :meth:`add_comm_hook_wrapper` on or off, between
+        optimizer steps; e.g. ``CommProfiler`` profiles a window of steps so.
 
-        DDP cannot unregister a hook: with a hook of its own (:attr:`has_own_comm_hook`) the
-        strategy keeps the wrappers in place (a wrapper that can pause has its own switch) and
-        only records the state; without one, it re-wraps the model in a new DDP (no weight
-        broadcast), which runs DDP's built-in C++ all-reduce while the wrappers are off. Like any
-        new DDP wrapper, the new one uses its initial bucket layout for one step and rebuilds it
-        at the start of the next. Returns whether the wrappers are now ``on`` as asked: False
-        (nothing changed) while ``bucket_cap_mb="auto"`` is still measuring, so that every
-        candidate is timed with the same hook.
+        DDP cannot unregister a hook. With a Python hook in any case (:attr:`has_own_comm_hook`)
+        the wrappers stay in place and only the state is recorded (the wrapper's owner pauses
+        it). Otherwise the model is re-wrapped in a new DDP (no weight broadcast), which runs
+        DDP's built-in C++ all-reduce while the wrappers are off and the timed hook when they
+        are on. Like any new DDP wrapper, the new one uses its initial bucket layout for one step
+        and rebuilds it at the start of the next. Returns whether the wrappers are now ``on`` as
+        asked; False (nothing changed) while ``bucket_cap_mb="auto"`` is still measuring, so that
+        every candidate is timed with the same hook, and when this torch's DDP cannot be built
+        without broadcasting the weights again (no ``init_sync``).
         """
         if on == self._comm_hook_wrappers_on:
             return True
         if self._tuner is not None and self._tuner.active:
             return False
+        pausable = any(p for _, p in self._comm_hook_wrappers)
+        rewrap = pausable and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel)
+        if rewrap and "init_sync" not in _DDP_PARAMETERS:
+            return False
         self._comm_hook_wrappers_on = on
-        if self._comm_hook_wrappers and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel):
+        if rewrap:
             self._rewrap_ddp()
         return True
 
@@ -520,7 +534,9 @@ class TunedDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; DDP supports them on every backend.
         hook, state = self._ddp_comm_hook, self._ddp_comm_state
-        wrappers = self._comm_hook_wrappers if self._comm_hook_wrappers_on else []
+        # Pausable wrappers leave DDP only when that gives back the built-in all-reduce.
+        keep_all = self._comm_hook_wrappers_on or self.has_own_comm_hook
+        wrappers = [wrapper for wrapper, pausable in self._comm_hook_wrappers if keep_all or not pausable]
         self._prescaler = None
         if hook is None and self._ddp_comm_wrapper is None and not wrappers:
             return  # DDP's built-in C++ all-reduce: the fastest path
