@@ -25,6 +25,7 @@ import gc
 import inspect
 import logging
 import math
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -822,7 +823,13 @@ class TunedDDPStrategy(DDPStrategy):
         super().on_exception(exception)
         # Name the lost ranks in the error, and leave no child rank behind (strategies/_failures.py).
         children = _failures.launched_children(self.launcher, self.global_rank)
-        _failures.explain_collective_failure(exception, rank=self.global_rank, timeout=self._timeout, children=children)
+        note = _failures.explain_collective_failure(
+            exception, rank=self.global_rank, timeout=self._timeout, children=children
+        )
+        if note is not None and children:
+            # Lightning's child-process watcher (it polls every 5 s) SIGKILLs this launching process
+            # when it sees a dead child, possibly before the traceback is printed: say it now too.
+            print(note, file=sys.stderr, flush=True)
         _failures.reap_children_at_exit(children)
 
     # ------------------------------------------------------------------ teardown
