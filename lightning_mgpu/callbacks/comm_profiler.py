@@ -261,7 +261,6 @@ class CommProfiler(L.Callback):
             return
         if not strategy.set_comm_hook_wrappers(on):
             return  # bucket_cap_mb="auto" is still measuring: keep the hook as it is for now
-        self._timer.enabled = on
         self._timing_on = on
         self.switches.append((trainer.global_step, on))
 

@@ -202,8 +202,6 @@ class BucketTimer:
         # autograd's "run this when the backward graph is done"; injectable for tests
         self._queue_callback = queue_callback or torch.autograd.Variable._execution_engine.queue_callback
         self.wire_ratio: Optional[float] = 1.0
-        self.enabled = True
-        """False: the wrapped hook runs untimed (switch it only between steps)."""
         self.compute_end: Optional[Stamp] = None
         self._launches: list[tuple[int, int, int, Stamp]] = []
         self._dones: list[tuple[int, Stamp]] = []
@@ -216,11 +214,9 @@ class BucketTimer:
         owner = getattr(hook, "__self__", None)
         fused = isinstance(owner, PrescaledAllreduce)
         if fused:
-            owner.on_done = lambda index: timer._dones.append((index, timer.clock.stamp())) if timer.enabled else None
+            owner.on_done = lambda index: timer._dones.append((index, timer.clock.stamp()))
 
         def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            if not timer.enabled:
-                return hook(state, bucket)
             index = bucket.index()
             buffer = bucket.buffer()
             nbytes = buffer.numel() * buffer.element_size()

@@ -476,9 +476,8 @@ class TunedDDPStrategy(DDPStrategy):
 
         DDP accepts one hook, registered when the model is wrapped: call this before
         ``fit`` reaches ``strategy.setup`` (a callback's ``setup`` hook is early enough).
-        A ``pausable`` wrapper is one that :meth:`set_comm_hook_wrappers` may take out of DDP
-        between steps; it must then also pass the hook through untouched when told to pause
-        by its owner (it stays in place whenever DDP runs a Python hook anyway).
+        A ``pausable`` wrapper is one that :meth:`set_comm_hook_wrappers` may switch off
+        between steps: DDP then runs the hook it wraps, as if it were not there.
         """
         if isinstance(self.model, DistributedDataParallel):
             raise RuntimeError(
@@ -509,8 +508,8 @@ class TunedDDPStrategy(DDPStrategy):
         optimizer steps; e.g. ``CommProfiler`` profiles a window of steps so.
 
         DDP cannot unregister a hook. With a Python hook in any case (:attr:`has_own_comm_hook`)
-        the wrappers stay in place and only the state is recorded (the wrapper's owner pauses
-        it). Otherwise the model is re-wrapped in a new DDP (no weight broadcast), which runs
+        the wrappers stay registered behind a gate that calls the hook they wrap while they are
+        off. Otherwise the model is re-wrapped in a new DDP (no weight broadcast), which runs
         DDP's built-in C++ all-reduce while the wrappers are off and the timed hook when they
         are on. Like any new DDP wrapper, the new one uses its initial bucket layout for one step
         and rebuilds it at the start of the next. Returns whether the wrappers are now ``on`` as
@@ -535,9 +534,10 @@ class TunedDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; DDP supports them on every backend.
         hook, state = self._ddp_comm_hook, self._ddp_comm_state
-        # Pausable wrappers leave DDP only when that gives back the built-in all-reduce.
+        # Pausable wrappers leave DDP only when that gives back the built-in all-reduce;
+        # under a Python hook that stays anyway, they are gated instead (see _gated).
         keep_all = self._comm_hook_wrappers_on or self.has_own_comm_hook
-        wrappers = [wrapper for wrapper, pausable in self._comm_hook_wrappers if keep_all or not pausable]
+        wrappers = [(wrapper, pausable) for wrapper, pausable in self._comm_hook_wrappers if keep_all or not pausable]
         self._prescaler = None
         if hook is None and self._ddp_comm_wrapper is None and not wrappers:
             return  # DDP's built-in C++ all-reduce: the fastest path
@@ -562,9 +562,22 @@ class TunedDDPStrategy(DDPStrategy):
             hook = powersgd_memory.one_bucket_at_a_time(hook)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
-        for wrapper in wrappers:
-            hook = wrapper(hook)
+        gate = self.has_own_comm_hook  # otherwise pausing re-wraps DDP: no gate on the hot path
+        for wrapper, pausable in wrappers:
+            hook = self._gated(wrapper, hook) if pausable and gate else wrapper(hook)
         self.model.register_comm_hook(state=state, hook=hook)
+
+    def _gated(self, wrapper: Callable[[Callable], Callable], hook: Callable) -> Callable:
+        """``wrapper(hook)`` while the pausable wrappers are on, ``hook`` itself while they are off."""
+        wrapped = wrapper(hook)
+        strategy = self
+
+        # No annotations: this module's are strings, and DDP rejects a hook annotated so.
+        def gate(state, bucket):  # type: ignore[no-untyped-def]
+            return (wrapped if strategy._comm_hook_wrappers_on else hook)(state, bucket)
+
+        gate.__name__ = gate.__qualname__ = getattr(wrapped, "__name__", "hook")  # DDP logs the hook's name
+        return gate
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
