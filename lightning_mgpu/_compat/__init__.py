@@ -1,0 +1,38 @@
+"""The only place in the package that touches private names of torch or Lightning.
+
+Every use of an underscore name of ``torch`` or ``lightning`` lives in
+:mod:`lightning_mgpu._compat.torch` or :mod:`lightning_mgpu._compat.lightning`, behind a
+small public function of ours. Each private name is declared with :func:`guarded`, which
+records it in :data:`GUARDED`; ``tests/test_compat.py`` resolves every entry against the
+installed torch and Lightning and fails loudly, naming it, when one disappears. A function
+here either has a tested fallback for versions without the name or raises a clear
+``RuntimeError`` saying which version is needed.
+
+A test (``tests/test_compat.py``) also scans the rest of the package and fails if any
+module outside this package imports or reads a private torch/Lightning name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GuardedName:
+    """One private name we rely on: ``module`` is importable, ``attribute`` a dotted path in it."""
+
+    module: str
+    attribute: str
+    required: bool
+    """True when the package cannot work without it (no fallback); False when a fallback exists."""
+    why: str
+
+
+GUARDED: list[GuardedName] = []
+
+
+def guarded(module: str, attribute: str, *, required: bool, why: str) -> GuardedName:
+    """Declare a private name used by ``_compat`` (see :data:`GUARDED`)."""
+    entry = GuardedName(module, attribute, required, why)
+    GUARDED.append(entry)
+    return entry
