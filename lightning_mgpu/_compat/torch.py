@@ -7,3 +7,160 @@ then the public function that uses it (with its fallback or a clear error).
 from __future__ import annotations
 
 from lightning_mgpu._compat import guarded  # noqa: F401
+
+
+# ---------------------------------------------------------------------------------------
+# DDP internals used by strategies/ and tuning/ (bucket sizes, layout, re-wrapping)
+# ---------------------------------------------------------------------------------------
+import torch as _torch
+import torch.distributed as _dist
+from torch.nn.parallel import DistributedDataParallel as _DDP
+
+_MIB = 1024 * 1024
+
+_DEFAULT_BUCKET_CAP = guarded(
+    "torch.nn.parallel.distributed", "_DEFAULT_BUCKET_CAP_MB", required=False,
+    why="DDP's default bucket size (fallback: 25 MiB, torch's value since 1.x)",
+)  # fmt: skip
+_DEFAULT_FIRST_BUCKET = guarded(
+    "torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", required=False,
+    why="DDP's first-bucket size (fallback: 1 MiB, torch's value since 1.x)",
+)  # fmt: skip
+
+DDP_DEFAULT_BUCKET_CAP_MB = float(getattr(_torch.nn.parallel.distributed, _DEFAULT_BUCKET_CAP.attribute, 25))
+"""torch's default bucket size in MiB."""
+DDP_DEFAULT_FIRST_BUCKET_BYTES = int(getattr(_dist, _DEFAULT_FIRST_BUCKET.attribute, _MIB))
+"""torch's first-bucket size in bytes (1 MiB)."""
+
+_LOGGING_DATA = guarded(
+    "torch.nn.parallel", "DistributedDataParallel._get_ddp_logging_data", required=False,
+    why="the bucket layout DDP rebuilt (sizes and parameter indices) without allocating gradient buffers; "
+    "without it bucket_layout is None and bucket_cap_mb='auto' keeps DDP's default",
+)  # fmt: skip
+
+
+def ddp_rebuilt_buckets(model: _DDP) -> "tuple[list[int], list[list[int]]] | None":
+    """(bytes per bucket, reducer parameter indices per bucket) of DDP's rebuilt layout, in launch
+    order; None before DDP rebuilt its buckets (third step) or when this torch does not say."""
+    read = getattr(model, _LOGGING_DATA.attribute.rsplit(".", 1)[-1], None)
+    if read is None:
+        return None
+    data = read()
+    if not data.get("has_rebuilt_buckets"):
+        return None
+    try:
+        sizes = [int(s) for s in str(data["rebuilt_bucket_sizes"]).split(",")]
+        indices = [[int(i) for i in group.split()] for group in str(data["rebuilt_per_bucket_param_indices"]).split(",")]
+    except (KeyError, ValueError):
+        return None
+    return sizes, indices
+
+
+_REMOVE_AUTOGRAD_HOOKS = guarded(
+    "torch._C._distributed_c10d", "Reducer._remove_autograd_hooks", required=False,
+    why="detach a replaced DDP wrapper's reducer from autograd at once (fallback: it is detached when freed)",
+)  # fmt: skip
+
+
+def detach_reducer(model: _DDP) -> bool:
+    """Stop ``model``'s reducer from seeing later backward passes; True if it could be done now."""
+    remove = getattr(model.reducer, _REMOVE_AUTOGRAD_HOOKS.attribute.rsplit(".", 1)[-1], None)
+    if remove is None:
+        return False
+    remove()
+    return True
+
+
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_is_full_backward_hook",
+)
+"""The per-module hook dictionaries ``nn.Module`` keeps (torch >= 2.0)."""
+# Instance attributes, so not resolvable on the class: tests/test_compat.py checks a fresh
+# module has every one of MODULE_HOOK_DICTS.
+
+
+def carry_module_hooks(old: _torch.nn.Module, new: _torch.nn.Module) -> None:
+    """Give ``new`` the hooks registered on ``old`` itself (not its children).
+
+    The very same dictionaries, so that a handle taken on ``old`` still removes its hook; hooks
+    ``new`` already had are kept. Raises ``RuntimeError`` if this torch keeps hooks elsewhere.
+    """
+    if not hasattr(old, "_forward_hooks"):
+        raise RuntimeError(f"torch {_torch.__version__} keeps module hooks differently; lightning_mgpu needs an update")
+    for name in MODULE_HOOK_DICTS:
+        hooks = getattr(old, name, None)
+        if hooks is None:
+            continue
+        own = getattr(new, name)
+        if isinstance(own, dict) and own:
+            hooks.update(own)
+        setattr(new, name, hooks)
+
+
+_EXECUTION_ENGINE = guarded(
+    "torch.autograd", "Variable._execution_engine", required=True,
+    why="queue a callback that runs when autograd finished the backward graph (DDP does the same)",
+)  # fmt: skip
+
+
+def queue_autograd_callback(callback: "Callable[[], None]") -> None:
+    """Run ``callback`` once the current backward pass has finished (call during a backward)."""
+    _torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+_BUCKET_ASSIGNMENT = guarded(
+    "torch.distributed", "_compute_bucket_assignment_by_size", required=False,
+    why="DDP's own bucket assignment rule (fallback: tuning.layout.assign_buckets, a Python copy tested against it)",
+)  # fmt: skip
+
+
+def ddp_bucket_assignment() -> "Callable[..., Any] | None":
+    """torch's ``_compute_bucket_assignment_by_size`` (the function DDP's rebuild calls), or None."""
+    return getattr(_dist, _BUCKET_ASSIGNMENT.attribute, None)
+
+
+_POWERSGD_SHOULD_COMPRESS = guarded(
+    "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook", "_should_compress", required=True,
+    why="which tensors torch's PowerSGD hook compresses (the layout keeper must follow the hook's own rule)",
+)  # fmt: skip
+
+
+def powersgd_should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether torch's ``powerSGD_hook`` compresses an n x m matrix at ``rank``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    return bool(powerSGD_hook._should_compress(n, m, rank, min_compression_rate)[0])
+
+
+_STATE_DICT_METADATA = guarded(
+    "torch.nn", "Module.state_dict", required=False,
+    why="state_dict()'s OrderedDict carries _metadata (per-module versions, e.g. BatchNorm's); copies keep it",
+)  # fmt: skip
+
+
+def copy_state_dict_metadata(source: object, target: object) -> None:
+    """Copy a ``state_dict``'s ``_metadata`` (module versions) onto a copy of it, if it has one."""
+    metadata = getattr(source, "_metadata", None)
+    if metadata is not None:
+        setattr(target, "_metadata", metadata)
+
+
+_MODULE_APPLY = guarded(
+    "torch.nn", "Module._apply", required=True,
+    why="move one module's own parameters and buffers (not its children's) the way Module.to does",
+)  # fmt: skip
+
+
+def apply_to_own_tensors(module: _torch.nn.Module, fn: "Callable[[_torch.Tensor], _torch.Tensor]") -> None:
+    """``module.to``-style conversion of ``module``'s own parameters and buffers, children untouched."""
+    module._apply(fn, recurse=False)
+
+
+from typing import Any, Callable  # noqa: E402  (annotations above are strings)
