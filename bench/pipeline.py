@@ -1,8 +1,10 @@
 """Pipeline throughput: a compute-bound ``nn.Sequential`` split in 2 stages, M micro-batches.
 
-    python bench/pipeline.py                 # full run (about 3 minutes on 2 cores)
-    python bench/pipeline.py --quick         # smoke test
-    python bench/pipeline.py --retain-freed-memory   # glibc keeps freed blocks (see below)
+    python -m bench.pipeline                 # full run (about 3 minutes on 2 cores)
+    python -m bench.pipeline --quick         # smoke test
+    python -m bench.pipeline --retain-freed-memory   # glibc keeps freed blocks (see below)
+
+(from the repository root: see ``bench/__init__.py``).
 
 On this 2-core machine a "device" is one CPU core: the unsplit model runs one training
 step (forward + backward) with 1 intra-op thread; the pipeline runs the same model split
@@ -39,14 +41,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.common import machine_facts, print_table, write_json
+from lightning_mgpu.placement.pipeline import Pipeline, retain_freed_memory
+from lightning_mgpu.placement.plan import make_plan
+from lightning_mgpu.placement.profile import profile_layers
 
-from bench.common import machine_facts, print_table, write_json  # noqa: E402
-from lightning_mgpu.placement.pipeline import Pipeline, retain_freed_memory  # noqa: E402
-from lightning_mgpu.placement.plan import make_plan  # noqa: E402
-from lightning_mgpu.placement.profile import profile_layers  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STAGES = 2
 MICROBATCHES = (1, 2, 4, 8)

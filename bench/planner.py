@@ -20,9 +20,11 @@ some parameter-free layers such as activations and pooling), because that is wha
 parameter methods see in practice; the "ds_params" and "params_minmax" columns show what
 balancing the wrong quantity does to the time bottleneck.
 
-    python bench/planner.py                  # 3000 random cases, 3 models, timing (~10 s on one core)
-    python bench/planner.py --quick          # smoke run: 100 cases, 3 timing runs (the test runs this)
-    python bench/planner.py --cases 10000 --seed 1 --out bench/results/planner_10k.json
+    python -m bench.planner                  # 3000 random cases, 3 models, timing (~10 s on one core)
+    python -m bench.planner --quick          # smoke run: 100 cases, 3 timing runs (the test runs this)
+    python -m bench.planner --cases 10000 --seed 1 --out bench/results/planner_10k.json
+
+(from the repository root: see ``bench/__init__.py``).
 
 Writes ``--out`` (default bench/results/planner.json): settings, per-distribution and
 overall statistics per method (share of cases at the optimum, mean and worst ratio
@@ -47,19 +49,15 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-# `python bench/planner.py` puts bench/ on sys.path, not the repository root.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from bench.common import print_table, write_json
+from lightning_mgpu.placement import partition
 
-from bench.common import print_table, write_json  # noqa: E402
-from lightning_mgpu.placement import partition  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- settings
 CASES = 3000  # random cases, split evenly over the distributions

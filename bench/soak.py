@@ -13,9 +13,12 @@ garbage collector tracks (after a collection) at the first step, at 1%, 5%, 10%,
 75%, 90% of the run and at the end; the table and ``bench/results/soak.json`` report them for
 both ranks.
 
-    python bench/soak.py                  # 20,000 steps, a few minutes on 2 cores
-    python bench/soak.py --quick          # 400 steps, a smoke run (tests/test_reliability_soak.py)
-    python bench/soak.py --steps 100000 --out /tmp/soak.json
+    python -m bench.soak                  # 20,000 steps, a few minutes on 2 cores
+    python -m bench.soak --quick          # 400 steps, a smoke run (tests/test_reliability_soak.py)
+    python -m bench.soak --steps 100000 --out /tmp/soak.json
+
+(from the repository root: see ``bench/__init__.py``; Lightning's launcher starts the other
+rank with the same ``python -m bench.soak`` command.)
 
 What grows by design: CommProfiler keeps the figures of its last ``history`` = 10,000 profiled
 steps (for its medians), so during the first half of the run every rank gains one small object
@@ -31,23 +34,19 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from bench.common import machine_facts, print_table, write_json
+from lightning_mgpu import CommProfiler, DistributedDoctor
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from bench.common import machine_facts, print_table, write_json  # noqa: E402
-from lightning_mgpu import CommProfiler  # noqa: E402
-from lightning_mgpu.callbacks.doctor import DistributedDoctor  # noqa: E402
 
 STEPS, QUICK_STEPS = 20_000, 400
 EPOCH_STEPS = 1_000
@@ -147,7 +146,7 @@ def report(ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path)
     verdict = ("flat" if flat else "growing") if judged else f"no verdict (fewer than {2 * HISTORY:,} steps)"
     result = {
         "benchmark": "soak",
-        "command": "python bench/soak.py" + ("" if steps == STEPS else f" --steps {steps}"),
+        "command": "python -m bench.soak" + ("" if steps == STEPS else f" --steps {steps}"),
         "steps": steps,
         "epoch_steps": EPOCH_STEPS,
         "elapsed_s": elapsed_s,

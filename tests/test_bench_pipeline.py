@@ -1,4 +1,4 @@
-"""bench/pipeline.py runs end to end (tiny settings) and writes the JSON the README cites."""
+"""``python -m bench.pipeline --quick`` runs end to end (tiny settings) and writes the JSON the README cites."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import pytest
 from tests.conftest import REPO, run_python
 
 
+pytestmark = pytest.mark.bench
+
+
 @pytest.mark.timeout(200)
 def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
-    proc = run_python([str(REPO / "bench" / "pipeline.py"), "--quick", "--out", str(out)], cwd=tmp_path, timeout=180)
+    proc = run_python(["-m", "bench.pipeline", "--quick", "--out", str(out)], cwd=REPO, timeout=180)
     report = json.loads(out.read_text())
     configs = [row["config"] for row in report["results"]]
     assert configs == ["unsplit, 1 core", "unsplit, 2 threads", "pipeline M=1", "pipeline M=2"]

@@ -1,7 +1,7 @@
-"""``bench/planner.py --quick`` runs end to end, and its report says the planner is exact.
+"""``python -m bench.planner --quick`` runs end to end, and its report says the planner is exact.
 
 Not a timing test (a benchmark is never judged by the suite): it checks that the script
-runs standalone, that ``partition`` hit the DP optimum in every random case and every
+runs from the repository root, that ``partition`` hit the DP optimum in every random case and every
 model row, that no heuristic beat the optimum (which would mean the reference is wrong),
 and that the JSON holds what the lead reads.
 """
@@ -19,13 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"ours", "dp", "blockpartition", "ds_params", "params_minmax", "uniform"}
 DISTRIBUTIONS = {"uniform", "lognormal", "few_huge", "lognormal+cuts"}
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.mark.timeout(180)
 def test_planner_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "planner.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "planner.py"), "--quick", "--out", str(out)],
-        cwd=tmp_path,  # standalone: the script finds the repository itself
+        [sys.executable, "-m", "bench.planner", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=170,

@@ -1,4 +1,4 @@
-"""bench/soak.py --quick: the soak benchmark runs, samples both ranks and writes its report (a smoke test;
+"""``python -m bench.soak --quick``: the soak benchmark runs, samples both ranks and writes its report (a smoke test;
 the 20,000-step run itself is not part of the suite)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 
 from tests.conftest import REPO, run_python
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.bench, pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 
 def test_quick_soak_reports_rss_of_both_ranks(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    proc = run_python([str(REPO / "bench" / "soak.py"), "--quick", "--out", str(out)], cwd=tmp_path, timeout=120)
+    proc = run_python(["-m", "bench.soak", "--quick", "--out", str(out)], cwd=REPO, timeout=120)
     result = json.loads(out.read_text())
     assert result["steps"] == 400 and result["verdict"].startswith("no verdict")  # too short to judge
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
