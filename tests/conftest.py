@@ -1,16 +1,25 @@
-"""Shared helpers for tests that start real processes."""
+"""The two test lanes' rules, and shared helpers for tests that start real processes.
+
+Lanes: ``make test-fast`` runs ``-m "not multiprocess and not bench"`` (in-process tests only,
+the loop after every edit); ``make test`` runs everything. A test that starts a process
+(subprocess, torchrun, ``mp.spawn``, Lightning's launcher with ``devices>1``, the CLI in a
+child) must be marked ``multiprocess`` and carry its own ``timeout`` ceiling. Both rules are
+enforced here rather than trusted: an unmarked test that starts a process fails (in either
+lane) naming the fix, and a ``multiprocess`` test without a ``timeout`` is a collection error.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing.process
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, NoReturn, Optional, Sequence
 
 import pytest
 import torch
@@ -19,6 +28,53 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 RECIPES = REPO / "recipes"
 TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+# Markers of tests that may start processes; everything else is the fast lane's.
+PROCESS_MARKERS = ("multiprocess", "bench")
+
+
+class ProcessStartedInFastTest(RuntimeError):
+    """An in-process test started a process: it would slip into the fast lane unnoticed."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A multi-process test without its own ceiling could hang the CI lane for the global 300 s default."""
+    missing = [
+        item.nodeid for item in items if item.get_closest_marker("multiprocess") and not item.get_closest_marker("timeout")
+    ]
+    if missing:
+        listed = "\n  ".join(missing)
+        raise pytest.UsageError(
+            f"{len(missing)} test(s) marked multiprocess have no timeout ceiling:\n  {listed}\n"
+            "add @pytest.mark.timeout(SECONDS) next to @pytest.mark.multiprocess (or to the module's pytestmark)"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_multiprocess_marker(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Refuse to start a process from a test not marked ``multiprocess`` (or ``bench``).
+
+    Patched where every start goes through: ``subprocess.Popen`` (``run``, ``check_output``,
+    torchrun, Lightning's subprocess launcher), ``multiprocessing`` (``mp.spawn``, Lightning's
+    spawn launcher, DataLoader workers) and the raw ``os`` calls. A test that replaces
+    ``subprocess.Popen`` with a fake starts nothing and is unaffected.
+    """
+    if any(request.node.get_closest_marker(name) for name in PROCESS_MARKERS):
+        yield
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise ProcessStartedInFastTest(
+            f"{request.node.nodeid} starts a process, so it does not belong in the fast lane: mark it "
+            "@pytest.mark.multiprocess with a @pytest.mark.timeout(SECONDS) ceiling (or keep it in-process)"
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                patch.setattr(os, name, refuse)
+        yield
 
 
 def cpu_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:

@@ -340,6 +340,8 @@ def test_capacity_errors_say_what_does_not_fit(memory: list[float], capacity: Ca
 
 
 # ----------------------------------------------------------------------------- no torch
+@pytest.mark.multiprocess  # a fresh interpreter proves the module loads without torch
+@pytest.mark.timeout(90)
 def test_partition_module_imports_no_torch() -> None:
     for path in (PARTITION_FILE, PLACEMENT_INIT):
         tree = ast.parse(path.read_text())

@@ -211,15 +211,14 @@ def test_partition_answers_optimally_or_says_which_argument_is_wrong(costs: list
     assert worst == best
 
 
+@pytest.mark.timeout(60)  # "fast" is the ceiling's to judge, not a wall-clock assertion's
 def test_partition_of_a_huge_model_is_fast_and_one_bad_layer_is_named(tmp_path: Path) -> None:
     import random
-    import time
 
     rng = random.Random(7)
     costs = [rng.random() for _ in range(100_000)]
-    started = time.perf_counter()
     sizes = partition(costs, 8)
-    assert len(sizes) == 8 and sum(sizes) == len(costs) and time.perf_counter() - started < 60
+    assert len(sizes) == 8 and sum(sizes) == len(costs)
     with pytest.raises(ValueError, match=r"^k=100001 stages but there are only 100000 layers"):
         partition(costs, 100_001)
     costs[54_321] = math.nan
@@ -335,6 +334,8 @@ def test_valid_flags_get_through_to_the_work(stubbed: Path, argv: list[str]) -> 
     assert code == "ran", err
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)  # four CLI runs in a child each, ~10 s apiece on a loaded 2-core machine
 def test_bad_input_from_the_console_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "factory_mod.py").write_text("def boom():\n    raise RuntimeError('factory exploded')\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
