@@ -1,7 +1,9 @@
 # Two entry points, both from a clean clone on a machine with nothing installed:
 #   make demo   set up, then train the flagship recipe on every device found
 #               (all GPUs; 2 CPU processes over gloo when there is none)
-#   make test   set up, then run the whole test suite
+#   make test   set up, then run the whole test suite (CI: .ci/run; ~12 min on 2 cores)
+# and the developer's loop after every edit:
+#   make test-fast  in-process tests only (no `multiprocess`, no `bench` marker), under a minute
 # TORCH picks the torch build: the default is the pinned CPU wheel; GPU users
 # run e.g. `make demo TORCH=torch` (or `TORCH="torch --index-url ..."`).
 PYTHON ?= python3
@@ -9,7 +11,7 @@ TORCH  ?= torch==2.13.0
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +27,10 @@ demo: setup
 test: setup
 	$(BIN)/ruff check lightning_mgpu recipes bench tests
 	$(BIN)/python -m pytest
+
+# tests/conftest.py fails any test here that starts a process: it must be marked multiprocess.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not multiprocess and not bench"
 
 clean:
 	rm -rf $(VENV) lightning_logs wandb .pytest_cache
