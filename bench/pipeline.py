@@ -20,7 +20,7 @@ Micro-batching on CPU allocates large tensors per micro-batch (boundary activati
 their gradients; weight gradients too, for layers other than plain ``nn.Linear``, which
 accumulate in place); with glibc's default settings large freed blocks go back to the OS and
 come back as page faults (the "faults/step" column). ``--retain-freed-memory`` calls
-:func:`lightning_mgpu.placement.pipeline.retain_freed_memory` first (for every
+:func:`bench.allocator.retain_freed_memory` first (for every
 configuration alike), which is what a CPU user of the hybrid strategy would do.
 
 Configurations are interleaved round by round (ABC ABC ...) and each figure is the median
@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from bench.common import machine_facts, print_table, write_json
-from lightning_mgpu.placement.pipeline import Pipeline, retain_freed_memory
+from bench.allocator import retain_freed_memory
+from lightning_mgpu.placement.pipeline import Pipeline
 from lightning_mgpu.placement.plan import make_plan
 from lightning_mgpu.placement.profile import profile_layers
 
@@ -201,7 +202,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--retain-freed-memory",
         action="store_true",
-        help="keep freed CPU memory for reuse (lightning_mgpu.placement.pipeline.retain_freed_memory), for every configuration",
+        help="keep freed CPU memory for reuse (bench.allocator.retain_freed_memory), for every configuration",
     )
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--quiet", action="store_true")

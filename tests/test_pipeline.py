@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu.placement import LayerCost, PlacementPlan, make_plan, profile_layers
-from lightning_mgpu.placement.pipeline import Pipeline, PipelineError, retain_freed_memory
+from bench.allocator import retain_freed_memory
+from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
 
 
 def _model(seed: int = 0, depth: int = 6, width: int = 24) -> tuple[nn.Module, nn.Sequential, nn.Module]:

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-__all__ = ["CHECKPOINT_MODES", "Pipeline", "PipelineError", "check_recompute_randomness", "retain_freed_memory"]
+__all__ = ["CHECKPOINT_MODES", "Pipeline", "PipelineError", "check_recompute_randomness"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -478,34 +478,6 @@ def check_recompute_randomness(stages: Sequence[nn.Module], checkpoint: str, dev
             "the CPU's random generator, so recomputed dropout masks would differ from the forward's and the gradients "
             "would be wrong. Use checkpoint='never', or put the stages on GPUs (one generator each)."
         )
-
-
-def retain_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2**30) -> bool:
-    """Ask glibc to keep freed CPU memory for reuse instead of returning it to the OS.
-
-    Micro-batching on CPU allocates and frees large tensors once per micro-batch (boundary
-    activations, and the weight gradients of layers other than plain ``nn.Linear``); with
-    glibc's defaults a large freed block goes back to the OS and the next allocation
-    page-faults it in again (thousands of faults per step, ``bench/pipeline.py`` counts
-    them). This sets ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` with ``mallopt`` — the
-    same as starting Python with
-    ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment — for the
-    whole process: the resident size then stays near its peak. Returns ``False`` where it
-    cannot apply (not glibc). GPU memory is unaffected (CUDA has its own caching allocator).
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, int(mmap_threshold))) and bool(mallopt(m_trim_threshold, int(trim_threshold)))
 
 
 class _Aborted(Exception):
