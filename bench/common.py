@@ -10,21 +10,24 @@ same thing in the same way:
   host clock on CPU and CUDA events on GPUs (no synchronisation inside the loop).
 * :func:`summarize`, :func:`percentile`: median / p90 without numpy.
 * :func:`ddp_bucket_layout`: the gradient buckets DDP actually built.
-* :func:`machine_facts`, :func:`write_json`, :func:`print_table`: the report.
+* :func:`worker_device`, :func:`backend_for`: a rank's device and process-group backend.
+* :func:`load_recipe`: a recipe's Lightning script as a module (its model and data classes, not copies).
+* :func:`machine_facts`, :func:`report_header`, :func:`write_json`, :func:`print_table`: the report.
 
-Scripts import it as ``bench.common``; they put the repository root on ``sys.path``
-first, because ``python bench/<script>.py`` (and ``torchrun bench/<script>.py``) only
-puts ``bench/`` there.
+Scripts import it as ``bench.common`` (they run as ``python -m bench.<script>`` from the
+repository root).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
-import sys
 import platform
+import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import torch
@@ -43,6 +46,7 @@ one rather than a first bucket swallowed by a wide layer.
 """
 MODEL_SEED = 0
 DATA_SEED = 1234
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_mlp(widths: Sequence[int] = MLP_WIDTHS, *, seed: int = MODEL_SEED) -> nn.Sequential:
@@ -175,6 +179,34 @@ def ddp_bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
     return {"rebuilt": rebuilt, "bucket_bytes": sizes, "bucket_param_indices": indices}
 
 
+def worker_device(accelerator: str) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) or the CPU."""
+    if accelerator == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def backend_for(accelerator: str) -> str:
+    """The process-group backend benchmarks use on ``accelerator``: NCCL on GPUs, gloo on CPU."""
+    return "nccl" if accelerator == "cuda" else "gloo"
+
+
+def load_recipe(name: str) -> ModuleType:
+    """``recipes/<name>/train_lightning.py`` as a module, so benchmarks use its classes rather than copies."""
+    path = REPO_ROOT / "recipes" / name / "train_lightning.py"
+    if not path.is_file():
+        known = sorted(entry.name for entry in path.parents[1].iterdir() if (entry / path.name).is_file())
+        raise FileNotFoundError(f"no recipe {name!r}: {path} does not exist; the recipes are {known}")
+    spec = importlib.util.spec_from_file_location(f"_recipe_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def machine_facts(*, backend: str, world_size: int, device_type: str, threads_per_rank: int) -> dict[str, Any]:
     import lightning
 
@@ -200,6 +232,25 @@ def machine_facts(*, backend: str, world_size: int, device_type: str, threads_pe
     except ImportError:
         facts["lightning_mgpu"] = None
     return facts
+
+
+def report_header(args: Any, configs: Sequence[str], *, rounds: Optional[int] = None) -> dict[str, Any]:
+    """The machine and the settings every launch-based benchmark records (``rounds``: ``args.rounds`` by default)."""
+    return {
+        "machine": machine_facts(
+            backend=backend_for(args.accelerator),
+            world_size=args.nproc,
+            device_type=args.accelerator,
+            threads_per_rank=args.threads,
+        ),
+        "settings": {
+            "configs": list(configs),
+            "rounds": args.rounds if rounds is None else rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "batch_size_per_rank": args.batch_size,
+        },
+    }
 
 
 def apply_quick(args: Any, argv: Optional[Sequence[str]], quick: dict[str, Any]) -> None:

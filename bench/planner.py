@@ -54,7 +54,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from bench.common import print_table, write_json
+from bench.common import load_recipe, print_table, write_json
 from lightning_mgpu.placement import partition
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -380,22 +380,12 @@ class _threads:
         torch.set_num_threads(self.previous)
 
 
-def _recipe_module(recipe: str) -> Any:
-    import importlib.util
-
-    path = REPO_ROOT / "recipes" / recipe / "train_lightning.py"
-    spec = importlib.util.spec_from_file_location(f"_recipe_{recipe}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def char_lm_profiled() -> dict[str, Any]:
     """recipes/char_lm's CharTransformer (width 128, 4 blocks, 128 characters of context), batch 16, as one sequence."""
     import torch
     from torch import nn
 
-    recipe = _recipe_module("char_lm")
+    recipe = load_recipe("char_lm")
     model = recipe.CharTransformer(vocab_size=96, block_size=128, width=128, layers=4, heads=4)
 
     class Embed(nn.Module):
@@ -415,7 +405,7 @@ def cnn_profiled() -> dict[str, Any]:
     import torch
     from torch import nn
 
-    net = _recipe_module("image_classifier").ConvNet()
+    net = load_recipe("image_classifier").ConvNet()
     return _profiled(nn.Sequential(*net.features, nn.Flatten(), net.classifier), torch.randn(256, 3, 16, 16))
 
 
