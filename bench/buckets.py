@@ -20,7 +20,7 @@ compared (tuning included: its slower candidates, re-wraps and DDP's bucket rebu
 other sizes train ``--warmup`` + ``--sweep-steps`` steps: their step time is what counts.
 
 Measured as bench/overhead.py does: every configuration trains in a ``torch.distributed.run``
-launch (one launch per round runs every model and configuration, in an order rotated each
+launch (:mod:`bench.launcher`) (one launch per round runs every model and configuration, in an order rotated each
 round), step time from the first ``on_train_batch_start`` to the first ``on_train_batch_end``
 callback on rank 0, median per run, then median over rounds. The "tuned" step time is the
 median of the auto run's steps after its search ended (and DDP's rebuild after the final
@@ -31,9 +31,11 @@ Targets, per model:
 * total time of the ``--run-steps`` run with "auto" no worse than with DDP's default, and
   better wherever the sweep shows DDP's default >= 10% slower than the best size.
 
-    python bench/buckets.py                 # 2 rounds (~12 min on 2 CPU cores)
-    python bench/buckets.py --quick         # smoke run (the test suite runs it)
-    python bench/buckets.py --rounds 3 --accelerator cuda --nproc 2
+    python -m bench.buckets                 # 2 rounds (~12 min on 2 CPU cores)
+    python -m bench.buckets --quick         # smoke run (the test suite runs it)
+    python -m bench.buckets --rounds 3 --accelerator cuda --nproc 2
+
+(from the repository root: see ``bench/__init__.py``).
 
 Writes ``--out`` (bench/results/buckets.json) and the figure next to it (buckets.png).
 """
@@ -42,29 +44,26 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench import launcher
+from bench.common import (
+    REPO_ROOT,
     apply_quick,
+    backend_for,
     count_parameters,
+    load_recipe,
     machine_facts,
     make_data,
     make_mlp,
@@ -72,7 +71,8 @@ from bench.common import (  # noqa: E402
     summarize,
     write_json,
 )
-from bench.overhead import _tail  # noqa: E402
+
+MODULE = "bench.buckets"  # what its launches run: this script's worker
 
 # ----------------------------------------------------------------------------- settings
 MODELS = ("mlp", "cnn", "char_lm")
@@ -85,22 +85,12 @@ STEP_TIME_LIMIT = 1.05  # tuned / best fixed
 GAP = 0.10  # the sweep gap from which "auto" must beat DDP's default on total time
 QUICK = {"rounds": 1, "run_steps": 24, "sweep_steps": 3, "warmup": 2}
 LAUNCH_TIMEOUT_S = 1800
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "buckets.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "buckets.json"
 BATCH = {"mlp": 64, "cnn": 16, "char_lm": 2}
 SEED = 0
 
 
 # ----------------------------------------------------------------------------- models (built identically in every rank)
-def _char_lm_recipe() -> Any:
-    """recipes/char_lm/train_lightning.py as a module: its model and data classes, not copies."""
-    path = REPO_ROOT / "recipes" / "char_lm" / "train_lightning.py"
-    spec = importlib.util.spec_from_file_location("char_lm_recipe", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def make_cnn(num_classes: int = 10) -> nn.Module:
     """VGG-style: 3x3 convolutions 3 -> 32 -> 128 -> 256 -> 512 -> 512 on 16x16 inputs, then 2048 -> 1024 -> 10."""
 
@@ -128,7 +118,7 @@ def build(model_name: str) -> tuple[nn.Module, TensorDataset, Callable[[torch.Te
         labels = torch.randint(0, 10, (batches,), generator=generator)
         return make_cnn(), TensorDataset(images, labels), nn.functional.cross_entropy
     if model_name == "char_lm":
-        recipe = _char_lm_recipe()
+        recipe = load_recipe("char_lm")  # its model and data classes, not copies
         text, vocab = recipe.load_corpus(REPO_ROOT / "recipes" / "char_lm" / "data" / "corpus.txt", None)
         ids = {c: i for i, c in enumerate(vocab)}
         windows = recipe.CharWindows(torch.tensor([ids[c] for c in text]), 64, 8)
@@ -282,26 +272,26 @@ def round_plan(sizes: dict[str, list[dict[str, Any]]], round_index: int, args: a
 
 
 def launch(plan: list[Any], args: argparse.Namespace, scratch: Path, label: str) -> list[dict[str, Any]]:
-    plan_file, out = scratch / f"{label}_plan.json", scratch / f"{label}.json"
+    """One launch running ``plan``'s fits in order; prints the workers' progress, returns rank 0's results."""
+    plan_file = scratch / f"{label}_plan.json"
     plan_file.write_text(json.dumps(plan))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-        str(Path(__file__).resolve()), "--worker-plan", str(plan_file), "--worker-out", str(out),
-        "--warmup", str(args.warmup), "--accelerator", args.accelerator, "--threads", str(args.threads),
-    ] + (["--quick"] if args.quick else [])  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    if args.accelerator == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        completed = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=args.launch_timeout, cwd=REPO_ROOT
-        )
-    except subprocess.TimeoutExpired as error:
-        raise SystemExit(f"{label}: launch timed out after {args.launch_timeout} s\n{_tail(error.stdout, error.stderr)}") from None
-    if completed.returncode != 0 or not out.exists():
-        raise SystemExit(f"{label}: launch failed (exit code {completed.returncode})\n{_tail(completed.stdout, completed.stderr)}")
-    print(completed.stdout.rstrip())
-    results: list[dict[str, Any]] = json.loads(out.read_text())
+    worker_args = [
+        "--worker-plan", str(plan_file), "--warmup", str(args.warmup), "--accelerator", args.accelerator,
+        "--threads", str(args.threads), *(["--quick"] if args.quick else []),
+    ]  # fmt: skip
+    finished = launcher.launch(
+        MODULE,
+        worker_args,
+        nproc=args.nproc,
+        threads=args.threads,
+        report=scratch / f"{label}.json",
+        label=label,
+        timeout=args.launch_timeout,
+        # A CPU run sees no GPU at all: nothing in the ranks initialises CUDA.
+        env={"CUDA_VISIBLE_DEVICES": ""} if args.accelerator == "cpu" else None,
+    )
+    print(finished.stdout.rstrip())
+    results: list[dict[str, Any]] = finished.report
     return results
 
 
@@ -507,7 +497,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     payload = {
         "benchmark": "buckets",
         "machine": machine_facts(
-            backend="nccl" if args.accelerator == "cuda" else "gloo",
+            backend=backend_for(args.accelerator),
             world_size=args.nproc,
             device_type=args.accelerator,
             threads_per_rank=args.threads,
@@ -521,7 +511,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "batch_size_per_rank": {m: BATCH[m] for m in args.models},
             "parameters": {m: count_parameters(build(m)[0]) for m in args.models},
             "quick": args.quick,
-            "launcher": f"python -m torch.distributed.run --standalone --nproc-per-node={args.nproc}",
+            "launcher": launcher.describe(args.nproc),
             "timed_span": "first on_train_batch_start to first on_train_batch_end callback, rank 0",
             "total": "fit wall time, on_train_start to on_train_end callback, rank 0",
             "targets": {"tuned_vs_best_limit": STEP_TIME_LIMIT, "gap_for_must_be_better": GAP},

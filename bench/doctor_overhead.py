@@ -19,10 +19,12 @@ rank), run after the step-end stamp, so the step span alone would miss them.
 The worker also times, inside the doctor, every check by kind (``check_ms``) and its three
 per-batch hooks (``hook_us_per_batch``, checks excluded): the two parts of the cost.
 
-    python bench/doctor_overhead.py                 # 5 pairs (10 fits) of 10 warm-up + 200 timed steps
-    python bench/doctor_overhead.py --quick         # smoke run
-    python bench/doctor_overhead.py --model tiny    # a 2-layer MLP: the per-batch hooks' cost in relative terms
-    python bench/doctor_overhead.py --accelerator cuda --nproc 2
+    python -m bench.doctor_overhead                 # 5 pairs (10 fits) of 10 warm-up + 200 timed steps
+    python -m bench.doctor_overhead --quick         # smoke run
+    python -m bench.doctor_overhead --model tiny    # a 2-layer MLP: the per-batch hooks' cost in relative terms
+    python -m bench.doctor_overhead --accelerator cuda --nproc 2
+
+(from the repository root: see ``bench/__init__.py``).
 """
 
 from __future__ import annotations
@@ -31,24 +33,31 @@ import argparse
 import gc
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+from bench import launcher
+from bench.common import (
+    MLP_WIDTHS,
+    StepTimer,
+    apply_quick,
+    make_data,
+    make_mlp,
+    print_table,
+    report_header,
+    summarize,
+    worker_device,
+    write_json,
+)
 
-from bench import overhead  # noqa: E402
-from bench.common import MLP_WIDTHS, apply_quick, StepTimer, make_data, make_mlp, print_table, summarize, write_json  # noqa: E402
+MODULE = "bench.doctor_overhead"  # what its launch runs: this script's worker
 
 BASE, DOCTOR = "ddp_tuned", "ddp_tuned+doctor"
 CONFIGS = (BASE, DOCTOR)
@@ -57,7 +66,7 @@ MODELS = {"mlp8m": MLP_WIDTHS, "tiny": (32, 64, 1)}
 PAIRS, STEPS, WARMUP, BATCH_SIZE = 5, 200, 10, 64
 QUICK = {"pairs": 1, "steps": 10, "warmup": 2}
 HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end")
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "doctor_overhead.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "doctor_overhead.json"
 
 
 def schedule(pairs: int) -> list[str]:
@@ -76,10 +85,7 @@ def run_worker(args: argparse.Namespace) -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
-    cuda = args.accelerator == "cuda"
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = worker_device(args.accelerator)
     fit_once(BASE, args, device)  # the process's first fit runs cold (allocator, caches, gloo buffers): discarded
     results = []
     for index, config in enumerate(args.worker_schedule.split(",")):
@@ -157,7 +163,7 @@ def fit_once(config: str, args: argparse.Namespace, device: torch.device) -> dic
         "check_ms": check_ms,
         "hook_us": {name: summarize(values[args.warmup :]) for name, values in hook_us.items() if values},
         "doctor_findings": None if doctor is None else [f.rule for f in doctor.findings],
-        "doctor_checks": None if doctor is None else doctor._checks,
+        "doctor_checks": None if doctor is None else doctor.state_dict()["checks"],
     }
 
 
@@ -185,23 +191,22 @@ def _time_doctor(doctor: Any, check_ms: list[tuple[str, float]], hook_us: dict[s
 
 # ----------------------------------------------------------------------------- driver
 def launch(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
-    worker_out = scratch / "fits.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-        str(Path(__file__).resolve()), "--worker-schedule", ",".join(schedule(args.pairs)),
-        "--worker-out", str(worker_out), "--steps", str(args.steps), "--warmup", str(args.warmup),
+    """The one launch: every fit of the ABBA schedule in the same processes; rank 0's report of each fit."""
+    worker_args = [
+        "--worker-schedule", ",".join(schedule(args.pairs)), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         "--model", args.model,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.launch_timeout)
-    except subprocess.TimeoutExpired as error:
-        tail = overhead._tail(error.stdout, error.stderr)
-        raise SystemExit(f"timed out after {args.launch_timeout} s\n{tail}") from None
-    if done.returncode != 0 or not worker_out.exists():
-        raise SystemExit(f"launch failed (exit code {done.returncode})\n{overhead._tail(done.stdout, done.stderr)}")
-    fits: list[dict[str, Any]] = json.loads(worker_out.read_text())
+    finished = launcher.launch(
+        MODULE,
+        worker_args,
+        nproc=args.nproc,
+        threads=args.threads,
+        report=scratch / "fits.json",
+        label="doctor_overhead",
+        timeout=args.launch_timeout,
+    )
+    fits: list[dict[str, Any]] = finished.report
     return fits
 
 
@@ -285,8 +290,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_doctor_") as scratch:
         fits = launch(args, Path(scratch))
     result = analyse(fits)
-    args.rounds = args.pairs  # report_header's name for repetitions
-    header = overhead.report_header(args, CONFIGS)
+    header = report_header(args, CONFIGS, rounds=args.pairs)
     payload: dict[str, Any] = {
         "benchmark": "doctor_overhead",
         "machine": {**header["machine"], "load_average_start": load_start,

@@ -12,19 +12,21 @@ part of its cost). The default ``--steps 200`` is one profiling period: the time
 the end of the first window, both re-wraps (and the slow first steps of each new DDP
 wrapper) and the start of the next window.
 
-    python bench/profiler_overhead.py               # 2 launches x 6 rounds x 3 configurations
-    python bench/profiler_overhead.py --quick       # smoke run
-    python bench/profiler_overhead.py --breakdown   # + ddp_tuned with only the profiler's hook
-    python bench/profiler_overhead.py --method launches --rounds 7 --steps 150   # former design
-    python bench/profiler_overhead.py --accelerator cuda --nproc 2
+    python -m bench.profiler_overhead               # 2 launches x 6 rounds x 3 configurations
+    python -m bench.profiler_overhead --quick       # smoke run
+    python -m bench.profiler_overhead --breakdown   # + ddp_tuned with only the profiler's hook
+    python -m bench.profiler_overhead --method launches --rounds 7 --steps 150   # former design
+    python -m bench.profiler_overhead --accelerator cuda --nproc 2
+
+(from the repository root: see ``bench/__init__.py``).
 
 How it is measured (``--method interleaved``, the default): the same run, interleaved.
 Each of ``--launches`` launches of ``torch.distributed.run`` trains the model ``3 x
 (--rounds + 1)`` times in the same processes, one ``Trainer.fit`` after another, the
 configurations in ABC CBA order; the first round is not kept (a process's first fits pay
 one-time costs). Every fit builds a fresh model, DDP wrapper and, when on, a fresh profiler,
-skips ``--warmup`` steps and times ``--steps`` steps on rank 0 with ``bench/overhead.py``'s
-loop and clock. A round's fits run back to back in one process, so they share the machine's
+skips ``--warmup`` steps and times ``--steps`` steps on rank 0 with ``bench.overhead``'s
+loop and clock (:mod:`bench.training`). A round's fits run back to back in one process, so they share the machine's
 state of the moment (load from elsewhere, heap, page cache). Per fit the measure is the
 *mean* iteration time (its timed wall time per iteration, what a run pays: the profiler's
 costly steps are few, 25 of 200, plus two re-wraps, and a median over a fit's steps would
@@ -37,9 +39,9 @@ shared machine.
 through (DDP's all-reduce as a Python hook, nothing timed, no callback) to the rotation, to
 tell what the hook costs from what the profiler adds.
 
-``--method launches`` is the design used before: each configuration its own launch of
-``bench/overhead.py``'s worker, launches alternating; process-to-process differences
-(heap layout, page faults, where the scheduler puts the threads) then add a few percent of
+``--method launches`` is the design used before: each configuration its own launch of the
+worker ``bench.overhead`` uses (:mod:`bench.rounds`), launches alternating; process-to-process
+differences (heap layout, page faults, where the scheduler puts the threads) then add a few percent of
 noise to every launch, more than the margin being tested.
 """
 
@@ -50,26 +52,23 @@ import gc
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from bench import rounds, training
+from bench.common import StepTimer, make_data, percentile, print_table, report_header, summarize, worker_device, write_json
 
-from bench import overhead  # noqa: E402
-from bench.common import StepTimer, make_data, percentile, print_table, summarize, write_json  # noqa: E402
+MODULE = "bench.profiler_overhead"  # what its launches run: this script's workers
 
 CONFIGS = ("ddp_tuned", "ddp_tuned+profiler")  # without; with (the target)
 EVERY_STEP = "ddp_tuned+profiler_all"  # profile_every=None: every step profiled
 HOOK_ONLY = "ddp_tuned+hook"  # --breakdown: the communication hook alone, nothing timed
 LIMIT = 1.03
 LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): LIMIT}
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "profiler_overhead.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profiler_overhead.json"
 ROUNDS, STEPS, LAUNCHES = 6, 200, 2
 STAT = "mean"  # per fit: its timed wall time per iteration, what a run pays (re-wraps included)
 QUICK = {"rounds": 1, "steps": 10, "warmup": 2, "launches": 1}
@@ -105,7 +104,7 @@ def run_interleaved_worker(args: argparse.Namespace) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    device = overhead._worker_device(args.accelerator)
+    device = worker_device(args.accelerator)
     world_size = int(os.environ["WORLD_SIZE"])
     total_steps = args.warmup + args.steps
     dataset = make_data(total_steps * args.batch_size * world_size)
@@ -118,8 +117,7 @@ def run_interleaved_worker(args: argparse.Namespace) -> None:
         order = configs if round_index % 2 == 0 else configs[::-1]
         for position, config in enumerate(order):
             timer = StepTimer(device)
-            args.worker = config  # overhead._train_lightning reads the configuration from here
-            result = overhead._train_lightning(args, dataset, timer, device, total_steps)
+            result = training.train_lightning(config, args, dataset, timer, device, total_steps)
             if rank0 and round_index >= 0:
                 fits.append(
                     {
@@ -134,7 +132,6 @@ def run_interleaved_worker(args: argparse.Namespace) -> None:
                     }
                 )
             gc.collect()  # the finished Trainer's (cyclic) objects, before the next fit is timed
-    args.worker = INTERLEAVED_WORKER
     if rank0:
         Path(args.worker_out).write_text(json.dumps({"fits": fits, "world_size": world_size}))
     gc.collect()
@@ -154,18 +151,18 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
         for launch_index in range(args.launches):
             label = f"launch{launch_index + 1}"
-            report = overhead.launch(
+            report = rounds.launch_config(
+                MODULE,
                 INTERLEAVED_WORKER,
                 args,
                 Path(scratch),
                 label,
-                script=Path(__file__).resolve(),
                 extra_args=("--rounds", str(args.rounds), *(("--breakdown",) if args.breakdown else ())),
             )
             for fit in report["fits"]:
                 fit.update(launch=launch_index, label=f"{label}_{fit['label']}")
                 fits.append(fit)
-            overhead.check_same_buckets(fits)
+            rounds.check_same_buckets(fits)
             for round_index in range(args.rounds):
                 group = {f["config"]: f for f in report["fits"] if f["round"] == round_index}
                 off = group[CONFIGS[0]]
@@ -296,11 +293,11 @@ def print_interleaved(summary: dict[str, Any], targets: dict[str, Any], parts: O
 
 
 def run_launches(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """The former design: every configuration its own launch of bench/overhead.py's worker."""
-    launches = overhead.run_rounds(CONFIGS, args)
-    overhead.check_same_buckets(launches)
-    summary = overhead.summarize_rounds(launches, CONFIGS)
-    targets = overhead.compare(summary, launches, LIMITS, measure="iteration")
+    """The former design: every configuration its own launch, as bench.overhead runs them (bench.rounds)."""
+    launches = rounds.run_rounds(MODULE, CONFIGS, args)
+    rounds.check_same_buckets(launches)
+    summary = rounds.summarize_rounds(launches, CONFIGS)
+    targets = rounds.compare(summary, launches, LIMITS, measure="iteration")
     rows = []
     base = summary[CONFIGS[0]]
     for config in CONFIGS:
@@ -346,11 +343,11 @@ def _extend(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    args = overhead.parse_args(
+    args = rounds.parse_args(
         argv,
         description=__doc__.split("\n\n")[0],
         default_out=DEFAULT_OUT,
-        workers=(*overhead.WORKERS, INTERLEAVED_WORKER),
+        workers=(*training.CONFIGS, INTERLEAVED_WORKER),
         extend=_extend,
         quick=QUICK,
     )
@@ -364,8 +361,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker == INTERLEAVED_WORKER:
         run_interleaved_worker(args)
         return
-    if args.worker:  # --method launches: bench/overhead.py's worker
-        overhead.run_worker(args)
+    if args.worker:  # --method launches: one configuration per launch
+        training.run_worker(args)
         return
     started = time.perf_counter()
     if args.method == "interleaved":
@@ -386,7 +383,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         runs, summary, targets = run_launches(args)
         parts = None
     elapsed = time.perf_counter() - started
-    header = overhead.report_header(args, configs_of(args) if args.method == "interleaved" else CONFIGS)
+    header = report_header(args, configs_of(args) if args.method == "interleaved" else CONFIGS)
     final_losses = {run["label"]: run["final_loss"] for run in runs}
     payload: dict[str, Any] = {
         "benchmark": "profiler_overhead",
@@ -399,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "profiler_all": "CommProfiler(warmup_steps=--warmup, every_n_steps=50, profile_every=None)",
             "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
         },
-        "bucket_layout": overhead.check_same_buckets(runs),
+        "bucket_layout": rounds.check_same_buckets(runs),
         "final_losses": final_losses,
         "same_final_loss": len(set(final_losses.values())) == 1,
         ("fits" if args.method == "interleaved" else "launches"): runs,

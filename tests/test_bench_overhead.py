@@ -1,4 +1,4 @@
-"""``bench/overhead.py --quick`` runs end to end and reports three comparable configurations.
+"""``python -m bench.overhead --quick`` runs end to end and reports three comparable configurations.
 
 Not a timing test (a benchmark is never judged by the suite): it checks that the script
 launches raw torch DDP, Lightning ``ddp`` and ``ddp_tuned`` with 2 gloo ranks, that they
@@ -22,12 +22,13 @@ CONFIGS = {"raw", "ddp", "ddp_tuned"}
 MLP_PARAMETERS = 8_656_128
 
 
+@pytest.mark.bench
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_overhead_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "overhead.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.overhead", "--quick", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -71,13 +72,13 @@ def test_overhead_quick_run(tmp_path: Path) -> None:
     assert "ddp_tuned" in completed.stdout and "× raw" in completed.stdout
 
 
+@pytest.mark.bench
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
-    """bench/profiler_overhead.py alternates fits with and without the profiler inside one launch."""
+    """``python -m bench.profiler_overhead`` alternates fits with and without the profiler inside one launch."""
     out = tmp_path / "profiler_overhead.json"
-    script = str(REPO_ROOT / "bench" / "profiler_overhead.py")
-    command = [script, "--quick", "--rounds", "2", "--breakdown", "--out", str(out)]
+    command = ["-m", "bench.profiler_overhead", "--quick", "--rounds", "2", "--breakdown", "--out", str(out)]
     completed = run_python(command, cwd=REPO_ROOT, timeout=110)
     report = json.loads(out.read_text())
     fits = report["fits"]
@@ -105,12 +106,12 @@ def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
     assert "CommProfiler cost, the same run interleaved" in completed.stdout
 
 
+@pytest.mark.bench
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_profiler_overhead_separate_launches_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "profiler_overhead.json"
-    script = str(REPO_ROOT / "bench" / "profiler_overhead.py")
-    completed = run_python([script, "--method", "launches", "--quick", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
+    completed = run_python(["-m", "bench.profiler_overhead", "--method", "launches", "--quick", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
     report = json.loads(out.read_text())
     assert {launch["config"] for launch in report["launches"]} == {"ddp_tuned", "ddp_tuned+profiler"}
     assert report["same_final_loss"] is True

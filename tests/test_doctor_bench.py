@@ -1,4 +1,4 @@
-"""``bench/doctor_overhead.py --quick`` runs end to end (a smoke test: a benchmark is never judged by the suite)."""
+"""``python -m bench.doctor_overhead --quick`` runs end to end (a smoke test: a benchmark is never judged by the suite)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ import pytest
 from tests.conftest import REPO, cpu_env, run_python
 
 
+pytestmark = pytest.mark.bench
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_doctor_overhead_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "doctor_overhead.json"
     env = cpu_env()
     env.pop("OMP_NUM_THREADS")  # the benchmark pins threads per rank itself
-    proc = run_python([str(REPO / "bench" / "doctor_overhead.py"), "--quick", "--model", "tiny", "--out", str(out)],
-                      cwd=REPO, timeout=110, env=env)  # fmt: skip
+    command = ["-m", "bench.doctor_overhead", "--quick", "--model", "tiny", "--out", str(out)]
+    proc = run_python(command, cwd=REPO, timeout=110, env=env)
     report = json.loads(out.read_text())
     assert report["machine"]["world_size"] == 2 and report["machine"]["backend"] == "gloo"
     assert [fit["config"] for fit in report["fits"]] == ["ddp_tuned", "ddp_tuned+doctor"]  # one pair

@@ -1,4 +1,4 @@
-"""``bench/buckets.py --quick`` runs end to end: three models, every distinct layout, "auto".
+"""``python -m bench.buckets --quick`` runs end to end: three models, every distinct layout, "auto".
 
 Not a timing test (the suite never judges a benchmark's numbers): it checks that the
 script trains what it says, that the layouts it predicts are the ones DDP built, that
@@ -18,11 +18,14 @@ from tests.conftest import REPO, run_python
 MLP_PARAMETERS = 8_656_128
 
 
+pytestmark = pytest.mark.bench
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(170)
 def test_buckets_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "buckets.json"
-    proc = run_python([str(REPO / "bench" / "buckets.py"), "--quick", "--out", str(out)], cwd=REPO, timeout=160)
+    proc = run_python(["-m", "bench.buckets", "--quick", "--out", str(out)], cwd=REPO, timeout=160)
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert settings["quick"] and settings["models"] == ["mlp", "cnn", "char_lm"]
