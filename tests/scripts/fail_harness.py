@@ -177,11 +177,8 @@ def _session_pids(session: int) -> list[int]:
 
 
 def _listening(pid: int) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from fail_fit import listening_sockets  # type: ignore[import-not-found]
-    finally:
-        sys.path.pop(0)
+    from tests.scripts.fail_fit import listening_sockets
+
     return listening_sockets(pid)
 
 
