@@ -9,6 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mgpu._compat.torch import (
+    PUBLIC_BATCHNORM_TYPES,
+    global_module_hooks_registered,
+    is_batchnorm,
+    module_has_hooks,
+)
 from lightning_mgpu.placement import LayerCost, PlacementPlan, make_plan, profile_layers
 from bench.allocator import retain_freed_memory
 from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
@@ -228,6 +234,33 @@ def test_retain_freed_memory_applies_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert retain_freed_memory() is True
+
+
+def test_hook_and_batchnorm_checks_see_what_torch_keeps() -> None:
+    """The private names behind ``_compat.torch``'s module-hook and BatchNorm checks still mean what we read."""
+    layer = nn.Linear(2, 2)
+    assert not module_has_hooks(layer) and not global_module_hooks_registered()
+    for register in (
+        layer.register_forward_hook,
+        layer.register_forward_pre_hook,
+        layer.register_full_backward_hook,
+        layer.register_full_backward_pre_hook,
+    ):
+        handle = register(lambda *args: None)
+        assert module_has_hooks(layer), register.__name__
+        handle.remove()
+        assert not module_has_hooks(layer), register.__name__
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    try:
+        assert global_module_hooks_registered()
+    finally:
+        handle.remove()
+    assert not global_module_hooks_registered()
+    norms = [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2), nn.LazyBatchNorm1d()]
+    assert all(is_batchnorm(m) for m in norms) and not any(is_batchnorm(m) for m in (layer, nn.LayerNorm(2)))
+    # The fallback for a torch without _BatchNorm classifies the same way.
+    assert all(isinstance(m, PUBLIC_BATCHNORM_TYPES) for m in norms)
+    assert not isinstance(nn.LayerNorm(2), PUBLIC_BATCHNORM_TYPES)
 
 
 def _two_stage(first: nn.Module, second: nn.Module, **kwargs) -> Pipeline:

@@ -68,6 +68,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from lightning_mgpu._compat.torch import global_module_hooks_registered, module_has_hooks
+
 __all__ = ["CHECKPOINT_MODES", "Pipeline", "PipelineError", "check_recompute_randomness"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -204,7 +206,7 @@ class Pipeline:
         not an ``nn.Sequential``, hooks that calling the layers directly would skip,
         autocast on, or no such layer."""
         stage = self.stages[j]
-        if type(stage) is not nn.Sequential or _has_hooks(stage) or _global_module_hooks() or _autocast_on():
+        if type(stage) is not nn.Sequential or module_has_hooks(stage) or global_module_hooks_registered() or _autocast_on():
             return None
         layers = [(layer, _accumulates(layer)) for layer in _flat_layers(stage)]
         if not any(fast for _, fast in layers):
@@ -540,7 +542,7 @@ class _AccumulatingLinear(torch.autograd.Function):
 
 def _flat_layers(module: nn.Module) -> Any:
     """The layers a plain ``nn.Sequential`` runs, nested plain ``nn.Sequential`` s opened up."""
-    if type(module) is nn.Sequential and not _has_hooks(module):
+    if type(module) is nn.Sequential and not module_has_hooks(module):
         for child in module:
             yield from _flat_layers(child)
     else:
@@ -548,30 +550,7 @@ def _flat_layers(module: nn.Module) -> Any:
 
 
 def _accumulates(layer: nn.Module) -> bool:
-    return type(layer) is nn.Linear and layer.weight.requires_grad and not _has_hooks(layer)
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-    )
-
-
-def _global_module_hooks() -> bool:
-    from torch.nn.modules import module as module_impl
-
-    return any(
-        getattr(module_impl, name, None)
-        for name in (
-            "_global_forward_hooks",
-            "_global_forward_pre_hooks",
-            "_global_backward_hooks",
-            "_global_backward_pre_hooks",
-        )
-    )
+    return type(layer) is nn.Linear and layer.weight.requires_grad and not module_has_hooks(layer)
 
 
 def _autocast_on() -> bool:
