@@ -1,16 +1,16 @@
 """Fit a small model on 2 CPU ranks, inject one failure, checkpoint, resume: for tests/test_reliability_*.py.
 
-    python tests/scripts/fail_fit.py --out-dir OUT --fail step --rank 1 --at 3
-    python tests/scripts/fail_fit.py --out-dir OUT --strategy hybrid --fail sigkill --rank 0 --at 13 --ckpt-every 8
-    python tests/scripts/fail_fit.py --out-dir OUT --start-method spawn --fail worker --rank 1
-    python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=1 tests/scripts/fail_fit.py \
+    python -m tests.scripts.fail_fit --out-dir OUT --fail step --rank 1 --at 3
+    python -m tests.scripts.fail_fit --out-dir OUT --strategy hybrid --fail sigkill --rank 0 --at 13 --ckpt-every 8
+    python -m tests.scripts.fail_fit --out-dir OUT --start-method spawn --fail worker --rank 1
+    python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=1 -m tests.scripts.fail_fit \
         --out-dir OUT --fail sigkill --rank 1 --at 13 --once OUT/killed --ckpt-every 8 --resume latest
 
-The model: ``embed`` -> ``body`` (an nn.Sequential of 4 Linear+Tanh blocks, what ``hybrid`` splits
-over 2 CPU "devices" per process) -> ``head``, trained with Adam. The data do not depend on the
-data loader's position: each batch is drawn from a generator seeded by the global batch count
-and the rank, so a resumed fit sees exactly the batches the uninterrupted one saw (the loader
-only yields indices; it exists to fail on demand).
+The model (``tests.scripts.models.StagedNet``): ``embed`` -> ``body`` (an nn.Sequential of 4
+Linear+Tanh blocks, what ``hybrid`` splits over 2 CPU "devices" per process) -> ``head``, trained
+with Adam. The data do not depend on the data loader's position: each batch is drawn from a
+generator seeded by the global batch count and the rank, so a resumed fit sees exactly the
+batches the uninterrupted one saw (the loader only yields indices; it exists to fail on demand).
 
 Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 0 over the whole fit):
 
@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrategy
 from lightning_mgpu.callbacks.doctor import DistributedDoctor
+from tests.scripts.models import StagedNet, position_generator
 
 KINDS = ("none", "step", "callback", "loader", "worker", "stage", "sigkill", "stuck", "mismatch")
 BATCHES_PER_EPOCH = 6  # per rank: epochs end and start inside the short fits, and step 8 is mid-epoch
@@ -108,15 +109,10 @@ class Indices(Dataset):
         return index
 
 
-class Net(L.LightningModule):
+class Net(StagedNet):
     def __init__(self, plan: Plan, workers: int) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, WIDTH)
-        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)))
-        self.head = nn.Linear(WIDTH, OUT)
+        super().__init__(width=WIDTH, blocks=4, out_features=OUT, embed_activation="tanh", example_batch=BATCH)
         self.plan, self.workers = plan, workers
-        self.losses: list[float] = []
-        self.example_input_array = torch.randn(BATCH, 8)
         self._arm_stage = False
         self.body[-1].register_forward_pre_hook(self._stage_hook)
 
@@ -124,9 +120,6 @@ class Net(L.LightningModule):
         if self._arm_stage:  # runs where the layer runs: a pipeline stage thread under hybrid
             self._arm_stage = False
             self.plan.fire("stage")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(torch.tanh(self.embed(x))))
 
     def train_dataloader(self) -> DataLoader:
         dataset = Indices(self.plan, self.global_rank)
@@ -140,15 +133,12 @@ class Net(L.LightningModule):
             if self.plan.due(kind, self.global_rank, seen):
                 self.plan.fire(kind)
         self._arm_stage = self.plan.due("stage", self.global_rank, seen)
-        generator = torch.Generator().manual_seed(1_000_003 * seen + 101 * self.global_rank)
+        generator = position_generator(seen, self.global_rank)
         x = torch.randn(BATCH, 8, generator=generator)
         y = torch.sin(2 * x).repeat(1, OUT // 8) * x[:, :1]
         loss = nn.functional.mse_loss(self(x), y)
         self.losses.append(loss.item())
         return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
 class FailingCallback(L.Callback):
@@ -198,7 +188,7 @@ class Report(L.Callback):
             "params": torch.cat([p.detach().cpu().flatten() for p in pl_module.parameters()]),
             "optimizer": trainer.optimizers[0].state_dict(),
         }
-        keeper = getattr(strategy, "_powersgd_keeper", None)
+        keeper = getattr(strategy, "powersgd_keeper", None)
         if keeper is not None:
             tensors["powersgd"] = keeper.state_dict()
         torch.save(tensors, self.out_dir / f"rank{rank}.pt")

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mgpu import CommProfiler, HybridParallelStrategy
+from tests.scripts.models import StagedNet
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", choices=("hybrid", "ddp_tuned", "single"), default="hybrid")
@@ -34,19 +35,11 @@ parser.add_argument("--profile-schedule", default="20,200", help="STEPS,EVERY: t
 parser.add_argument("--out", required=True)
 
 
-class Net(L.LightningModule):
+class Net(StagedNet):
     def __init__(self, batch_size: int) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 32)
-        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(5)))
-        self.head = nn.Linear(32, 1)
+        super().__init__(width=32, blocks=5, out_features=1, embed_activation="relu", example_batch=batch_size)
         self.batch_size = batch_size
-        self.losses: list[float] = []
         self.grads_seen: list[bool] = []  # every parameter has a gradient in on_after_backward
-        self.example_input_array = torch.randn(batch_size, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(torch.relu(self.embed(x))))
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(1)
@@ -63,9 +56,6 @@ class Net(L.LightningModule):
 
     def on_after_backward(self) -> None:
         self.grads_seen.append(all(p.grad is not None for p in self.parameters()))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
 def main() -> None:

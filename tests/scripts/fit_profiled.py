@@ -1,6 +1,6 @@
 """Fit an MLP under CommProfiler and record DDP's own timers next to it, as JSON.
 
-    python tests/scripts/fit_profiled.py --out result.json --devices 2 --steps 30 --export-dir prof/
+    python -m tests.scripts.fit_profiled --out result.json --devices 2 --steps 30 --export-dir prof/
 
 Rank 0 writes ``--out``: the profiler's summary and, per step, DDP's logging data
 (``_get_ddp_logging_data()`` with sample rate 1: backward compute, communication and
@@ -21,22 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import CommProfiler, TunedDDPStrategy
-
-
-class MLP(L.LightningModule):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(256, width), nn.ReLU()]
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.ReLU()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, 16))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+from tests.scripts.models import MLPRegressor
 
 
 class DDPTimers(L.Callback):
@@ -132,7 +117,15 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = MLP(args.width, args.depth)
+    model = MLPRegressor(
+        in_features=256,
+        width=args.width,
+        depth=args.depth,
+        out_features=16,
+        activation=nn.ReLU,
+        lr=0.01,
+        record_losses=False,  # step times are measured: no loss.item() sync
+    )
     for fit in range(args.fits):
         if fit:  # the same trainer again, as a user resuming in a notebook would
             trainer.fit_loop.epoch_loop.max_steps += args.steps

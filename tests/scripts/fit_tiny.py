@@ -2,7 +2,7 @@
 
 Run by the multi-process tests (Lightning's own launcher starts the other ranks):
 
-    python tests/scripts/fit_tiny.py --out result.json --strategy ddp_tuned --devices 2 \
+    python -m tests.scripts.fit_tiny --out result.json --strategy ddp_tuned --devices 2 \
         --strategy-kwargs '{"bucket_cap_mb": 0.05}'
 
 The ``Probe`` callback writes ``--out`` from rank 0 (in the worker, so spawn works too): the comm hook DDP registered, the bucket layout it built, what
@@ -20,30 +20,19 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu
 from lightning_mgpu import TunedDDPStrategy
+from tests.scripts.models import MLPRegressor
 
 
-class TinyMLP(L.LightningModule):
+class TinyMLP(MLPRegressor):
     def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        hidden: list[nn.Module] = []
-        for _ in range(depth):
-            hidden += [nn.Linear(width, width), nn.Tanh()]
-        self.net = nn.Sequential(nn.Linear(32, width), nn.Tanh(), *hidden, nn.Linear(width, 1))
-        self.losses: list[float] = []
+        super().__init__(width=width, depth=depth, hidden_first=True, lr=0.05)
         self.grad_checks: list[dict[str, Any]] = []
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
 
     def on_after_backward(self) -> None:
         # DDP has finished all-reducing by now: inspect what came back.
@@ -56,9 +45,6 @@ class TinyMLP(L.LightningModule):
                 "rank": int(torch.linalg.matrix_rank(grad).item()),
             }
         )
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class Probe(L.Callback):

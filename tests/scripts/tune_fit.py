@@ -1,7 +1,7 @@
 """Fit a small MLP with TunedDDPStrategy (``bucket_cap_mb="auto"`` or a fixed size); every rank
 reports what happened, as JSON, for tests/test_tuning_dist.py.
 
-    python tests/scripts/tune_fit.py --out-dir run/ --steps 120 \
+    python -m tests.scripts.tune_fit --out-dir run/ --steps 120 \
         --strategy-kwargs '{"bucket_cap_mb": "auto", "tune_candidates": [0.25, 1]}'
 
 The data do not come from the data loader's position: each micro-batch is drawn from a
@@ -28,30 +28,25 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu
 from lightning_mgpu import TunedDDPStrategy
+from tests.scripts.models import MLPRegressor, position_generator
 
 
-class MLP(L.LightningModule):
+class MLP(MLPRegressor):
+    """Batches drawn from the position in the fit (``position_generator``), not from the loader."""
+
     def __init__(self, width: int, depth: int, batch_size: int, out_features: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(32, width), nn.Tanh()]
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.Tanh()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, out_features))
+        super().__init__(width=width, depth=depth, out_features=out_features, lr=0.05, momentum=0.9)
         self.batch_size = batch_size
-        self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         seen = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready  # restored on resume
-        generator = torch.Generator().manual_seed(1_000_003 * seen + 101 * self.global_rank)
+        generator = position_generator(seen, self.global_rank)
         x = torch.randn(self.batch_size, 32, generator=generator)
         out = self.net[-1].out_features
         y = torch.sin(x[:, :out] * 2) + 0.1 * x[:, out : 2 * out]
         loss = nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.item())
         return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
 class Probe(L.Callback):
@@ -91,7 +86,7 @@ class Probe(L.Callback):
             "batches": self.batches,
             "built_bytes": None if layout is None else [b.bytes for b in layout],
             "comm_hook": data.get("comm_hook"),
-            "powersgd_remaps": None if strategy._powersgd_keeper is None else strategy._powersgd_keeper.remaps,
+            "powersgd_remaps": None if strategy.powersgd_keeper is None else strategy.powersgd_keeper.remaps,
             "accumulate": trainer.accumulate_grad_batches,
             "wrapper_forward_hooks": len(getattr(model, "_forward_hooks", {})),
         }
