@@ -257,7 +257,11 @@ def apply_quick(args: Any, argv: Optional[Sequence[str]], quick: dict[str, Any])
     """``--quick``: set the smoke-run values of ``quick`` on ``args``, except flags given explicitly."""
     if not getattr(args, "quick", False):
         return
-    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+    given = {
+        a.split("=")[0].lstrip("-").replace("-", "_")
+        for a in (argv if argv is not None else sys.argv[1:])
+        if a.startswith("--")
+    }
     for name, value in quick.items():
         if name not in given:
             setattr(args, name, value)

@@ -196,7 +196,7 @@ def launch(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
         "--worker-schedule", ",".join(schedule(args.pairs)), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         "--model", args.model,
-    ]  # fmt: skip
+    ]  # fmt: skip  # each option beside its value
     finished = launcher.launch(
         MODULE,
         worker_args,
@@ -216,15 +216,15 @@ def analyse(fits: list[dict[str, Any]]) -> dict[str, Any]:
         by_config = {first["config"]: first, second["config"]: second}
         for measure in ratios:
             ratios[measure].append(by_config[DOCTOR][measure]["median"] / by_config[BASE][measure]["median"])
-    per_config = {
-        config: {
-            "fits": sum(f["config"] == config for f in fits),
-            "iteration_ms_median": summarize([f["iteration"]["median"] for f in fits if f["config"] == config])["median"],
-            "step_ms_median": summarize([f["step"]["median"] for f in fits if f["config"] == config])["median"],
-            "iteration_ms_per_fit": [f["iteration"]["median"] for f in fits if f["config"] == config],
+    per_config = {}
+    for config in CONFIGS:
+        mine = [f for f in fits if f["config"] == config]
+        per_config[config] = {
+            "fits": len(mine),
+            "iteration_ms_median": summarize([f["iteration"]["median"] for f in mine])["median"],
+            "step_ms_median": summarize([f["step"]["median"] for f in mine])["median"],
+            "iteration_ms_per_fit": [f["iteration"]["median"] for f in mine],
         }
-        for config in CONFIGS
-    }
     checks: dict[str, list[float]] = {}
     hooks: dict[str, list[float]] = {}
     for fit in fits:
@@ -283,8 +283,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker_schedule:
         run_worker(args)
         return
-    print(f"{args.model} MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; one launch, "
-          f"{args.pairs} pair(s) of fits (ABBA), {args.warmup} warm-up + {args.steps} timed steps each\n")
+    print(
+        f"{args.model} MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; one launch, "
+        f"{args.pairs} pair(s) of fits (ABBA), {args.warmup} warm-up + {args.steps} timed steps each\n"
+    )
     started = time.perf_counter()
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="bench_doctor_") as scratch:
@@ -293,42 +295,65 @@ def main(argv: Optional[list[str]] = None) -> None:
     header = report_header(args, CONFIGS, rounds=args.pairs)
     payload: dict[str, Any] = {
         "benchmark": "doctor_overhead",
-        "machine": {**header["machine"], "load_average_start": load_start,
-                    "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
-        "settings": {**header["settings"], "pairs": args.pairs, "model": args.model, "schedule": "ABBA in one launch",
-                     "doctor": "DistributedDoctor() (every_n_steps=100)",
-                     "measure": "iteration: one step start to the next (rank 0); ratio: median over pairs"},
+        "machine": {
+            **header["machine"],
+            "load_average_start": load_start,
+            "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
+        "settings": {
+            **header["settings"],
+            "pairs": args.pairs,
+            "model": args.model,
+            "schedule": "ABBA in one launch",
+            "doctor": "DistributedDoctor() (every_n_steps=100)",
+            "measure": "iteration: one step start to the next (rank 0); ratio: median over pairs",
+        },
         **result,
         "fits": fits,
         "wall_s": time.perf_counter() - started,
-    }  # fmt: skip
+    }
     out = write_json(args.out, payload)
 
     for fit in fits:
-        print(f"fit {fit['index'] + 1:2d}  {fit['config']:<17} step {fit['step']['median']:7.2f} ms  "
-              f"iteration {fit['iteration']['median']:7.2f} ms")
+        print(
+            f"fit {fit['index'] + 1:2d}  {fit['config']:<17} step {fit['step']['median']:7.2f} ms  "
+            f"iteration {fit['iteration']['median']:7.2f} ms"
+        )
     summary = result["summary"]
     rows = [
-        [config, f"{summary[config]['iteration_ms_median']:.2f}", f"{summary[config]['step_ms_median']:.2f}",
-         f"{min(summary[config]['iteration_ms_per_fit']):.2f}–{max(summary[config]['iteration_ms_per_fit']):.2f}"]
+        [
+            config,
+            f"{summary[config]['iteration_ms_median']:.2f}",
+            f"{summary[config]['step_ms_median']:.2f}",
+            f"{min(summary[config]['iteration_ms_per_fit']):.2f}–{max(summary[config]['iteration_ms_per_fit']):.2f}",
+        ]
         for config in CONFIGS
-    ]  # fmt: skip
+    ]
     print()
-    print_table("DistributedDoctor cost (medians over fits of per-fit medians)",
-                ["configuration", "iteration ms", "step ms", "iteration range over fits"], rows)  # fmt: skip
+    print_table(
+        "DistributedDoctor cost (medians over fits of per-fit medians)",
+        ["configuration", "iteration ms", "step ms", "iteration range over fits"],
+        rows,
+    )
     verdict = "met" if result["met"] else "NOT met"
-    print(f"with / without, median over pairs: iteration {result['ratio_iteration']:.4f} (limit {LIMIT}) -> "
-          f"{verdict}; step {result['ratio_step']:.4f}; per pair "
-          f"{', '.join(f'{r:.3f}' for r in result['ratio_iteration_per_pair'])}")
+    print(
+        f"with / without, median over pairs: iteration {result['ratio_iteration']:.4f} (limit {LIMIT}) -> "
+        f"{verdict}; step {result['ratio_step']:.4f}; per pair "
+        f"{', '.join(f'{r:.3f}' for r in result['ratio_iteration_per_pair'])}"
+    )
     for kind, stats in result["check_ms"].items():
-        print(f"check '{kind}' (gather + rules, rank 0): median {stats['median']:.2f} ms, max {stats['max']:.2f} ms, "
-              f"{stats['n'] // max(1, args.pairs)} per fit of {args.warmup + args.steps} steps")
+        print(
+            f"check '{kind}' (gather + rules, rank 0): median {stats['median']:.2f} ms, max {stats['max']:.2f} ms, "
+            f"{stats['n'] // max(1, args.pairs)} per fit of {args.warmup + args.steps} steps"
+        )
     hooks = result["hook_us_per_batch"]
     if hooks:
         total = sum(hooks.values())
         share = total / 1e3 / summary[BASE]["iteration_ms_median"]
-        print(f"the doctor's hooks per batch (checks excluded): {total:.1f} us "
-              f"({', '.join(f'{k} {v:.1f}' for k, v in hooks.items())}) = {share:.3%} of an iteration")
+        print(
+            f"the doctor's hooks per batch (checks excluded): {total:.1f} us "
+            f"({', '.join(f'{k} {v:.1f}' for k, v in hooks.items())}) = {share:.3%} of an iteration"
+        )
     print(f"doctor findings on this (correct) run: {result['doctor_findings'] or 'none'}")
     print(f"\n{time.perf_counter() - started:.0f} s in all; wrote {out}")
 

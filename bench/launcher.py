@@ -71,13 +71,17 @@ def launch(
     try:
         completed = subprocess.run(full, env=child_env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     except subprocess.TimeoutExpired as error:
-        raise SystemExit(f"{label}: launch timed out after {timeout} s\n{output_tail(error.stdout, error.stderr)}") from None
+        raise SystemExit(
+            f"{label}: launch timed out after {timeout} s\n{output_tail(error.stdout, error.stderr)}"
+        ) from None
     if completed.returncode != 0 or not report.exists():
         raise SystemExit(
             f"{label}: launch failed (exit code {completed.returncode})\n$ {' '.join(full)}\n"
             f"{output_tail(completed.stdout, completed.stderr)}"
         )
-    return Finished(report=json.loads(report.read_text()), stdout=completed.stdout, wall_s=time.perf_counter() - started)
+    return Finished(
+        report=json.loads(report.read_text()), stdout=completed.stdout, wall_s=time.perf_counter() - started
+    )
 
 
 def output_tail(stdout: Any, stderr: Any, lines: int = 40) -> str:

@@ -64,7 +64,9 @@ def make_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
 def split(model: nn.Sequential, sample: torch.Tensor, microbatches: int) -> tuple[list[int], Any]:
     torch.set_num_threads(1)
     micro = sample[: max(1, sample.shape[0] // microbatches)]
-    plan = make_plan(profile_layers(model, micro, repeats=3, warmup=1), ["cpu"] * STAGES, "time", microbatches=microbatches)
+    plan = make_plan(
+        profile_layers(model, micro, repeats=3, warmup=1), ["cpu"] * STAGES, "time", microbatches=microbatches
+    )
     return plan.sizes, plan
 
 
@@ -129,7 +131,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             per_round[name].append(ms)
             faults[name].append(page_faults)
         if not args.quiet:
-            print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(f"{n} {per_round[n][-1]:.1f} ms" for n in configs), flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds}: "
+                + ", ".join(f"{n} {per_round[n][-1]:.1f} ms" for n in configs),
+                flush=True,
+            )
     for pipe in pipelines.values():
         pipe.close()
 
@@ -159,7 +165,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "machine": machine_facts(backend="none", world_size=1, device_type="cpu", threads_per_rank=1),
         "stages": STAGES,
         "results": results,
-        "target": {"microbatches": 8, "min_speedup": 1.4, "speedup": m8 and m8["speedup"], "met": bool(m8 and m8["speedup"] >= 1.4)},
+        "target": {
+            "microbatches": 8,
+            "min_speedup": 1.4,
+            "speedup": m8 and m8["speedup"],
+            "met": bool(m8 and m8["speedup"] >= 1.4),
+        },
     }
     rows = [
         [
@@ -198,7 +209,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)")
+    parser.add_argument(
+        "--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)"
+    )
     parser.add_argument(
         "--retain-freed-memory",
         action="store_true",

@@ -361,7 +361,11 @@ def _profiled(seq: Any, sample: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     with _threads(1):
         costs = profile_layers(seq, sample, repeats=5, warmup=2)
-    return {"names": [f"{c.index}:{c.kind}" for c in costs], "costs": [c.time_ms for c in costs], "params": [c.param_count for c in costs]}
+    return {
+        "names": [f"{c.index}:{c.kind}" for c in costs],
+        "costs": [c.time_ms for c in costs],
+        "params": [c.param_count for c in costs],
+    }
 
 
 class _threads:

@@ -59,7 +59,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from bench import rounds, training
-from bench.common import StepTimer, make_data, percentile, print_table, report_header, summarize, worker_device, write_json
+from bench.common import (
+    StepTimer,
+    make_data,
+    percentile,
+    print_table,
+    report_header,
+    summarize,
+    worker_device,
+    write_json,
+)
 
 MODULE = "bench.profiler_overhead"  # what its launches run: this script's workers
 
@@ -271,7 +280,14 @@ def print_interleaved(summary: dict[str, Any], targets: dict[str, Any], parts: O
     print_table(
         "CommProfiler cost, the same run interleaved (per-fit means; median over fits)",
         [
-            "configuration", "fits", "iter. ms", "spread", "median iter.", "step ms", "CPU/iter.", "× without",
+            "configuration",
+            "fits",
+            "iter. ms",
+            "spread",
+            "median iter.",
+            "step ms",
+            "CPU/iter.",
+            "× without",
         ],
         rows,
     )
@@ -320,8 +336,10 @@ def run_launches(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
     for name, target in targets.items():
         verdict = "met" if target["met"] else "NOT met"
         noise = " (within noise: a spread is wider than the margin)" if target["within_noise"] else ""
-        print(f"{name}: iteration {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
-              f"step {target['step_ratio']:.3f}")
+        print(
+            f"{name}: iteration {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
+            f"step {target['step_ratio']:.3f}"
+        )
     return launches, summary, targets
 
 

@@ -41,7 +41,7 @@ def launch_config(
         "--worker", config, "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         *extra_args,
-    ]  # fmt: skip
+    ]  # fmt: skip  # each option beside its value
     finished = launcher.launch(
         module,
         worker_args,
@@ -154,7 +154,9 @@ def parse_args(
     the configurations its worker accepts and ``quick`` the values ``--quick`` sets (:data:`QUICK`)."""
     quick = QUICK if quick is None else quick
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of one launch per configuration (%(default)s)")
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help="rounds of one launch per configuration (%(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per launch (%(default)s)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before them, >= 2 (%(default)s)")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"per rank ({BATCH_SIZE})")

@@ -107,12 +107,21 @@ class MemoryProbe(L.Callback):
         if step in self.at and (not self.samples or self.samples[-1]["step"] != step):
             gc.collect()  # what is still referenced, not what the collector has not reached yet
             self.samples.append(
-                {"step": step, "rss_mib": rss_mib(), "gc_objects": len(gc.get_objects()),
-                 "elapsed_s": time.perf_counter() - self.started}
-            )  # fmt: skip
+                {
+                    "step": step,
+                    "rss_mib": rss_mib(),
+                    "gc_objects": len(gc.get_objects()),
+                    "elapsed_s": time.perf_counter() - self.started,
+                }
+            )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        mine = {"rank": trainer.global_rank, "pid": os.getpid(), "samples": self.samples, "peak_rss_mib": peak_rss_mib()}
+        mine = {
+            "rank": trainer.global_rank,
+            "pid": os.getpid(),
+            "samples": self.samples,
+            "peak_rss_mib": peak_rss_mib(),
+        }
         gathered: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(gathered, mine)  # every rank enters
         if trainer.global_rank == 0:
@@ -186,9 +195,13 @@ def report(ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {STEPS:,}; --quick {QUICK_STEPS})")
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"optimizer steps (default {STEPS:,}; --quick {QUICK_STEPS})"
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps: a smoke run")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON result (default {DEFAULT_OUT.relative_to(REPO_ROOT)})")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"JSON result (default {DEFAULT_OUT.relative_to(REPO_ROOT)})"
+    )
     args = parser.parse_args()
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     if steps < 20:

@@ -111,7 +111,11 @@ def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_profiler_overhead_separate_launches_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "profiler_overhead.json"
-    completed = run_python(["-m", "bench.profiler_overhead", "--method", "launches", "--quick", "--out", str(out)], cwd=REPO_ROOT, timeout=110)
+    completed = run_python(
+        ["-m", "bench.profiler_overhead", "--method", "launches", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
+        timeout=110,
+    )
     report = json.loads(out.read_text())
     assert {launch["config"] for launch in report["launches"]} == {"ddp_tuned", "ddp_tuned+profiler"}
     assert report["same_final_loss"] is True
