@@ -164,19 +164,17 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 def ddp_bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
     """The gradient buckets DDP uses, in launch order: bytes and reducer parameter indices per bucket.
 
-    After DDP's rebuild (at the start of the second iteration) these are the rebuilt
-    buckets; before it, the initial ones, flagged by ``rebuilt: False``.
+    These are the buckets DDP rebuilt at the start of the second iteration (the layout it keeps);
+    before that, or when this torch does not tell, ``rebuilt: False`` and no buckets.
     """
-    data = model._get_ddp_logging_data()
-    rebuilt = bool(data.get("has_rebuilt_buckets"))
-    sizes_key, indices_key = (
-        ("rebuilt_bucket_sizes", "rebuilt_per_bucket_param_indices") if rebuilt else ("bucket_sizes", None)
-    )
-    sizes = [int(s) for s in str(data.get(sizes_key, "")).split(",") if s.strip()]
-    indices: Optional[list[list[int]]] = None
-    if indices_key is not None:
-        indices = [[int(i) for i in group.split()] for group in str(data[indices_key]).split(",")]
-    return {"rebuilt": rebuilt, "bucket_bytes": sizes, "bucket_param_indices": indices}
+    # DDP says its layout only through a private method: read through the package's one door to it.
+    from lightning_mgpu._compat.torch import ddp_rebuilt_buckets
+
+    layout = ddp_rebuilt_buckets(model)
+    if layout is None:
+        return {"rebuilt": False, "bucket_bytes": [], "bucket_param_indices": None}
+    sizes, indices = layout
+    return {"rebuilt": True, "bucket_bytes": sizes, "bucket_param_indices": indices}
 
 
 def worker_device(accelerator: str) -> torch.device:
