@@ -19,7 +19,6 @@ Only light imports at module level: ``lightning-mgpu --help`` imports this modul
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import os
@@ -530,71 +529,3 @@ def report(checks: list[Check], elapsed_s: float) -> dict[str, Any]:
     status = "fail" if counts["fail"] else "warn" if counts["warn"] else "ok"
     return {"version": 1, "status": status, "elapsed_s": elapsed_s, "counts": counts,
             "checks": [asdict(c) for c in checks]}  # fmt: skip
-
-
-def print_report(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    colours = {"ok": "green", "warn": "yellow", "fail": "bold red"}
-    counts = result["counts"]
-    console = Console()
-    console.print(
-        f"lightning-mgpu doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
-        f"({result['elapsed_s']:.1f} s)",
-        soft_wrap=True,
-    )
-    table = Table()
-    table.add_column("check", style="bold")
-    table.add_column("status")
-    table.add_column("value", overflow="fold")
-    for check in result["checks"]:
-        table.add_row(check["name"], f"[{colours[check['status']]}]{check['status']}[/]", check["value"])
-    console.print(table)
-    for check in result["checks"]:
-        if check["fix"]:
-            console.print(f"[{colours[check['status']]}]{check['status']}[/] {check['name']}: {check['fix']}")
-
-
-def print_rules() -> None:
-    """One block per rule: readable at any terminal width."""
-    from lightning_mgpu.callbacks._doctor_rules import table_rows
-
-    print("DistributedDoctor rules (DistributedDoctor(disable=['<id>', ...]) turns one off)\n")
-    for rule_id, catches, detection, cost, fix in table_rows():
-        print(f"{rule_id}\n  catches:  {catches}\n  detected: {detection}\n  cost:     {cost}\n  fix:      {fix}\n")
-
-
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    if args.rules:
-        print_rules()
-        return 0
-    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN and inf fail too
-        args.subparser.error(
-            f"argument --timeout: must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {args.timeout}"
-        )
-    started = time.perf_counter()
-    checks = collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
-    result = report(checks, time.perf_counter() - started)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_report(result)
-    return 1 if result["status"] == "fail" else 0
-
-
-def register(subparsers: Any) -> None:
-    """Add ``doctor`` to the ``lightning-mgpu`` command line."""
-    parser = subparsers.add_parser(
-        "doctor",
-        help="check this machine for multi-process training (versions, devices, backends, a real all_reduce, "
-        "launcher environment, limits)",
-        description="Check this machine and shell for multi-process training. Every line is ok, warn or fail, "
-        "with how to fix each warn and fail; the exit code is 1 when anything fails.",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--skip-allreduce", action="store_true", help="skip the multi-process all_reduce tests")
-    parser.add_argument("--timeout", type=float, default=SMOKE_TIMEOUT_S, metavar="SECONDS",
-                        help=f"limit for each all_reduce test, start-up included (default {SMOKE_TIMEOUT_S:g})")
-    parser.add_argument("--rules", action="store_true", help="list the DistributedDoctor callback's rules and exit")
-    parser.set_defaults(func=_cmd_doctor, subparser=parser)

@@ -243,6 +243,8 @@ def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], flag: str, capsys
     assert "Traceback" not in stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
 def test_bad_argument_from_the_console_has_no_traceback(tmp_path: Path) -> None:
     proc = run_python(
         ["-m", "lightning_mgpu.cli", "bench-comm", "--max-bytes", "512"], cwd=tmp_path, timeout=60, check=False

@@ -52,6 +52,8 @@ def _plan_here(workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     return exit_info.value.code, capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
 def test_plan_prints_every_balance_mode_and_writes_json(workdir: Path) -> None:
     out = workdir / "plan.json"
     proc = _plan(workdir, "plan_factory_mod:build", "--shape", "64,16", "--devices", "2", "--microbatches", "4", "--json", str(out))
@@ -66,6 +68,8 @@ def test_plan_prints_every_balance_mode_and_writes_json(workdir: Path) -> None:
     assert payload["plans"]["params"]["stage_params"] == [272 + 272 + 8704, 8208 + 272]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
 def test_plan_finds_the_sequential_inside_a_module(workdir: Path) -> None:
     proc = _plan(workdir, "plan_factory_mod:wrapped", "--shape", "8,16", "--devices", "3", "--repeats", "1")
     assert "5 layers over 3 devices" in proc.stdout
@@ -74,8 +78,8 @@ def test_plan_finds_the_sequential_inside_a_module(workdir: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["plan_factory_mod", "--shape", "8,16"], "factory must look like package.module:function"),
-        (["no_such_mod:build", "--shape", "8,16"], "cannot import 'no_such_mod'"),
+        (["plan_factory_mod", "--shape", "8,16"], "expected FILE.py:FUNCTION or MODULE:FUNCTION, got 'plan_factory_mod'"),
+        (["no_such_mod:build", "--shape", "8,16"], "no module named 'no_such_mod'"),
         (["plan_factory_mod:missing", "--shape", "8,16"], "plan_factory_mod has no function 'missing'"),
         (["plan_factory_mod:two", "--shape", "8,16"], "has 2 nn.Sequential children; name one with --split-module"),
         (["plan_factory_mod:wrapped", "--shape", "8,16", "--split-module", "stem"], "--split-module 'stem' is not an nn.Sequential"),
@@ -95,6 +99,8 @@ def test_bad_input_gets_one_clear_line_and_no_traceback(
     assert message in err
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
 def test_a_sample_the_model_cannot_take_is_reported_as_such(workdir: Path) -> None:
     proc = _plan(workdir, "plan_factory_mod:build", "--shape", "8,7", check=False)
     assert proc.returncode == 2 and "running the model on a sample of shape [8, 7] (float32) failed" in proc.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -178,17 +177,17 @@ def test_small_shm_and_low_file_limit_warn(monkeypatch: pytest.MonkeyPatch) -> N
     assert check.status == "warn" and "ulimit -n 4096" in check.fix
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)  # the ceiling is the check: waiting for the hung ranks would take far longer
 def test_a_hung_allreduce_is_reported_not_waited_for() -> None:
-    started = time.perf_counter()
     result = doctor_env.run_allreduce_smoke("gloo", 2, timeout=0.2)
-    assert time.perf_counter() - started < 10
     assert not result["ok"] and "no result within 0.2 s" in result["reason"]
     check = doctor_env.Check("gloo all_reduce", "fail", result["reason"], fix="f")
     assert check.status == "fail"
 
 
 def test_text_report_rules_list_and_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    doctor_env.print_report(doctor_env.report([Check("a", "ok", "fine"), Check("b", "warn", "meh", fix="do X")], 1.5))
+    cli.doctor.print_report(doctor_env.report([Check("a", "ok", "fine"), Check("b", "warn", "meh", fix="do X")], 1.5))
     text = capsys.readouterr().out
     assert "1 ok, 1 warn, 0 fail" in text and "warn b: do X" in text
     assert cli.main(["doctor", "--rules"]) == 0

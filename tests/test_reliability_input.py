@@ -443,7 +443,7 @@ def test_the_doctors_report_shows_no_secret_from_the_environment() -> None:
     result = doctor_env.report(checks, 0.1)
     text = io.StringIO()
     with redirect_stdout(text):
-        doctor_env.print_report(result)
+        cli.doctor.print_report(result)
     shown = json.dumps(result) + text.getvalue()
     for name, value in secrets.items():
         assert value not in shown, name

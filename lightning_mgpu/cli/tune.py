@@ -1,24 +1,13 @@
 """``lightning-mgpu tune``: the bucket-size sweep of ``bucket_cap_mb="auto"``, run offline.
 
-    lightning-mgpu tune my_project/train.py:make_module --nproc 2
-    lightning-mgpu tune my_package.models:build --accelerator cuda --nproc 8 --rounds 4
-
-``TARGET`` names a function (in a file or an importable module) that takes no argument and
-returns a LightningModule (its ``train_dataloader`` is used) or ``(module, dataloader)``.
-The command starts ``--nproc`` processes with ``torch.distributed.run`` (127.0.0.1 only), fits
-the module with ``TunedDDPStrategy(bucket_cap_mb="auto")`` until the search is over (the
-training itself is thrown away), prints the table of bucket size -> step time and writes
-``tune.json`` and ``tune.png`` to ``--out-dir``. Pass the size it recommends to
-``TunedDDPStrategy(bucket_cap_mb=...)``, or let ``"auto"`` find it during the real run.
-
-Everything heavy is imported inside the command, so that ``lightning-mgpu --help`` stays fast.
+Parses the flags, starts the worker (:mod:`lightning_mgpu.tuning.sweep`) in ``--nproc``
+processes with ``torch.distributed.run``, and prints its table and recommendation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
@@ -26,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_mgpu.cli import bounded_int
+from lightning_mgpu._target import SYNTAX
+from lightning_mgpu.cli._args import bounded_int, output_dir, positive_seconds, target
 
 DEFAULT_TIMEOUT_S = 1800.0
 # Beyond these a value is a mistake: refused before anything starts.
@@ -34,28 +24,21 @@ MAX_PROCESSES = 1024
 MAX_COUNT = 1_000_000
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
+DESCRIPTION = """\
+Run the bucket-size search of TunedDDPStrategy(bucket_cap_mb="auto") offline.
 
+TARGET names a function, as FILE.py:FUNCTION or MODULE:FUNCTION, that takes no argument
+and returns a LightningModule (its train_dataloader is used) or (module, dataloader).
+The command starts --nproc processes with torch.distributed.run (127.0.0.1 only), fits
+the module with TunedDDPStrategy(bucket_cap_mb="auto") until the search is over (the
+training itself is thrown away), prints the table of bucket size -> step time and writes
+tune.json and tune.png to --out-dir. Pass the size it recommends to
+TunedDDPStrategy(bucket_cap_mb=...), or let "auto" find it during the real run.
 
-_positive_int = bounded_int(MAX_COUNT)
-_process_count = bounded_int(MAX_PROCESSES)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0 or value > MAX_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {text!r}")
-    return value
-
-
-def _out_dir(text: str) -> Path:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a directory path, got ''")
-    if Path(text).exists() and not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
-    return Path(text)
+examples:
+  lightning-mgpu tune my_project/train.py:make_module --nproc 2
+  lightning-mgpu tune my_package.models:build --accelerator cuda --nproc 8 --rounds 4
+"""
 
 
 def _sizes(text: str) -> str:
@@ -72,59 +55,45 @@ def _sizes(text: str) -> str:
     return ",".join(f"{s:g}" for s in sizes)
 
 
-def _target(text: str) -> str:
-    from lightning_mgpu.tuning.sweep import TargetError, parse_target
-
-    try:
-        parse_target(text)
-    except TargetError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def register(subparsers: Any) -> None:
-    """Add ``tune`` to the ``lightning-mgpu`` command line."""
+    counts, processes = bounded_int(MAX_COUNT), bounded_int(MAX_PROCESSES)
     parser = subparsers.add_parser(
         "tune",
         help="measure DDP step time per gradient-bucket size for your LightningModule (table + plot)",
-        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[2],
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("target", type=_target, metavar="TARGET", help="FILE.py:FUNCTION or MODULE:FUNCTION")
-    parser.add_argument(
-        "--nproc", type=_process_count, default=None, help="processes (default: every GPU; 2 on CPU)"
-    )
+    parser.add_argument("target", type=target, metavar="TARGET", help=SYNTAX)
+    parser.add_argument("--nproc", type=processes, default=None, help="processes (default: every GPU; 2 on CPU)")
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    parser.add_argument("--rounds", type=_positive_int, default=3, help="visits per layout, alternating order (3)")
-    parser.add_argument("--measure", type=_positive_int, default=8, help="timed steps per visit (8)")
+    parser.add_argument("--rounds", type=counts, default=3, help="visits per layout, alternating order (3)")
+    parser.add_argument("--measure", type=counts, default=8, help="timed steps per visit (8)")
     parser.add_argument(
         "--sizes", type=_sizes, default=None, metavar="MIB,...",
         help="candidate bucket sizes in MiB (default 1,2,4,...,256); DDP's default 25 is always added",
     )  # fmt: skip
-    parser.add_argument("--out-dir", type=_out_dir, default=Path("tune"), help="where tune.json and tune.png go (./tune)")
-    parser.add_argument("--threads", type=_process_count, default=None, help="torch threads per rank on CPU (cores / nproc)")
+    parser.add_argument("--out-dir", type=output_dir, default=Path("tune"), help="where tune.json and tune.png go (./tune)")
+    parser.add_argument("--threads", type=processes, default=None, help="torch threads per rank on CPU (cores / nproc)")
     parser.add_argument(
-        "--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        "--timeout", type=positive_seconds(MAX_TIMEOUT_S), default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
         help=f"stop everything after this long (default {DEFAULT_TIMEOUT_S:g})",
     )  # fmt: skip
-    parser.set_defaults(func=_cmd_tune, subparser=parser)
+    parser.set_defaults(func=run, subparser=parser)
 
 
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _cmd_tune(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.subparser
-    from lightning_mgpu.tuning.sweep import TargetError, load_factory
+    from lightning_mgpu._target import TargetError, load_target
 
     # Import the target here first: a typo is one line now, not a traceback from every rank.
     try:
-        load_factory(args.target)
+        load_target(args.target)
     except TargetError as exc:
         parser.error(f"argument TARGET: {exc}")
-    except Exception as exc:  # the user's module failed to import
-        parser.error(f"argument TARGET: importing {args.target!r} failed: {type(exc).__name__}: {exc}")
 
     import torch
 

@@ -1,42 +1,50 @@
 """``lightning-mgpu plan``: how a model would be split over K devices, under each balance mode.
 
-    lightning-mgpu plan mypkg.models:build --shape 64,16 --devices 2
-    lightning-mgpu plan mypkg.models:build --shape 8,512 --dtype long --high 32000 --devices 4 --microbatches 8
-
-The factory (``package.module:function``, imported with the current directory on the path)
-is called without arguments and returns an ``nn.Sequential``, or a module whose only
-``nn.Sequential`` child (or ``--split-module``) is what gets split. ``--shape`` is the
-shape of one batch of that sequential's input; each layer is measured on one micro-batch
-of it (:func:`~lightning_mgpu.placement.profile.profile_layers`), then planned with
-``balance="time"``, ``"memory"`` and ``"params"`` and printed side by side, each plan
-judged by the measured time of its slowest stage.
+Parses the flags, builds the model from the target, measures each layer on one micro-batch
+(:func:`lightning_mgpu.placement.profile.profile_layers`), plans it with every balance mode
+(:func:`lightning_mgpu.placement.plan.make_plan`) and prints the plans side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
-import os
 import sys
 from typing import Any
 
-from lightning_mgpu.cli import bounded_int
+from lightning_mgpu._target import SYNTAX
+from lightning_mgpu.cli._args import bounded_int, existing_parent, positive_size, target
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
 # Beyond these a value is a mistake: refused before anything is built or measured.
 _LIMITS = {"devices": 1024, "microbatches": 1_000_000, "repeats": 10_000, "high": 2**63 - 1}
 MAX_SAMPLE_ELEMENTS = 2**31
 
+DESCRIPTION = """\
+Show how a model would be split over K devices, under each balance mode.
+
+TARGET names a function, as FILE.py:FUNCTION or MODULE:FUNCTION (imported with the
+current directory on the path), that takes no argument and returns an nn.Sequential, or a
+module whose only nn.Sequential child (or --split-module) is what gets split. --shape is
+the shape of one batch of that sequential's input; each layer is measured on one
+micro-batch of it, then planned with balance "time", "memory" and "params" and printed
+side by side, each plan judged by the measured time of its slowest stage.
+
+examples:
+  lightning-mgpu plan mypkg.models:build --shape 64,16 --devices 2
+  lightning-mgpu plan models.py:build --shape 8,512 --dtype long --high 32000 --devices 4 --microbatches 8
+"""
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="show how a model would be split over K devices (time / memory / params balance)",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("factory", metavar="MODULE:FUNCTION", help="a function returning the model, e.g. mypkg.models:build")
+    parser.add_argument("factory", type=target, metavar="TARGET", help=f"a function returning the model: {SYNTAX}")
     parser.add_argument("--shape", required=True, help="shape of one batch of the split module's input, e.g. 64,512")
     parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="input dtype (long/int for token ids)")
     parser.add_argument("--high", type=bounded_int(_LIMITS["high"]), default=2, help="token ids are drawn from [0, HIGH) for integer dtypes")
@@ -44,43 +52,36 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--microbatches", type=bounded_int(_LIMITS["microbatches"]), default=1, help="M, micro-batches per step (default 1)")
     parser.add_argument("--split-module", default=None, help="attribute holding the nn.Sequential, if not the only one")
     parser.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1 ...)")
-    parser.add_argument("--capacity", default=None, metavar="SIZE", help="memory per device, e.g. 80GiB (default: no limit)")
+    parser.add_argument("--capacity", type=positive_size, default=None, metavar="SIZE", help="memory per device, e.g. 80GiB (default: no limit)")
     parser.add_argument("--repeats", type=bounded_int(_LIMITS["repeats"]), default=5, help="timed runs per layer (median; default 5)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
-    parser.set_defaults(func=_run, subparser=parser)
+    parser.add_argument("--json", type=existing_parent, default=None, metavar="PATH", help="also write the plans as JSON")
+    parser.set_defaults(func=run, subparser=parser)
 
 
-def _run(args: argparse.Namespace) -> int:
-    parser: argparse.ArgumentParser = args.subparser
+def _shape(parser: argparse.ArgumentParser, text: str, microbatches: int) -> list[int]:
     try:
-        shape = [int(part) for part in args.shape.lower().replace("x", ",").split(",")]
+        shape = [int(part) for part in text.lower().replace("x", ",").split(",")]
     except ValueError:
-        parser.error(f"argument --shape: expected sizes like 64,512, got {args.shape!r}")
+        parser.error(f"argument --shape: expected sizes like 64,512, got {text!r}")
     if not shape or any(size < 1 for size in shape):
-        parser.error(f"argument --shape: every size must be >= 1, got {args.shape!r}")
-    elements = -(-shape[0] // args.microbatches) * math.prod(shape[1:])  # one micro-batch is measured
+        parser.error(f"argument --shape: every size must be >= 1, got {text!r}")
+    elements = -(-shape[0] // microbatches) * math.prod(shape[1:])  # one micro-batch is measured
     if elements > MAX_SAMPLE_ELEMENTS:
-        parser.error(f"argument --shape: a micro-batch of {args.shape!r} has {elements} elements, more than "
+        parser.error(f"argument --shape: a micro-batch of {text!r} has {elements} elements, more than "
                      f"{MAX_SAMPLE_ELEMENTS}; measure on a smaller batch (costs scale with it)")  # fmt: skip
+    return shape
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.subparser
+    shape = _shape(parser, args.shape, args.microbatches)
     if args.split_module is not None and not args.split_module.strip():
         parser.error("argument --split-module: expected an attribute name, got ''")
-    if args.json is not None and (not args.json.strip() or os.path.isdir(args.json)):
-        parser.error(f"argument --json: expected the path of a file to write, got {args.json!r}")
-    if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"argument --json: the directory of {args.json!r} does not exist")
-    capacity = None
-    if args.capacity is not None:
-        from lightning_mgpu.comm.sweep import parse_size
-
-        try:
-            capacity = float(parse_size(args.capacity))
-        except ValueError as exc:
-            parser.error(f"argument --capacity: {exc}")
-        if not capacity > 0:
-            parser.error(f"argument --capacity: expected a size > 0 such as 80GiB, got {args.capacity!r}")
+    capacity = None if args.capacity is None else float(args.capacity)
 
     import torch
 
+    from lightning_mgpu._target import TargetError, load_target
     from lightning_mgpu.placement.plan import BALANCE_MODES, make_plan
     from lightning_mgpu.placement.profile import profile_layers
 
@@ -90,7 +91,10 @@ def _run(args: argparse.Namespace) -> int:
         parser.error(f"argument --device: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: CUDA is not available on this machine")
-    factory = _load_factory(parser, args.factory)
+    try:
+        factory = load_target(args.factory)
+    except TargetError as exc:
+        parser.error(f"argument TARGET: {exc}")
     try:
         model = factory()
     except Exception as exc:  # the user's own code: one line, as for an import that fails
@@ -118,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
 
     console = Console()
     devices = [f"{device.type}:{i}" if device.type != "cpu" else f"cpu{i}" for i in range(args.devices)]
-    plans, rows = {}, []
+    plans = {}
     for balance in BALANCE_MODES:
         try:
             plan = make_plan(layers, devices, balance, microbatches=args.microbatches, capacity=[capacity] * args.devices)
@@ -127,7 +131,6 @@ def _run(args: argparse.Namespace) -> int:
             continue
         plans[balance] = plan
         console.print(plan.table(title=f"balance={balance!r}: {len(layers)} layers over {args.devices} devices"))
-        rows.append(plan)
     if not plans:
         print(f"{parser.prog}: error: no balance mode found a placement that fits", file=sys.stderr)
         return 1
@@ -153,23 +156,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_factory(parser: argparse.ArgumentParser, spec: str) -> Any:
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        parser.error(f"factory must look like package.module:function, got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        parser.error(f"cannot import {module_name!r} (from {spec!r}): {exc}")
-    factory = getattr(module, function_name, None)
-    if not callable(factory):
-        parser.error(f"{module_name} has no function {function_name!r} (from {spec!r})")
-    return factory
-
-
 def _find_sequential(parser: argparse.ArgumentParser, model: Any, split_module: Any) -> Any:
+    """The nn.Sequential to split: ``model`` itself, its ``--split-module``, or its only nn.Sequential child."""
     from torch import nn
 
     if split_module:

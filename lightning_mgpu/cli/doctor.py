@@ -1,0 +1,84 @@
+"""``lightning-mgpu doctor``: is this machine (and this shell) ready for multi-process training?
+
+The checks and the JSON report are :mod:`lightning_mgpu.doctor_env`; this module parses the
+flags, prints the report as a table (or JSON) and lists the ``DistributedDoctor`` callback's
+rules with ``--rules``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from lightning_mgpu import doctor_env
+from lightning_mgpu.cli._args import positive_seconds
+from lightning_mgpu.doctor_env import MAX_TIMEOUT_S, SMOKE_TIMEOUT_S  # standard library only: fine for --help
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check this machine for multi-process training (versions, devices, backends, a real all_reduce, "
+        "launcher environment, limits)",
+        description="Check this machine and shell for multi-process training. Every line is ok, warn or fail, "
+        "with how to fix each warn and fail; the exit code is 1 when anything fails.",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--skip-allreduce", action="store_true", help="skip the multi-process all_reduce tests")
+    parser.add_argument(
+        "--timeout", type=positive_seconds(MAX_TIMEOUT_S), default=SMOKE_TIMEOUT_S, metavar="SECONDS",
+        help=f"limit for each all_reduce test, start-up included (default {SMOKE_TIMEOUT_S:g})",
+    )  # fmt: skip
+    parser.add_argument("--rules", action="store_true", help="list the DistributedDoctor callback's rules and exit")
+    parser.set_defaults(func=run, subparser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rules:
+        print_rules()
+        return 0
+    started = time.perf_counter()
+    checks = doctor_env.collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
+    result = doctor_env.report(checks, time.perf_counter() - started)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_report(result)
+    return 1 if result["status"] == "fail" else 0
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """The report as a table, then one line per warn and fail with its fix."""
+    from rich.console import Console
+    from rich.table import Table
+
+    colours = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+    counts = result["counts"]
+    console = Console()
+    console.print(
+        f"lightning-mgpu doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
+        f"({result['elapsed_s']:.1f} s)",
+        soft_wrap=True,
+    )
+    table = Table()
+    table.add_column("check", style="bold")
+    table.add_column("status")
+    table.add_column("value", overflow="fold")
+    for check in result["checks"]:
+        table.add_row(check["name"], f"[{colours[check['status']]}]{check['status']}[/]", check["value"])
+    console.print(table)
+    for check in result["checks"]:
+        if check["fix"]:
+            console.print(f"[{colours[check['status']]}]{check['status']}[/] {check['name']}: {check['fix']}")
+
+
+def print_rules() -> None:
+    """One block per rule: readable at any terminal width."""
+    from lightning_mgpu.callbacks._doctor_rules import table_rows
+
+    print("DistributedDoctor rules (DistributedDoctor(disable=['<id>', ...]) turns one off)\n")
+    for rule_id, catches, detection, cost, fix in table_rows():
+        print(f"{rule_id}\n  catches:  {catches}\n  detected: {detection}\n  cost:     {cost}\n  fix:      {fix}\n")
