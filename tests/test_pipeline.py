@@ -18,6 +18,8 @@ from lightning_mgpu._compat.torch import (
 from lightning_mgpu.placement import LayerCost, PlacementPlan, make_plan, profile_layers
 from bench.allocator import retain_freed_memory
 from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
+from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
+from lightning_mgpu.placement.worker import StageWorkers
 
 
 def _model(seed: int = 0, depth: int = 6, width: int = 24) -> tuple[nn.Module, nn.Sequential, nn.Module]:
@@ -261,6 +263,44 @@ def test_hook_and_batchnorm_checks_see_what_torch_keeps() -> None:
     # The fallback for a torch without _BatchNorm classifies the same way.
     assert all(isinstance(m, PUBLIC_BATCHNORM_TYPES) for m in norms)
     assert not isinstance(nn.LayerNorm(2), PUBLIC_BATCHNORM_TYPES)
+
+
+def test_fill_drain_is_each_stage_s_list_of_actions() -> None:
+    import doctest
+
+    from lightning_mgpu.placement import schedule as schedule_module
+
+    schedule = fill_drain(3, 4)
+    assert len(schedule) == 3
+    assert all([repr(a) for a in actions] == ["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0"] for actions in schedule)
+    assert phase(schedule, FORWARD) == [[Action(FORWARD, i) for i in range(4)]] * 3
+    assert phase(schedule, BACKWARD) == [[Action(BACKWARD, i) for i in (3, 2, 1, 0)]] * 3
+    result = doctest.testmod(schedule_module)
+    assert result.attempted >= 2 and result.failed == 0
+
+
+def test_one_executor_runs_any_order_of_actions() -> None:
+    """Values are addressed by (kind, micro-batch): a stage may take them in another order than they were sent."""
+    seen: list[tuple[int, Action]] = []
+
+    def program(j: int, actions: list[Action], receive, send) -> None:  # type: ignore[no-untyped-def]
+        for action in actions:
+            path = receive(action)
+            seen.append((j, action))
+            send(action, [*path, j])
+
+    workers = StageWorkers([torch.device("cpu")] * 3, lambda value, device: value)
+    try:
+        f0, f1, b0 = Action(FORWARD, 0), Action(FORWARD, 1), Action(BACKWARD, 0)
+        sink: list = [None, None]
+        workers.run([[f0, f1], [f1, f0], [f0, f1]], program, [["in0"], ["in1"]], sink)
+        assert sink == [["in0", 0, 1, 2], ["in1", 0, 1, 2]]
+        assert [action for j, action in seen if j == 1] == [f1, f0]
+        sink = [None]
+        workers.run([[b0]] * 3, program, [["grad"]], sink)  # a backward flows from the last stage to the first
+        assert sink == [["grad", 2, 1, 0]]
+    finally:
+        workers.close()
 
 
 def _two_stage(first: nn.Module, second: nn.Module, **kwargs) -> Pipeline:
