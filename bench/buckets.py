@@ -80,7 +80,9 @@ ROUNDS = 2
 RUN_STEPS = 500  # DDP's default and "auto": the run whose total time is compared
 SWEEP_STEPS = 60  # timed steps of every other fixed size
 WARMUP = 10  # untimed steps first (DDP rebuilds its buckets at the start of step 2)
-AFTER_TUNING = 4  # steps left out from the deciding one: it, DDP's first iteration and rebuild after the re-wrap, one more
+AFTER_TUNING = (
+    4  # steps left out from the deciding one: it, DDP's first iteration and rebuild after the re-wrap, one more
+)
 STEP_TIME_LIMIT = 1.05  # tuned / best fixed
 GAP = 0.10  # the sweep gap from which "auto" must beat DDP's default on total time
 QUICK = {"rounds": 1, "run_steps": 24, "sweep_steps": 3, "warmup": 2}
@@ -103,7 +105,7 @@ def make_cnn(num_classes: int = 10) -> nn.Module:
         *conv(128, 256), *conv(256, 512), nn.MaxPool2d(2),  # 2x2
         *conv(512, 512),
         nn.Flatten(), nn.Linear(512 * 2 * 2, 1024), nn.ReLU(), nn.Linear(1024, num_classes),
-    )  # fmt: skip
+    )  # fmt: skip  # one resolution per line, its size beside it
 
 
 def build(model_name: str) -> tuple[nn.Module, TensorDataset, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -168,9 +170,9 @@ def fit_once(model_name: str, bucket_cap_mb: Any, steps: int, args: argparse.Nam
         # Smoke run: tune in a few steps, whatever the run length (never for real figures).
         import dataclasses
 
-        assert strategy._tuner is not None
-        strategy._tuner.settings = dataclasses.replace(
-            strategy._tuner.settings, rounds=1, measure=1, settle=0, initial_warmup=0, min_run_multiple=1.0
+        assert strategy.tuner is not None
+        strategy.tuner.settings = dataclasses.replace(
+            strategy.tuner.settings, rounds=1, measure=1, settle=0, initial_warmup=0, min_run_multiple=1.0
         )
     timing: dict[str, Any] = {"step_ns": [], "status": [], "starts": []}
 
@@ -267,7 +269,13 @@ def round_plan(sizes: dict[str, list[dict[str, Any]]], round_index: int, args: a
         for config in configs[shift:] + configs[:shift]:
             long_run = config == "auto" or config == 25.0
             # DDP's default (25 MiB: same layout as bucket_cap_mb=None) and "auto" run the whole run.
-            plan.append([model_name, None if config == 25.0 else config, args.run_steps if long_run else args.warmup + args.sweep_steps])
+            plan.append(
+                [
+                    model_name,
+                    None if config == 25.0 else config,
+                    args.run_steps if long_run else args.warmup + args.sweep_steps,
+                ]
+            )
     return plan
 
 
@@ -278,7 +286,7 @@ def launch(plan: list[Any], args: argparse.Namespace, scratch: Path, label: str)
     worker_args = [
         "--worker-plan", str(plan_file), "--warmup", str(args.warmup), "--accelerator", args.accelerator,
         "--threads", str(args.threads), *(["--quick"] if args.quick else []),
-    ]  # fmt: skip
+    ]  # fmt: skip  # each option beside its value
     finished = launcher.launch(
         MODULE,
         worker_args,
@@ -383,7 +391,9 @@ def plot(models: list[dict[str, Any]], path: Path, run_steps: int) -> Path:
         totals = [entry["default"]["total_s"], entry["auto"]["total_s"]]
         bars = ax.bar(["DDP default", '"auto" (tuning included)'], totals, color=["tab:gray", "tab:red"])
         for bar, value in zip(bars, totals):
-            ax.annotate(f"{value:.1f} s", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                f"{value:.1f} s", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=9
+            )
         ratio = entry["targets"]["total_vs_default"]["ratio"]
         ax.set_title(f"{entry['model']}: {run_steps}-step fit, total time (auto/default {ratio:.3f})", fontsize=10)
         ax.set_ylabel("seconds")
@@ -438,14 +448,22 @@ def print_report(models: list[dict[str, Any]], out: Path, png: Path, elapsed: fl
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"launches, configurations rotated ({ROUNDS})")
-    parser.add_argument("--run-steps", type=int, default=RUN_STEPS, help=f'steps of DDP default and "auto" ({RUN_STEPS})')
-    parser.add_argument("--sweep-steps", type=int, default=SWEEP_STEPS, help=f"timed steps of other sizes ({SWEEP_STEPS})")
+    parser.add_argument(
+        "--run-steps", type=int, default=RUN_STEPS, help=f'steps of DDP default and "auto" ({RUN_STEPS})'
+    )
+    parser.add_argument(
+        "--sweep-steps", type=int, default=SWEEP_STEPS, help=f"timed steps of other sizes ({SWEEP_STEPS})"
+    )
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps first, >= 2 ({WARMUP})")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {MODELS}")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report (%(default)s); the PNG goes next to it")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="JSON report (%(default)s); the PNG goes next to it"
+    )
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl")
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per launch (2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (cores // nproc)")
@@ -464,7 +482,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.warmup < 2:
-        parser.error(f"argument --warmup: must be >= 2 (DDP rebuilds its buckets at the start of step 2), got {args.warmup}")
+        parser.error(
+            f"argument --warmup: must be >= 2 (DDP rebuilds its buckets at the start of step 2), got {args.warmup}"
+        )
     if args.run_steps <= args.warmup:
         parser.error(f"argument --run-steps: must exceed --warmup ({args.warmup}), got {args.run_steps}")
     return args
@@ -480,9 +500,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     for name in args.models:
         model, _, _ = build(name)
         layouts = ", ".join(f"{c['cap_mb']:g}" for c in sizes[name])
-        print(f"{name}: {count_parameters(model):,} parameters; {len(sizes[name])} distinct layouts on the grid ({layouts} MiB)")
+        print(
+            f"{name}: {count_parameters(model):,} parameters; {len(sizes[name])} distinct layouts on the grid ({layouts} MiB)"
+        )
     print(
-        f"{args.rounds} round(s); DDP default and \"auto\": {args.run_steps} steps; other sizes: {args.warmup} + "
+        f'{args.rounds} round(s); DDP default and "auto": {args.run_steps} steps; other sizes: {args.warmup} + '
         f"{args.sweep_steps} steps; {args.nproc} ranks on {args.accelerator}, {args.threads} thread(s) each\n"
     )
     runs: list[dict[str, Any]] = []

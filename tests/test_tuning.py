@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from lightning_mgpu import TunedDDPStrategy
-from lightning_mgpu.strategies.tuned_ddp import _carry_module_hooks
+from lightning_mgpu._compat.torch import carry_module_hooks as _carry_module_hooks
 from lightning_mgpu.tuning import decision, layout, plan, tuner
-from lightning_mgpu.tuning.powersgd import PowerSGDLayoutKeeper
+from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
 
 MIB = 1024 * 1024
 # The 8M MLP of bench/common.py (1024 -> 2048 -> 2048 -> 1024 -> 256), gradients in ready order.

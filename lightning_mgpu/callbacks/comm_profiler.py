@@ -72,6 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu.comm.bandwidth import bus_factor
+from lightning_mgpu.comm.hook_chain import CommHookHost
 from lightning_mgpu.comm.timing import (
     BucketInterval,
     BucketTimer,
@@ -82,7 +83,6 @@ from lightning_mgpu.comm.timing import (
     clock_for,
     step_breakdown,
 )
-from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 _GB = 1e9
 SETTLE_STEPS = 2
@@ -192,6 +192,7 @@ class CommProfiler(L.Callback):
         # per (layout, bucket index): (launch, done) in ms from the start of backward
         self._bucket_times: dict[tuple[int, int], deque[tuple[float, float]]] = {}
         self._bucket_params: dict[tuple[int, int], int] = {}
+        self._layout: tuple[int, ...] = ()
         self._timelines: list[StepTimeline] = []
         self._straggler_ms: deque[float] = deque(maxlen=self.history)
         self._forward_hook: Optional[torch.utils.hooks.RemovableHandle] = None
@@ -205,12 +206,9 @@ class CommProfiler(L.Callback):
         self._reset_run_state()
         strategy = trainer.strategy
         self._clock = clock_for(strategy.root_device)
-        if isinstance(strategy, TunedDDPStrategy):
+        if isinstance(strategy, CommHookHost):
             self._timer = BucketTimer(self._clock)
-            if strategy.compression in ("fp16", "bf16"):
-                self._timer.wire_ratio = 0.5
-            elif strategy.compression == "powersgd":
-                self._timer.wire_ratio = None
+            self._timer.wire_ratio = strategy.wire_ratio
             strategy.add_comm_hook_wrapper(self._timer.wrap, pausable=True)
             self._measures_comm = True
         else:
@@ -256,7 +254,7 @@ class CommProfiler(L.Callback):
     def _switch(self, trainer: L.Trainer, on: bool) -> None:
         """Put the profiler's hook into DDP or take it out (between steps, on every rank alike)."""
         strategy = trainer.strategy
-        if self._timer is None or not isinstance(strategy, TunedDDPStrategy):
+        if self._timer is None or not isinstance(strategy, CommHookHost):
             self._timing_on = on  # nothing to switch: step timings only
             return
         if not strategy.set_comm_hook_wrappers(on):
@@ -278,7 +276,8 @@ class CommProfiler(L.Callback):
         if self._wrapper is not None and self._wrapper() is not model and isinstance(model, torch.nn.Module):
             self._wrapper = weakref.ref(model)  # re-wrapped (by us or by bucket_cap_mb="auto")
             self._settle_left = SETTLE_STEPS
-        self._tuning = getattr(trainer.strategy, "tuning_status", None) in ("observing", "measuring")
+        strategy = trainer.strategy
+        self._tuning = isinstance(strategy, CommHookHost) and strategy.tuning_active
         self._marks = {}
         self._stamp("start")
         self._marks["start_ns"] = _host_ns()
@@ -456,7 +455,7 @@ class CommProfiler(L.Callback):
     def _local_buckets(self) -> list[dict[str, Any]]:
         """Medians per bucket of the layout in force at the end (DDP may rebuild once):
         launch and completion in ms from the start of backward, and duration."""
-        layout = getattr(self, "_layout", ())
+        layout = self._layout
         out = []
         for index, nbytes in enumerate(layout):
             key = (hash(layout), index)
@@ -571,7 +570,7 @@ def _host_ns() -> int:
 
 
 def _read_sweep_peak(path: Union[str, Path]) -> float:
-    from lightning_mgpu.comm.sweep import load_report
+    from lightning_mgpu.comm.allreduce_bench import load_report
 
     try:
         peak = float(load_report(path)["peak_busbw_gbps"])

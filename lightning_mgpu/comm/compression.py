@@ -11,12 +11,15 @@ registration and rejects them as strings; it also refuses any hook *named*
 """
 
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from lightning_mgpu._compat.torch import queue_autograd_callback
 
 COMPRESSIONS = (None, "fp16", "bf16", "powersgd")
 
@@ -91,12 +94,14 @@ class PrescaledAllreduce:
     ``loss.backward()``) is detected, and its buckets are divided as usual: the result is
     the average either way.
 
+    The instance itself is the hook (``register_comm_hook(state=None, hook=prescaler)``).
     With gradient accumulation every backward of the window must go through the strategy
     (Lightning's own ``backward`` / ``manual_backward``, which DDP needs anyway).
     """
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.__name__ = self.__qualname__ = "averaging_allreduce"  # DDP logs a hook's name
         self._prescaled = False  # True during a backward that started from a prescaled loss
         self.on_done: Optional[Callable[[int], None]] = None
         """Called with the bucket index when its all-reduce completed (before DDP sees it)."""
@@ -104,11 +109,10 @@ class PrescaledAllreduce:
     def prescale(self, loss: torch.Tensor) -> None:
         if self.world_size == 1 or not loss.requires_grad:
             return
-        engine = torch.autograd.Variable._execution_engine
 
         def scale_root(grad: torch.Tensor) -> torch.Tensor:
             self._prescaled = True
-            engine.queue_callback(self._end_of_backward)
+            queue_autograd_callback(self._end_of_backward)
             return grad / self.world_size
 
         loss.register_hook(scale_root)
@@ -116,7 +120,17 @@ class PrescaledAllreduce:
     def _end_of_backward(self) -> None:
         self._prescaled = False
 
-    def averaging_allreduce(
+    @contextmanager
+    def prescaled_backward(self) -> Iterator[None]:
+        """Treat buckets launched inside as coming from a prescaled loss (e.g. a pipeline's stage
+        backward run after ``loss.backward()`` of a prescaled loss)."""
+        self._prescaled = True
+        try:
+            yield
+        finally:
+            self._prescaled = False
+
+    def __call__(
         self, process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         """The DDP communication hook: sum the bucket, dividing it first only if needed."""

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_mgpu._compat.torch import queue_autograd_callback
 from lightning_mgpu.comm.compression import PrescaledAllreduce
 
 Stamp = Union[int, "torch.cuda.Event"]
@@ -200,7 +201,7 @@ class BucketTimer:
     def __init__(self, clock: Clock, queue_callback: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
         self.clock = clock
         # autograd's "run this when the backward graph is done"; injectable for tests
-        self._queue_callback = queue_callback or torch.autograd.Variable._execution_engine.queue_callback
+        self._queue_callback = queue_callback or queue_autograd_callback
         self.wire_ratio: Optional[float] = 1.0
         self.compute_end: Optional[Stamp] = None
         self._launches: list[tuple[int, int, int, Stamp]] = []
@@ -208,33 +209,31 @@ class BucketTimer:
         self._num_params: dict[tuple[int, int], int] = {}
 
     def wrap(self, hook: CommHook) -> CommHook:
-        timer = self
         # Our own averaging all-reduce reports completion from the callback it already has:
         # one future per bucket instead of two.
-        owner = getattr(hook, "__self__", None)
-        fused = isinstance(owner, PrescaledAllreduce)
+        fused = isinstance(hook, PrescaledAllreduce)
         if fused:
-            owner.on_done = lambda index: timer._dones.append((index, timer.clock.stamp()))
+            hook.on_done = lambda index: self._dones.append((index, self.clock.stamp()))
 
         def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             index = bucket.index()
             buffer = bucket.buffer()
             nbytes = buffer.numel() * buffer.element_size()
             key = (index, nbytes)
-            if key not in timer._num_params:
-                timer._num_params[key] = len(bucket.parameters())
-            if not timer._launches:
+            if key not in self._num_params:
+                self._num_params[key] = len(bucket.parameters())
+            if not self._launches:
                 # Runs when autograd has finished the whole backward graph, before DDP's own
                 # finalize callback (queued after the last bucket): DDP's "compute end".
-                timer._queue_callback(timer._mark_compute_end)
-            launch = timer.clock.stamp()
+                self._queue_callback(self._mark_compute_end)
+            launch = self.clock.stamp()
             future = hook(state, bucket)
 
             def on_done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-                timer._dones.append((index, timer.clock.stamp()))  # gloo's thread: one stamp, one append
+                self._dones.append((index, self.clock.stamp()))  # gloo's thread: one stamp, one append
                 return fut.value()
 
-            timer._launches.append((index, nbytes, timer._num_params[key], launch))
+            self._launches.append((index, nbytes, self._num_params[key], launch))
             if fused:
                 return future
             # ``then``, not ``add_done_callback``: DDP waits on the returned future, so the

@@ -45,14 +45,19 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, make_plan
 from lightning_mgpu.placement.profile import LayerCost, profile_layers
+from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 __all__ = ["HybridParallelStrategy"]
+
+# Every batch-norm flavour (1d/2d/3d, lazy, SyncBatchNorm): they normalise over the batch.
+_BATCHNORM_TYPES = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, nn.SyncBatchNorm,
+)  # fmt: skip  (one tuple, kept compact)
 
 _StrategyRegistry = type(StrategyRegistry)
 
@@ -199,13 +204,13 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 "devices_per_replica."
             )
 
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         self._check_device_count()
-        super()._configure_launcher()
+        super().configure_launcher()
 
-    def _process_group_device(self) -> Optional[torch.device]:
+    def process_group_device(self) -> Optional[torch.device]:
         # NCCL bound to the first GPU would refuse the buckets of the replica's other GPUs.
-        return None if self._devices_per_replica > 1 else super()._process_group_device()
+        return None if self._devices_per_replica > 1 else super().process_group_device()
 
     def determine_ddp_device_ids(self) -> Optional[list[int]]:
         return None  # the module spans several devices: DDP must not be given device_ids
@@ -226,7 +231,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
         inside = {id(m) for m in seq.modules()}
         for sub in module.modules():
             if id(sub) not in inside:
-                sub._apply(lambda t: t.to(self.root_device), recurse=False)
+                apply_to_own_tensors(sub, lambda t: t.to(self.root_device))
         plan = self._make_plan(module, name, seq)
         self._plan = plan
         stages, start = [], 0
@@ -269,8 +274,8 @@ class HybridParallelStrategy(TunedDDPStrategy):
             )
         return candidates[0]
 
-    def _check_model(self, model: Any) -> None:
-        super()._check_model(model)
+    def check_model(self, model: Any) -> None:
+        super().check_model(model)
         if self._devices_per_replica == 1 and self._microbatches == 1:
             return  # plain ddp_tuned
         name, seq = self._find_split_module(model)
@@ -308,7 +313,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's stage threads, in an order "
                 "that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
             )
-        has_bn = any(isinstance(m, _BatchNorm) for m in seq.modules())
+        has_bn = any(isinstance(m, _BATCHNORM_TYPES) for m in seq.modules())
         if warn and has_bn and (self._microbatches > 1 or self._checkpoint != "never"):
             updates = self._microbatches * (2 if self._checkpoint != "never" else 1)
             rank_zero_warn(
@@ -395,15 +400,12 @@ class HybridParallelStrategy(TunedDDPStrategy):
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         # The loss was divided by the world size for the whole backward (CommProfiler's
         # prescaled all-reduce): buckets launched by the stages' backward must not divide again.
-        prescaler = self._prescaler
-        prescaled = prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad
-        if prescaled:
-            prescaler._prescaled = True
-        try:
+        prescaler = self.prescaler
+        if prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad:
+            with prescaler.prescaled_backward():
+                self._pipeline.backward()
+        else:
             self._pipeline.backward()
-        finally:
-            if prescaled:
-                prescaler._prescaled = False
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -498,13 +500,9 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
-        return type(value)((k, _to_device(v, device)) for k, v in value.items()) if not hasattr(value, "_metadata") else _keep_metadata(value, device)
+        out = type(value)((k, _to_device(v, device)) for k, v in value.items())
+        copy_state_dict_metadata(value, out)  # state_dict versions (e.g. BatchNorm's) survive the copy
+        return out
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     return value
-
-
-def _keep_metadata(state: Any, device: torch.device) -> Any:
-    out = type(state)((k, _to_device(v, device)) for k, v in state.items())
-    out._metadata = state._metadata  # state_dict versions (e.g. BatchNorm's) survive the copy
-    return out

@@ -1,6 +1,6 @@
 """``TunedDDPStrategy``: Lightning's DDP with explicit gradient buckets and compression hooks.
 
-Three things stock ``DDPStrategy`` does not do:
+Things stock ``DDPStrategy`` does not do:
 
 * **Buckets you can size without losing the first one.** torch's DDP keeps a small
   1 MiB first bucket (the last layers' gradients, ready first, so communication starts
@@ -16,44 +16,62 @@ Three things stock ``DDPStrategy`` does not do:
   (:mod:`lightning_mgpu.tuning`); the model is re-wrapped in DDP between optimizer steps,
   its communication hooks (compression, ``CommProfiler``'s timer) and PowerSGD's memory
   carried over.
+
+This class composes the pieces, each in its own module: argument checks and bucket caps
+(``ddp_options``), the bucket layout (``ddp_layout``), launchers (``launchers``), the
+rendezvous (``process_group``), the communication-hook chain (``comm.hook_chain``),
+re-wrapping (``rewrap``), checkpoint state (``checkpoint_state``) and failure notes
+(``_failures``).
 """
 
 from __future__ import annotations
 
-import atexit
 import gc
-import inspect
-import logging
 import math
 import sys
 import warnings
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mgpu.comm.compression import COMPRESSIONS, PrescaledAllreduce, resolve_compression
+from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType, in_accumulation_window
+from lightning_mgpu._checks import check_int
+from lightning_mgpu.comm import powersgd_memory
+from lightning_mgpu.comm.compression import COMPRESSIONS, resolve_compression
+from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
 from lightning_mgpu.strategies import _failures
-from lightning_mgpu.strategies._rendezvous import rendezvous_store
-from lightning_mgpu.tuning import powersgd as powersgd_memory
+from lightning_mgpu.strategies.checkpoint_state import (
+    CHECKPOINT_KEY,
+    gather_powersgd_state,
+    restore_powersgd_state,
+    restore_tuned_size,
+)
+from lightning_mgpu.strategies.ddp_layout import BucketInfo, read_bucket_layout, reducer_named_params
+from lightning_mgpu.strategies.ddp_options import (
+    DDP_DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_FIRST_BUCKET_CAP_MB,
+    MIB,
+    START_METHODS,
+    SUPPORTS_INIT_SYNC,
+    bucket_kwargs,
+    check_backend,
+    check_ddp_kwargs,
+    check_size_mb,
+    first_cap_for,
+)
+from lightning_mgpu.strategies.launchers import checked_launcher
+from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous_store
+from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
 from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
 from lightning_mgpu.tuning.plan import TuningSettings
 from lightning_mgpu.tuning.tuner import DONE, FINAL_STATES, RESUMED, WAITING, BucketTuner, LocalComm, TorchComm, host_clock
@@ -61,105 +79,16 @@ from lightning_mgpu.tuning.tuner import DONE, FINAL_STATES, RESUMED, WAITING, Bu
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-log = logging.getLogger(__name__)
-
-CHECKPOINT_KEY = "lightning_mgpu"
-"""Top-level checkpoint key under which the package stores its own state."""
-
-_MIB = 1024 * 1024
-_MAX_SIZE_MB = float(2**40)
-"""Largest bucket size accepted, in MiB (1 EiB): DDP counts bucket bytes in 64-bit integers."""
-DDP_DEFAULT_BUCKET_CAP_MB = float(getattr(torch.nn.parallel.distributed, "_DEFAULT_BUCKET_CAP_MB", 25))
-"""torch's default bucket size, used when ``bucket_cap_mb`` is None."""
-DEFAULT_FIRST_BUCKET_CAP_MB = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / _MIB
-"""torch's first-bucket size (1 MiB), kept by this strategy whatever ``bucket_cap_mb`` is."""
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
-_SUPPORTS_BUCKET_LIST = "bucket_cap_mb_list" in _DDP_PARAMETERS
-# Set by the strategy itself, or by Lightning; never accepted from the user.
-_RESERVED_DDP_KWARGS = {
-    "module": "the strategy wraps your LightningModule itself",
-    "device_ids": "the strategy picks the device of each process",
-    "output_device": "the strategy picks the device of each process",
-    "bucket_cap_mb_list": "use bucket_cap_mb= and first_bucket_cap_mb= instead",
-}
-_BOOL_DDP_KWARGS = (
-    "broadcast_buffers",
-    "find_unused_parameters",
-    "gradient_as_bucket_view",
-    "static_graph",
-    "init_sync",
-    "skip_all_reduce_unused_params",
-    "batched_grad_copy",
-)
+__all__ = [
+    "CHECKPOINT_KEY",
+    "DDP_DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_FIRST_BUCKET_CAP_MB",
+    "BucketInfo",
+    "TunedDDPStrategy",
+]
 
 
-@dataclass(frozen=True)
-class BucketInfo:
-    """One gradient bucket as DDP built it (after its rebuild on the first iteration)."""
-
-    index: int
-    """Position in launch order: bucket 0 holds the gradients that are ready first."""
-    bytes: int
-    """Size of the bucket's flat gradient buffer in bytes."""
-    num_params: int
-    param_names: tuple[str, ...]
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[float]:
-    allowed = "a positive number of MiB, 'auto' or None" if auto else "a positive number of MiB or None"
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
-    if not value > _MAX_SIZE_MB and (not math.isfinite(value) or value <= 0):  # (a huge int has no float)
-        raise ValueError(f"{name} must be {allowed.replace('a positive', 'a positive, finite')}, got {value!r}")
-    if value > _MAX_SIZE_MB:
-        raise ValueError(
-            f"{name} must be at most {_MAX_SIZE_MB:.0f} MiB (1 EiB; DDP counts bucket bytes in 64-bit integers), "
-            f"got {value!r:.40}"
-        )
-    return float(value)
-
-
-def _check_int(name: str, value: object, minimum: int, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{why}, got {value!r}")
-    return value
-
-
-def _check_backend(value: object) -> None:
-    if value is None:
-        return
-    allowed = "a torch.distributed backend name such as 'gloo' or 'nccl' (or None: nccl on GPUs, gloo on CPU)"
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"process_group_backend must be {allowed}, got {value!r}")
-    known = {str(name) for name in getattr(torch.distributed.Backend, "backend_list", ())} - {"undefined"}
-    # "cpu:gloo,cuda:nccl" names one backend per device type
-    unknown = [part.split(":", 1)[-1] for part in value.lower().split(",") if part.split(":", 1)[-1] not in known]
-    if known and unknown:
-        raise ValueError(f"process_group_backend must be {allowed}; {unknown[0]!r} is not one of {sorted(known)}")
-
-
-def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    for key, value in kwargs.items():
-        if key in _RESERVED_DDP_KWARGS:
-            raise ValueError(f"TunedDDPStrategy does not accept {key}={value!r}: {_RESERVED_DDP_KWARGS[key]}.")
-        if key not in _DDP_PARAMETERS:
-            allowed = ", ".join(sorted(_DDP_PARAMETERS - set(_RESERVED_DDP_KWARGS) - {"bucket_cap_mb"}))
-            raise ValueError(
-                f"TunedDDPStrategy got an unknown keyword argument {key}={value!r}. Keyword arguments not named by "
-                f"the strategy go to DistributedDataParallel, which accepts: {allowed}."
-            )
-        if key in _BOOL_DDP_KWARGS and not isinstance(value, bool):
-            raise ValueError(f"{key} must be True or False, got {value!r} ({type(value).__name__})")
-
-
-class TunedDDPStrategy(DDPStrategy):
+class TunedDDPStrategy(DDPStrategyBase):
     """DDP with sized gradient buckets and gradient compression on every backend.
 
     Args:
@@ -228,8 +157,8 @@ class TunedDDPStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         ddp_comm_state: Optional[object] = None,
-        ddp_comm_hook: Optional[Callable] = None,
-        ddp_comm_wrapper: Optional[Callable] = None,
+        ddp_comm_hook: Optional[Callable[..., Any]] = None,
+        ddp_comm_wrapper: Optional[Callable[..., Any]] = None,
         model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -240,8 +169,8 @@ class TunedDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         self._auto = isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto"
-        self._bucket_cap_mb = None if self._auto else _check_size_mb("bucket_cap_mb", bucket_cap_mb, auto=True)
-        self._first_bucket_cap_mb = _check_size_mb("first_bucket_cap_mb", first_bucket_cap_mb)
+        self._bucket_cap_mb = None if self._auto else check_size_mb("bucket_cap_mb", bucket_cap_mb, auto=True)
+        self._first_bucket_cap_mb = check_size_mb("first_bucket_cap_mb", first_bucket_cap_mb)
         self._tuner: Optional[BucketTuner] = None
         if self._auto:
             settings = TuningSettings(
@@ -275,21 +204,21 @@ class TunedDDPStrategy(DDPStrategy):
                 "ddp_comm_hook=/ddp_comm_wrapper=, not both."
             )
         self._compression = compression
-        self._powersgd_rank = _check_int("powersgd_rank", powersgd_rank, 1)
-        self._powersgd_start_iter = _check_int(
-            "powersgd_start_iter", powersgd_start_iter, 2, " (DDP rebuilds its buckets during the first step)"
+        self._powersgd_rank = check_int("powersgd_rank", powersgd_rank, minimum=1)
+        self._powersgd_start_iter = check_int(
+            "powersgd_start_iter", powersgd_start_iter, minimum=2, why=" (DDP rebuilds its buckets during the first step)"
         )
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
-        _check_backend(process_group_backend)
+        check_backend(process_group_backend)
         for name, hook in (("ddp_comm_hook", ddp_comm_hook), ("ddp_comm_wrapper", ddp_comm_wrapper)):
             if hook is not None and not callable(hook):
                 raise ValueError(f"{name} must be a callable (a DDP communication hook) or None, got {hook!r}")
         if model_averaging_period is not None:
-            _check_int("model_averaging_period", model_averaging_period, 1)
-        _check_ddp_kwargs(kwargs)
+            check_int("model_averaging_period", model_averaging_period, minimum=1)
+        check_ddp_kwargs(kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -306,12 +235,8 @@ class TunedDDPStrategy(DDPStrategy):
             **kwargs,
         )
         self._wire_dtype: Optional[torch.dtype] = None
-        self._comm_hook_wrappers: list[tuple[Callable[[Callable], Callable], bool]] = []  # (wrapper, pausable)
-        self._comm_hook_wrappers_on = True
-        self._prescaler: Optional[PrescaledAllreduce] = None
-        self._powersgd_keeper: Optional[powersgd_memory.PowerSGDLayoutKeeper] = None
+        self._hooks = HookChain()
         self._pending_powersgd: Optional[dict[str, Any]] = None
-        self._extra_ddp_kwargs: dict[str, Any] = {}
         self._at_step_boundary = True
         self.rewraps: list[dict[str, Any]] = []
         """Every re-wrap of this fit (``bucket_cap_mb="auto"``): global step, batch, new size."""
@@ -332,10 +257,7 @@ class TunedDDPStrategy(DDPStrategy):
         return self._first_cap_for(self.bucket_cap_mb)
 
     def _first_cap_for(self, bucket_cap_mb: float) -> float:
-        first = self._first_bucket_cap_mb if self._first_bucket_cap_mb is not None else DEFAULT_FIRST_BUCKET_CAP_MB
-        if not _SUPPORTS_BUCKET_LIST and not (self._bucket_cap_mb is None and self._first_bucket_cap_mb is None):
-            return bucket_cap_mb  # old torch: one size for every bucket (see _bucket_kwargs)
-        return min(first, bucket_cap_mb)
+        return first_cap_for(bucket_cap_mb, given_cap=self._bucket_cap_mb, given_first=self._first_bucket_cap_mb)
 
     @property
     def auto(self) -> bool:
@@ -343,11 +265,21 @@ class TunedDDPStrategy(DDPStrategy):
         return self._auto
 
     @property
+    def tuner(self) -> Optional[BucketTuner]:
+        """With ``"auto"``: the search's state machine (``lightning-mgpu tune`` adjusts its settings)."""
+        return self._tuner
+
+    @property
     def tuning_status(self) -> Optional[str]:
         """With ``"auto"``: ``"waiting"``, ``"observing"``, ``"measuring"``, then ``"done"``,
         ``"skipped"`` (DDP's default kept), ``"resumed"`` (size from a checkpoint) or
         ``"unfinished"`` (the fit ended first); None otherwise. Cheap: read it every step."""
         return None if self._tuner is None else self._tuner.status
+
+    @property
+    def tuning_active(self) -> bool:
+        """True while ``bucket_cap_mb="auto"`` measures candidates."""
+        return self._tuner is not None and self._tuner.active
 
     @property
     def tuning(self) -> Optional[dict[str, Any]]:
@@ -365,66 +297,61 @@ class TunedDDPStrategy(DDPStrategy):
         return self._wire_dtype
 
     @property
+    def wire_ratio(self) -> Optional[float]:
+        """Bytes on the wire per byte of gradient: 0.5 for fp16/bf16, None for PowerSGD (not a fixed
+        ratio), else 1.0 (a plain all-reduce; assumed for a user's own ``ddp_comm_hook`` too)."""
+        if self._compression in ("fp16", "bf16"):
+            return 0.5
+        return None if self._compression == "powersgd" else 1.0
+
+    @property
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments given to ``DistributedDataParallel``, bucket sizes included."""
-        return {**self._ddp_kwargs, **self._bucket_kwargs()}
+        return {**self.user_ddp_kwargs, **self._bucket_kwargs()}
 
     @property
     def bucket_layout(self) -> Optional[list[BucketInfo]]:
-        """Gradient buckets as DDP built them, in launch order; None until DDP recorded them.
+        """Gradient buckets as DDP built them, in launch order; None until DDP recorded them
+        (from the third training step on), and after fit."""
+        return read_bucket_layout(self.model)
 
-        DDP rebuilds its buckets once, at the start of the second training step, from
-        the order in which gradients became ready during the first; it records the
-        rebuilt layout in its logging data during the third step. This reads that record
-        (without allocating any gradient-sized buffer), so it is available from the third
-        step on, and after fit.
-        """
-        model = self.model
-        if not isinstance(model, DistributedDataParallel):
-            return None
-        data = model._get_ddp_logging_data()
-        if not data.get("has_rebuilt_buckets"):
-            return None
-        sizes = [int(s) for s in str(data["rebuilt_bucket_sizes"]).split(",")]
-        indices = [[int(i) for i in group.split()] for group in str(data["rebuilt_per_bucket_param_indices"]).split(",")]
-        names = _reducer_param_names(model)
-        return [
-            BucketInfo(index=b, bytes=size, num_params=len(idx), param_names=tuple(names[i] for i in idx))
-            for b, (size, idx) in enumerate(zip(sizes, indices, strict=True))
-        ]
+    @property
+    def powersgd_keeper(self) -> Optional[powersgd_memory.PowerSGDLayoutKeeper]:
+        """With ``compression="powersgd"``: the keeper of PowerSGD's memory (None before DDP is set up)."""
+        return self._hooks.powersgd_keeper
+
+    @property
+    def prescaler(self) -> Any:
+        """The prescaled all-reduce in use (a wrapper asked for a Python hook and nothing else did), or None."""
+        return self._hooks.prescaler
 
     # ------------------------------------------------------------------ setup lifecycle
 
     def _bucket_kwargs(self) -> dict[str, Any]:
-        if self._bucket_cap_mb is None and self._first_bucket_cap_mb is None:
-            return {}  # DDP's own default: 1 MiB first bucket, then 25 MiB (also "auto" before it decides)
-        if not _SUPPORTS_BUCKET_LIST:
-            warnings.warn(
-                f"torch {torch.__version__} cannot size the first bucket separately; every bucket, the first "
-                f"included, will be {self.bucket_cap_mb:g} MiB. Upgrade to torch >= 2.13 to keep a small first bucket.",
-                stacklevel=2,
-            )
-            return {"bucket_cap_mb": self.bucket_cap_mb}
-        # DDP fills bucket 0 up to the first cap, every later one up to the last cap.
-        return {"bucket_cap_mb_list": [self.first_bucket_cap_mb, self.bucket_cap_mb]}
+        return bucket_kwargs(cap=self._bucket_cap_mb, given_first=self._first_bucket_cap_mb)
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        launcher = self._launcher
-        if type(launcher) is _MultiProcessingLauncher:  # spawn / fork: bring the tuned size home
-            self._launcher = _TunedMultiProcessingLauncher(self, start_method=self._start_method)
-        elif type(launcher) is _SubprocessScriptLauncher:  # `python train.py`: check the model before starting ranks
-            self._launcher = _CheckedSubprocessScriptLauncher(
-                self, launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
-            )
+    def configure_launcher(self) -> None:
+        super().configure_launcher()
+        self.set_launcher(checked_launcher(self, self.launcher))
 
-    def _check_model(self, model: "pl.LightningModule") -> None:
+    def check_model(self, model: "pl.LightningModule") -> None:
         """Checks of the arguments that need the LightningModule. Lightning's own launchers run them in
         the launching process before they start the other ranks, so that a mistake is one clear error
         rather than one traceback per rank (each rank checks again at setup). Subclasses extend it."""
 
-    def _process_group_device(self) -> Optional[torch.device]:
+    def launcher_results(self) -> Optional[dict[str, Any]]:
+        """After a spawn: the tuned size, for the launching process."""
+        if self._tuner is None:
+            return None
+        return {"bucket_cap_mb": self._bucket_cap_mb, "tuning": self._tuner.record()}
+
+    def adopt_launcher_results(self, results: dict[str, Any]) -> None:
+        if self._tuner is not None:
+            self._bucket_cap_mb = results["bucket_cap_mb"]
+            self._tuner.adopt(results["tuning"])
+
+    def process_group_device(self) -> Optional[torch.device]:
         """The device NCCL binds its communicator to (``init_process_group(device_id=...)``); None on CPU.
         A strategy whose process spans several GPUs returns None: a bound NCCL group refuses
         collectives on any other device."""
@@ -433,44 +360,50 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         # DDPStrategy.setup_distributed, with a rendezvous that listens on the loopback interface
-        # only when every rank runs on this machine, and survives torchrun's restarts
-        # (strategies/_rendezvous.py).
+        # only when every rank runs on this machine, and survives torchrun's restarts (process_group.py).
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        kwargs["device_id"] = self._process_group_device()
+        kwargs: dict[str, Any] = {"device_id": self.process_group_device()}
         store = rendezvous_store(
-            self.cluster_environment, self.global_rank, self.world_size, self._timeout, self._process_group_backend
+            self.cluster_environment, self.global_rank, self.world_size, self.collective_timeout, self.resolved_backend()
         )
         if store is not None:
             kwargs["store"] = store
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self.init_process_group(**kwargs)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        _destroy_process_group_at_exit()
+        destroy_process_group_at_exit()
 
-    @override
-    def _setup_model(self, model: Module) -> DistributedDataParallel:
-        with _temporarily(self, "_ddp_kwargs", {**self.ddp_kwargs, **self._extra_ddp_kwargs}):
-            return super()._setup_model(model)
+    def wrap_model(self, model: Module, **extra: Any) -> DistributedDataParallel:
+        """``model`` in a new ``DistributedDataParallel`` with this strategy's options (and ``extra``)."""
+        device_ids = self.determine_ddp_device_ids()
+        kwargs = {**self.ddp_kwargs, **extra}
+        if device_ids is None:
+            return DistributedDataParallel(module=model, device_ids=None, **kwargs)
+        with torch.cuda.stream(torch.cuda.Stream()):  # see torch's notes on CUDA streams and DDP
+            return DistributedDataParallel(module=model, device_ids=device_ids, **kwargs)
 
     @override
     def configure_ddp(self) -> None:
         spec = resolve_compression(
             self._compression,
-            backend=self._get_process_group_backend(),
+            backend=self.resolved_backend(),
             powersgd_rank=self._powersgd_rank,
             powersgd_start_iter=self._powersgd_start_iter,
         )
         if spec is not None:
-            self._ddp_comm_hook, self._ddp_comm_state, self._wire_dtype = spec.hook, spec.state, spec.wire_dtype
-        super().configure_ddp()
+            self.set_comm_hook(spec.hook, spec.state)
+            self._wire_dtype = spec.wire_dtype
+        assert self.model is not None
+        self.model = self.wrap_model(self.model)
+        self.register_comm_hooks()
 
-    def add_comm_hook_wrapper(self, wrapper: Callable[[Callable], Callable], *, pausable: bool = False) -> None:
+    # ------------------------------------------------------------------ the communication hook (CommHookHost)
+
+    def add_comm_hook_wrapper(self, wrapper: CommHookWrapper, *, pausable: bool = False) -> None:
         """Wrap the communication hook DDP will use (the compression hook, or plain
         all-reduce) with ``wrapper(hook) -> hook``; e.g. ``CommProfiler`` times buckets so.
 
@@ -484,24 +417,20 @@ class TunedDDPStrategy(DDPStrategy):
                 "add_comm_hook_wrapper() was called after DDP registered its communication hook; "
                 "call it from a callback's setup() hook, before training starts."
             )
-        self._comm_hook_wrappers.append((wrapper, pausable))
+        self._hooks.add(wrapper, pausable=pausable)
 
     @property
     def has_own_comm_hook(self) -> bool:
         """True when DDP runs a Python communication hook whatever the pausable wrappers
         (compression, ``ddp_comm_hook``, ``ddp_comm_wrapper``, a wrapper that is not pausable);
         False when without them it would use its built-in C++ all-reduce."""
-        return (
-            self._compression is not None  # its hook is set when DDP is configured
-            or self._ddp_comm_hook is not None
-            or self._ddp_comm_wrapper is not None
-            or any(not pausable for _, pausable in self._comm_hook_wrappers)
-        )
+        base = self.comm_hook if self._compression is None else True  # compression's hook is set at configure_ddp
+        return self._hooks.needs_python_hook(base_hook=base, user_wrapper=self.comm_wrapper)
 
     @property
     def comm_hook_wrappers_on(self) -> bool:
         """Whether the pausable wrappers (:meth:`add_comm_hook_wrapper`) are switched on."""
-        return self._comm_hook_wrappers_on
+        return self._hooks.wrappers_on
 
     def set_comm_hook_wrappers(self, on: bool) -> bool:
         """Switch the pausable wrappers added by :meth:`add_comm_hook_wrapper` on or off, between
@@ -517,73 +446,40 @@ class TunedDDPStrategy(DDPStrategy):
         every candidate is timed with the same hook, and when this torch's DDP cannot be built
         without broadcasting the weights again (no ``init_sync``).
         """
-        if on == self._comm_hook_wrappers_on:
+        if on == self._hooks.wrappers_on:
             return True
-        if self._tuner is not None and self._tuner.active:
+        if self.tuning_active:
             return False
-        pausable = any(p for _, p in self._comm_hook_wrappers)
-        rewrap = pausable and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel)
-        if rewrap and "init_sync" not in _DDP_PARAMETERS:
+        rewrap = self._hooks.has_pausable and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel)
+        if rewrap and not SUPPORTS_INIT_SYNC:
             return False
-        self._comm_hook_wrappers_on = on
+        self._hooks.wrappers_on = on
         if rewrap:
             self._rewrap_ddp()
         return True
 
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; DDP supports them on every backend.
-        hook, state = self._ddp_comm_hook, self._ddp_comm_state
-        # Pausable wrappers leave DDP only when that gives back the built-in all-reduce;
-        # under a Python hook that stays anyway, they are gated instead (see _gated).
-        keep_all = self._comm_hook_wrappers_on or self.has_own_comm_hook
-        wrappers = [(wrapper, pausable) for wrapper, pausable in self._comm_hook_wrappers if keep_all or not pausable]
-        self._prescaler = None
-        if hook is None and self._ddp_comm_wrapper is None and not wrappers:
-            return  # DDP's built-in C++ all-reduce: the fastest path
-        assert isinstance(self.model, DistributedDataParallel)
-        if hook is None and self._ddp_comm_wrapper is None:
-            # A Python hook only because a wrapper (e.g. CommProfiler) asked for one: keep
-            # DDP's averaging all-reduce, with the 1/n on the loss (see pre_backward).
-            self._prescaler = PrescaledAllreduce(self.world_size)
-            hook, state = self._prescaler.averaging_allreduce, None
-        elif hook is None:
-            hook, state = default_hooks.allreduce_hook, None
-        hook_is_powersgd = hook in (powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
-        if hook is powerSGD_hook.powerSGD_hook and powersgd_memory.supports(state):
-            # PowerSGD's memory is kept per bucket number: remap it when the layout changes
-            # (DDP's rebuild, a re-wrap by "auto", a resume). Innermost: it must see the
-            # buckets exactly as PowerSGD does.
-            if self._powersgd_keeper is None or self._powersgd_keeper.state is not state:
-                self._powersgd_keeper = powersgd_memory.PowerSGDLayoutKeeper(state, _reducer_named_params(self.model))
-                self._restore_powersgd()
-            hook = self._powersgd_keeper.wrap(hook)
-        if hook_is_powersgd and self._get_process_group_backend() == "gloo":
-            hook = powersgd_memory.one_bucket_at_a_time(hook)
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        gate = self.has_own_comm_hook  # otherwise pausing re-wraps DDP: no gate on the hot path
-        for wrapper, pausable in wrappers:
-            hook = self._gated(wrapper, hook) if pausable and gate else wrapper(hook)
-        self.model.register_comm_hook(state=state, hook=hook)
-
-    def _gated(self, wrapper: Callable[[Callable], Callable], hook: Callable) -> Callable:
-        """``wrapper(hook)`` while the pausable wrappers are on, ``hook`` itself while they are off."""
-        wrapped = wrapper(hook)
-        strategy = self
-
-        # No annotations: this module's are strings, and DDP rejects a hook annotated so.
-        def gate(state, bucket):  # type: ignore[no-untyped-def]
-            return (wrapped if strategy._comm_hook_wrappers_on else hook)(state, bucket)
-
-        gate.__name__ = gate.__qualname__ = getattr(wrapped, "__name__", "hook")  # DDP logs the hook's name
-        return gate
+    def register_comm_hooks(self) -> None:
+        """Register the hook chain on the DDP wrapper (Lightning does so on CUDA only; DDP supports every backend)."""
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        built = self._hooks.build(
+            hook=self.comm_hook,
+            state=self.comm_state,
+            user_wrapper=self.comm_wrapper,
+            world_size=self.world_size,
+            backend=self.resolved_backend(),
+            named_parameters=lambda: reducer_named_params(model),
+            on_new_powersgd_keeper=lambda keeper: self._restore_powersgd(),
+            python_hook_anyway=self.has_own_comm_hook,
+        )
+        if built is not None:
+            hook, state = built
+            model.register_comm_hook(state=state, hook=hook)
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
-        if self._prescaler is not None:
-            self._prescaler.prescale(closure_loss)
+        self._hooks.prescale(closure_loss)
 
     # ------------------------------------------------------------------ bucket-size tuning
 
@@ -607,7 +503,7 @@ class TunedDDPStrategy(DDPStrategy):
         elif not module.automatic_optimization:
             tuner.skip("manual optimization: the strategy cannot tell where an optimizer step ends")
         else:
-            tuner.begin([param for _, param in _reducer_named_params(self.model)], remaining_steps=self._steps_left())
+            tuner.begin([param for _, param in reducer_named_params(self.model)], remaining_steps=self._steps_left())
         if tuner.status in FINAL_STATES:
             rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
 
@@ -678,18 +574,14 @@ class TunedDDPStrategy(DDPStrategy):
         """Replace the DDP wrapper by a new one built from the current settings, hooks carried over."""
         module = self.lightning_module
         assert module is not None
-        epoch_loop = module.trainer.fit_loop.epoch_loop
-        if epoch_loop._should_accumulate():  # callers re-wrap after an optimizer step; never risk it
+        if in_accumulation_window(module.trainer):  # callers re-wrap after an optimizer step; never risk it
             raise RuntimeError(
                 f"{type(self).__name__}: refusing to re-wrap the model inside a gradient-accumulation window "
                 f"(global step {module.trainer.global_step}); please report this."
             )
         old = self.model
         assert isinstance(old, DistributedDataParallel)
-        remove_hooks = getattr(old.reducer, "_remove_autograd_hooks", None)
-        if remove_hooks is not None:
-            remove_hooks()  # the old reducer must not see the next backward
-        if self._powersgd_keeper is None and powersgd_memory.reset_bucket_memory(self._ddp_comm_state):
+        if self._hooks.powersgd_keeper is None and powersgd_memory.reset_bucket_memory(self.comm_state):
             warnings.warn(
                 "bucket_cap_mb='auto' re-wrapped the model: the PowerSGD memory of this hook is kept per bucket "
                 "number and cannot be remapped (batch_tensors_with_same_shape=True or batched_powerSGD_hook), so "
@@ -697,19 +589,9 @@ class TunedDDPStrategy(DDPStrategy):
                 stacklevel=2,
             )
         # Parameters are already equal on every rank: no broadcast of the weights again.
-        extra = {"init_sync": False} if "init_sync" in _DDP_PARAMETERS else {}
-        with _temporarily(self, "_extra_ddp_kwargs", extra):
-            new = self._setup_model(module)
-        _carry_module_hooks(old, new)  # e.g. CommProfiler's forward hook on the wrapper
-        self.model = new
-        self._register_ddp_hooks()
-        # The old wrapper sits in reference cycles (frames kept by its constructor), freed only
-        # by a full gc.collect() (~0.25 s in a Lightning process). Its reducer (the gradient
-        # buckets: as much memory as the gradients) is not in them: dropping the wrapper's
-        # references frees it now.
-        for name in ("logger", "reducer"):
-            if name in old.__dict__:
-                delattr(old, name)
+        extra = {"init_sync": False} if SUPPORTS_INIT_SYNC else {}
+        self.model = replace_ddp_wrapper(old, lambda: self.wrap_model(module, **extra))
+        self.register_comm_hooks()
 
     def _report_tuning(self) -> None:
         tuner = self._tuner
@@ -748,16 +630,17 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
         package = checkpoint.setdefault(CHECKPOINT_KEY, {})
         package.update(self.state_for_checkpoint())
-        if self._powersgd_keeper is not None:
-            package["powersgd"] = self._gather_powersgd_state()  # a collective: every rank is here
+        keeper = self._hooks.powersgd_keeper
+        if keeper is not None:
+            package["powersgd"] = gather_powersgd_state(keeper, self.world_size)  # a collective: every rank is here
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Never unpickle arbitrary objects unless asked to (fit(..., weights_only=False)): torch before
         # 2.6, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, would otherwise run code stored in the file.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
@@ -768,58 +651,27 @@ class TunedDDPStrategy(DDPStrategy):
 
     def _restore_package_state(self, package: dict[str, Any]) -> None:
         """Before ``setup``: a tuned bucket size (reused, no tuning) and PowerSGD's memory."""
-        tuner = self._tuner
-        record = package.get("tuning")
-        if tuner is not None and tuner.status == WAITING and isinstance(record, dict):
-            size = package.get("bucket_cap_mb")
-            valid = isinstance(size, (int, float)) and not isinstance(size, bool) and math.isfinite(size) and size > 0
-            if record.get("status") in (DONE, RESUMED) and valid:
-                tuner.resume(float(size), record)
-                self._bucket_cap_mb = float(size)
-            # Saved before the search finished: search again (the steps are ordinary ones).
+        size = restore_tuned_size(self._tuner, package)
+        if size is not None:
+            self._bucket_cap_mb = size
         saved = package.get("powersgd")
         if isinstance(saved, dict):
             self._pending_powersgd = saved
 
-    def _gather_powersgd_state(self) -> dict[str, Any]:
-        keeper = self._powersgd_keeper
-        assert keeper is not None
-        state = keeper.state_dict()
-        error = state.pop("error")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, error)
-        else:
-            gathered = [error]
-        # Each rank's residual is its own; Q and the counters are the same everywhere.
-        return {**state, "world_size": self.world_size, "error_per_rank": gathered}
-
     def _restore_powersgd(self) -> None:
-        saved, keeper = self._pending_powersgd, self._powersgd_keeper
+        saved, keeper = self._pending_powersgd, self._hooks.powersgd_keeper
         if saved is None or keeper is None:
             return
         self._pending_powersgd = None
-        per_rank = saved.get("error_per_rank") or []
-        error = None
-        if saved.get("world_size") == self.world_size and self.global_rank < len(per_rank):
-            error = per_rank[self.global_rank]
-        else:
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint's PowerSGD error feedback comes from {saved.get('world_size')} "
-                f"processes, this run has {self.world_size}; it starts again from zero."
-            )
-        rejected = keeper.load_state_dict(saved, error)
-        if rejected:
-            rank_zero_warn(
-                f"{type(self).__name__}: PowerSGD memory for {len(rejected)} parameter(s) did not match this model "
-                f"and was dropped (e.g. {rejected[0]!r})."
-            )
+        restore_powersgd_state(
+            keeper, saved, world_size=self.world_size, global_rank=self.global_rank, owner=type(self).__name__
+        )
 
     # ------------------------------------------------------------------ registration
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
             ("ddp_tuned", "DDP with sized buckets and compression hooks on every backend", {}),
             ("ddp_tuned_spawn", "ddp_tuned, processes started with `spawn`", {"start_method": "spawn"}),
@@ -837,7 +689,7 @@ class TunedDDPStrategy(DDPStrategy):
         # Name the lost ranks in the error, and leave no child rank behind (strategies/_failures.py).
         children = _failures.launched_children(self.launcher, self.global_rank)
         note = _failures.explain_collective_failure(
-            exception, rank=self.global_rank, timeout=self._timeout, children=children
+            exception, rank=self.global_rank, timeout=self.collective_timeout, children=children
         )
         if note is not None and children:
             # Lightning's child-process watcher (it polls every 5 s) SIGKILLs this launching process
@@ -855,150 +707,16 @@ class TunedDDPStrategy(DDPStrategy):
             rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
         layout = self.bucket_layout
         if layout:
-            sizes = ", ".join(f"{b.bytes / _MIB:.2f}" for b in layout)
+            sizes = ", ".join(f"{b.bytes / MIB:.2f}" for b in layout)
             buckets = "1 gradient bucket" if len(layout) == 1 else f"{len(layout)} gradient buckets"
             rank_zero_info(
                 f"{type(self).__name__}: {buckets} of [{sizes}] MiB "
                 f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)."
             )
         super().teardown()
-        # Wrappers belong to one fit (callbacks add them again in their setup).
-        self._comm_hook_wrappers.clear()
-        self._comm_hook_wrappers_on = True
-        self._prescaler = None
-        # The PowerSGD keeper stays: a checkpoint saved after fit still carries its memory.
+        # Wrappers belong to one fit (callbacks add them again in their setup). The PowerSGD keeper
+        # stays: a checkpoint saved after fit still carries its memory.
+        self._hooks.clear()
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()
-
-
-def _check_before_launch(strategy: Any, args: tuple[Any, ...]) -> None:
-    import lightning.pytorch as pl
-
-    model = args[0] if args else None  # fit/validate/test/predict pass the LightningModule first
-    if isinstance(strategy, TunedDDPStrategy) and isinstance(model, pl.LightningModule):
-        strategy._check_model(model)
-
-
-class _CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's launcher for ``python train.py``: the strategy checks the model before the other ranks start."""
-
-    def __init__(self, strategy: "TunedDDPStrategy", *args: Any) -> None:
-        super().__init__(*args)
-        self._strategy = strategy
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        if not self.cluster_environment.creates_processes_externally:  # this process starts the others
-            _check_before_launch(self._strategy, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _TunedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, checking the model before it starts the ranks and returning
-    the tuned bucket size to the launching process: there, too, ``strategy.bucket_cap_mb`` is the
-    size in force after ``fit``."""
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        _check_before_launch(self._strategy, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-    @override
-    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        extra = super().get_extra_results(trainer)
-        strategy = trainer.strategy
-        if isinstance(strategy, TunedDDPStrategy) and strategy._tuner is not None:
-            extra[CHECKPOINT_KEY] = {"bucket_cap_mb": strategy._bucket_cap_mb, "tuning": strategy._tuner.record()}
-        return extra
-
-    @override
-    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
-        super().update_main_process_results(trainer, extra)
-        state = extra.get(CHECKPOINT_KEY)
-        strategy = trainer.strategy
-        if isinstance(state, dict) and isinstance(strategy, TunedDDPStrategy) and strategy._tuner is not None:
-            strategy._bucket_cap_mb = state["bucket_cap_mb"]
-            strategy._tuner.adopt(state["tuning"])
-
-
-_EXIT_HANDLER_REGISTERED = False
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, before it finalizes.
-
-    Lightning keeps the process group after ``fit`` (``trainer.test`` may follow). With gloo
-    on CPython 3.11, a process group still alive when the interpreter finalizes can abort
-    the process ("terminate called without an active exception": a gloo thread that needs
-    the GIL is ``pthread_exit``-ed by the finalizing interpreter). ``atexit`` handlers run
-    while Python is still whole, so the group is torn down cleanly there.
-    """
-    global _EXIT_HANDLER_REGISTERED
-    if _EXIT_HANDLER_REGISTERED:
-        return
-    _EXIT_HANDLER_REGISTERED = True
-
-    def release() -> None:
-        gc.collect()  # DDP wrappers in reference cycles hold the group
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    atexit.register(release)
-
-
-def _reducer_named_params(model: DistributedDataParallel) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) in the order DDP's reducer indexes them."""
-    ignored = set(getattr(model, "parameters_to_ignore", ()))
-    seen: set[int] = set()
-    named: list[tuple[str, torch.Tensor]] = []
-    for module_name, module in model.module.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if param.requires_grad and full not in ignored and id(param) not in seen:
-                seen.add(id(param))
-                named.append((full, param))
-    return named
-
-
-def _reducer_param_names(model: DistributedDataParallel) -> list[str]:
-    """Names of the parameters in the order DDP's reducer indexes them."""
-    return [name for name, _ in _reducer_named_params(model)]
-
-
-_MODULE_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_is_full_backward_hook",
-)
-
-
-def _carry_module_hooks(old: Module, new: Module) -> None:
-    """Give ``new`` the hooks registered on the ``old`` wrapper module itself.
-
-    The very same dictionaries, so that a handle taken on the old wrapper still removes its
-    hook. DDP registers none on itself; if it ever does, both sets are kept.
-    """
-    for name in _MODULE_HOOK_DICTS:
-        hooks = getattr(old, name, None)
-        if hooks is None:
-            continue
-        own = getattr(new, name)
-        if isinstance(own, dict) and own:
-            hooks.update(own)
-        setattr(new, name, hooks)
-
-
-@contextmanager
-def _temporarily(obj: object, attr: str, value: Any) -> Iterator[None]:
-    saved = getattr(obj, attr)
-    setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        setattr(obj, attr, saved)

@@ -5,8 +5,7 @@
 * :mod:`~lightning_mgpu.tuning.plan`: which steps measure which candidate (interleaved rounds);
 * :mod:`~lightning_mgpu.tuning.decision`: medians of the slowest rank's step times, the choice;
 * :mod:`~lightning_mgpu.tuning.tuner`: the state machine the strategy drives during ``fit``;
-* :mod:`~lightning_mgpu.tuning.powersgd`: PowerSGD memory that survives a layout change;
-* :mod:`~lightning_mgpu.tuning.cli`: the ``lightning-mgpu tune`` command (offline sweep).
+* :mod:`~lightning_mgpu.tuning.sweep`: the offline sweep behind ``lightning-mgpu tune``.
 """
 
 from lightning_mgpu.tuning.decision import CandidateResult

@@ -79,9 +79,9 @@ def predict_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[int]) -> l
     Uses torch's own ``_compute_bucket_assignment_by_size`` (the function DDP's rebuild
     calls) when this torch has it; :func:`assign_buckets` otherwise.
     """
-    import torch.distributed as dist
+    from lightning_mgpu._compat.torch import ddp_bucket_assignment
 
-    compute: Optional[Callable[..., Any]] = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    compute: Optional[Callable[..., Any]] = ddp_bucket_assignment()
     positions = list(range(len(tensors)))
     if compute is not None:
         buckets, _ = compute(list(tensors), list(limits), [False] * len(tensors), positions)

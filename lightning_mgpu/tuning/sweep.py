@@ -106,9 +106,9 @@ def run(argv: Optional[Sequence[str]] = None) -> None:
     strategy = TunedDDPStrategy(
         bucket_cap_mb="auto", tune_steps=args.steps, tune_candidates=candidates, tune_rounds=args.rounds
     )
-    assert strategy._tuner is not None
+    assert strategy.tuner is not None
     # An offline sweep: as many timed steps as asked, and no "is the run long enough" rule.
-    strategy._tuner.settings = dataclasses.replace(strategy._tuner.settings, measure=args.measure, min_run_multiple=1.0)
+    strategy.tuner.settings = dataclasses.replace(strategy.tuner.settings, measure=args.measure, min_run_multiple=1.0)
 
     class StopWhenTuned(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:

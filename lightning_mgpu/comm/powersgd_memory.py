@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from lightning_mgpu._compat.torch import powersgd_should_compress
+
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
@@ -108,7 +110,7 @@ class PowerSGDLayoutKeeper:
         n = int(shape[0])
         m = int(np.prod(shape)) // n
         rank = min(n, m, self.state.matrix_approximation_rank)
-        compress = powersgd._should_compress(n, m, rank, self.state.min_compression_rate)[0]
+        compress = powersgd_should_compress(n, m, rank, self.state.min_compression_rate)
         return (n, m, rank) if compress else None
 
     def _q_order(self, signature: Sequence[int]) -> list[int]:
@@ -129,14 +131,15 @@ class PowerSGDLayoutKeeper:
 
         def powerSGD_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             if state.iter >= state.start_powerSGD_iter:  # the hook's own test for compressing
-                keeper._prepare(bucket)
+                keeper.prepare(bucket)
             return hook(state, bucket)
 
         # Same name as torch's: DDP's logging and every tool reading it see PowerSGD.
         powerSGD_hook.__name__ = powerSGD_hook.__qualname__ = getattr(hook, "__name__", "powerSGD_hook")
         return powerSGD_hook
 
-    def _prepare(self, bucket: dist.GradBucket) -> None:
+    def prepare(self, bucket: dist.GradBucket) -> None:
+        """Give the hook's state the memory of ``bucket``'s parameters (remapped if the layout changed)."""
         index = bucket.index()
         signature = tuple(self._position[id(p)] for p in bucket.parameters())
         known = self._signatures.get(index)

@@ -1,4 +1,4 @@
-"""Rendezvous stores that torch's defaults get wrong for us.
+"""Process-group set-up for our strategies: the rendezvous store, and teardown at exit.
 
 **On one machine, on the loopback interface only.** torch's ``TCPStore`` server (the rendezvous
 rank 0 hosts, which every rank connects to first) listens on all interfaces (``::`` /
@@ -17,19 +17,25 @@ of the new attempt that reaches the rendezvous before its peers re-registered re
 attempt's gloo addresses and fails ("connectFullMesh failed ... Connection refused"), so the
 restart fails too (torch 2.13, without Lightning as well). Each attempt gets its own key prefix
 (``TORCHELASTIC_RESTART_COUNT``), as torch's own rendezvous once did.
+
+**At exit.** Lightning keeps the process group after ``fit`` (``trainer.test`` may follow). With
+gloo on CPython 3.11, a group still alive when the interpreter finalizes can abort the process
+("terminate called without an active exception"); :func:`destroy_process_group_at_exit` tears it
+down from an ``atexit`` handler, while Python is still whole.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import atexit
+import gc
 import os
-import socket
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
+
+from lightning_mgpu.comm.distributed import is_loopback_address, loopback_store, pin_backend_to_loopback
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -41,71 +47,57 @@ def rendezvous_store(
     if not torch.distributed.is_available() or torch.distributed.is_initialized():
         return None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        return _attempt_store(environment, world_size, timeout)
+        return attempt_store(environment, world_size, timeout)
     if type(environment) is LightningEnvironment:
-        return _loopback_store(environment, global_rank, world_size, timeout, backend)
+        return loopback_only_store(environment, global_rank, world_size, timeout, backend)
     return None
 
 
-def _attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta]) -> Any:
+def attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta]) -> Any:
+    """torchrun's agent store, under a key prefix of this restart attempt."""
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     client = torch.distributed.TCPStore(
         environment.main_address, int(environment.main_port), world_size, False,
         timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
-    )  # fmt: skip
+    )  # fmt: skip  (one call kept on two lines: the positional arguments read as TCPStore's signature)
     return torch.distributed.PrefixStore(f"lightning_mgpu/attempt_{attempt}", client)
 
 
-def _loopback_store(
+def loopback_only_store(
     environment: Any, global_rank: int, world_size: int, timeout: Optional[timedelta], backend: str
 ) -> Optional[Any]:
     """A ``TCPStore`` bound to loopback when ``MASTER_ADDR`` is a loopback address, else None."""
     host = environment.main_address
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if not address.is_loopback:
+    if not is_loopback_address(host):
         return None
     port = int(environment.main_port)
     timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
-    if "gloo" in backend and "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = _loopback_interface()
-        if interface is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-    store_class = torch.distributed.TCPStore
-    if global_rank != 0:
-        return store_class(host, port, world_size, False, timeout=timeout)
-    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    if "gloo" in backend:
+        pin_backend_to_loopback("gloo")
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(max(128, world_size))
+        return loopback_store(host, port, world_size, is_master=global_rank == 0, timeout=timeout)
     except OSError as error:
-        listener.close()
         raise RuntimeError(
             f"rank 0 cannot listen on {host}:{port} for the rendezvous ({error}): another job may use "
             f"MASTER_PORT={port}; pick a free port or unset MASTER_PORT"
         ) from None
-    fd = listener.detach()  # the store owns the socket from here on
-    try:
-        return store_class(host, port, world_size, True, timeout=timeout, master_listen_fd=fd)
     except TypeError:  # a torch without master_listen_fd: its own rendezvous
-        os.close(fd)
         return None
 
 
-def _loopback_interface() -> Optional[str]:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    for name in names:
-        try:
-            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
-        except (OSError, ValueError):
-            continue
-        if flags & 0x8:  # IFF_LOOPBACK
-            return name
-    return next((name for name in ("lo", "lo0") if name in names), None)
+_EXIT_HANDLER_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, before it finalizes (see above)."""
+    global _EXIT_HANDLER_REGISTERED
+    if _EXIT_HANDLER_REGISTERED:
+        return
+    _EXIT_HANDLER_REGISTERED = True
+
+    def release() -> None:
+        gc.collect()  # DDP wrappers in reference cycles hold the group
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(release)

@@ -1,0 +1,127 @@
+"""``TunedDDPStrategy``'s arguments: their checks, DDP's defaults, and the bucket-cap arithmetic.
+
+torch's DDP keeps a small first bucket (1 MiB) only while ``bucket_cap_mb`` is left at its
+default; :func:`bucket_kwargs` passes ``bucket_cap_mb_list=[first, rest]`` so that an
+explicit size never drops it (torch >= 2.13; older torch gets one size for all buckets and
+a warning).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu._compat.torch import DDP_DEFAULT_BUCKET_CAP_MB, DDP_DEFAULT_FIRST_BUCKET_BYTES
+
+MIB = 1024 * 1024
+MAX_SIZE_MB = float(2**40)
+"""Largest bucket size accepted, in MiB (1 EiB): DDP counts bucket bytes in 64-bit integers."""
+DEFAULT_FIRST_BUCKET_CAP_MB = DDP_DEFAULT_FIRST_BUCKET_BYTES / MIB
+"""torch's first-bucket size (1 MiB), kept by this strategy whatever ``bucket_cap_mb`` is."""
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+SUPPORTS_BUCKET_LIST = "bucket_cap_mb_list" in DDP_PARAMETERS
+SUPPORTS_INIT_SYNC = "init_sync" in DDP_PARAMETERS
+# Set by the strategy itself, or by Lightning; never accepted from the user.
+RESERVED_DDP_KWARGS = {
+    "module": "the strategy wraps your LightningModule itself",
+    "device_ids": "the strategy picks the device of each process",
+    "output_device": "the strategy picks the device of each process",
+    "bucket_cap_mb_list": "use bucket_cap_mb= and first_bucket_cap_mb= instead",
+}
+BOOL_DDP_KWARGS = (
+    "broadcast_buffers",
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "init_sync",
+    "skip_all_reduce_unused_params",
+    "batched_grad_copy",
+)
+
+__all__ = [
+    "DDP_DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_FIRST_BUCKET_CAP_MB",
+    "bucket_kwargs",
+    "check_backend",
+    "check_ddp_kwargs",
+    "check_size_mb",
+    "first_cap_for",
+]
+
+
+def check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[float]:
+    allowed = "a positive number of MiB, 'auto' or None" if auto else "a positive number of MiB or None"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+    if not value > MAX_SIZE_MB and (not math.isfinite(value) or value <= 0):  # (a huge int has no float)
+        raise ValueError(f"{name} must be {allowed.replace('a positive', 'a positive, finite')}, got {value!r}")
+    if value > MAX_SIZE_MB:
+        raise ValueError(
+            f"{name} must be at most {MAX_SIZE_MB:.0f} MiB (1 EiB; DDP counts bucket bytes in 64-bit integers), "
+            f"got {value!r:.40}"
+        )
+    return float(value)
+
+
+def check_backend(value: object) -> None:
+    if value is None:
+        return
+    allowed = "a torch.distributed backend name such as 'gloo' or 'nccl' (or None: nccl on GPUs, gloo on CPU)"
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"process_group_backend must be {allowed}, got {value!r}")
+    known = {str(name) for name in getattr(torch.distributed.Backend, "backend_list", ())} - {"undefined"}
+    # "cpu:gloo,cuda:nccl" names one backend per device type
+    unknown = [part.split(":", 1)[-1] for part in value.lower().split(",") if part.split(":", 1)[-1] not in known]
+    if known and unknown:
+        raise ValueError(f"process_group_backend must be {allowed}; {unknown[0]!r} is not one of {sorted(known)}")
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    for key, value in kwargs.items():
+        if key in RESERVED_DDP_KWARGS:
+            raise ValueError(f"TunedDDPStrategy does not accept {key}={value!r}: {RESERVED_DDP_KWARGS[key]}.")
+        if key not in DDP_PARAMETERS:
+            allowed = ", ".join(sorted(DDP_PARAMETERS - set(RESERVED_DDP_KWARGS) - {"bucket_cap_mb"}))
+            raise ValueError(
+                f"TunedDDPStrategy got an unknown keyword argument {key}={value!r}. Keyword arguments not named by "
+                f"the strategy go to DistributedDataParallel, which accepts: {allowed}."
+            )
+        if key in BOOL_DDP_KWARGS and not isinstance(value, bool):
+            raise ValueError(f"{key} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def first_cap_for(bucket_cap_mb: float, *, given_cap: Optional[float], given_first: Optional[float]) -> float:
+    """The first bucket's cap when later buckets are capped at ``bucket_cap_mb`` (all in MiB).
+
+    ``given_cap``/``given_first`` are what the user passed (None: DDP's defaults).
+    """
+    first = given_first if given_first is not None else DEFAULT_FIRST_BUCKET_CAP_MB
+    if not SUPPORTS_BUCKET_LIST and not (given_cap is None and given_first is None):
+        return bucket_cap_mb  # old torch: one size for every bucket (see bucket_kwargs)
+    return min(first, bucket_cap_mb)
+
+
+def bucket_kwargs(*, cap: Optional[float], given_first: Optional[float]) -> dict[str, Any]:
+    """``DistributedDataParallel`` keyword arguments for these caps (``{}``: DDP's own default)."""
+    if cap is None and given_first is None:
+        return {}  # DDP's own default: 1 MiB first bucket, then 25 MiB (also "auto" before it decides)
+    in_force = cap if cap is not None else DDP_DEFAULT_BUCKET_CAP_MB
+    if not SUPPORTS_BUCKET_LIST:
+        warnings.warn(
+            f"torch {torch.__version__} cannot size the first bucket separately; every bucket, the first "
+            f"included, will be {in_force:g} MiB. Upgrade to torch >= 2.13 to keep a small first bucket.",
+            stacklevel=3,
+        )
+        return {"bucket_cap_mb": in_force}
+    # DDP fills bucket 0 up to the first cap, every later one up to the last cap.
+    first = first_cap_for(in_force, given_cap=cap, given_first=given_first)
+    return {"bucket_cap_mb_list": [first, in_force]}

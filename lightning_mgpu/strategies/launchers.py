@@ -1,0 +1,99 @@
+"""Lightning's launchers, with the model checked before any rank starts and the tuned bucket size brought home.
+
+A mistake in the arguments that needs the LightningModule to be seen (e.g. a split module that
+does not exist) is one clear error in the launching process rather than one traceback per rank:
+:class:`CheckedSubprocessScriptLauncher` (``python train.py``) and :class:`TunedMultiProcessingLauncher`
+(spawn/fork) call the strategy's ``check_model`` first. The spawn launcher also returns
+``bucket_cap_mb="auto"``'s choice to the launching process, where ``strategy.bucket_cap_mb``
+is then the size in force after ``fit`` as well.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
+
+from typing_extensions import override
+
+from lightning_mgpu._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+LAUNCHER_RESULTS_KEY = "lightning_mgpu"
+
+
+@runtime_checkable
+class CheckedStrategy(Protocol):
+    """A strategy that checks a LightningModule before its ranks start, and may carry state home."""
+
+    def check_model(self, model: "pl.LightningModule") -> None: ...
+
+    def launcher_results(self) -> Optional[dict[str, Any]]:
+        """Plain data rank 0 sends back to the launching process after a spawn (None: nothing)."""
+
+    def adopt_launcher_results(self, results: dict[str, Any]) -> None: ...
+
+
+def check_before_launch(strategy: Any, args: tuple[Any, ...]) -> None:
+    import lightning.pytorch as pl
+
+    model = args[0] if args else None  # fit/validate/test/predict pass the LightningModule first
+    if isinstance(strategy, CheckedStrategy) and isinstance(model, pl.LightningModule):
+        strategy.check_model(model)
+
+
+class CheckedSubprocessScriptLauncher(SubprocessScriptLauncher):
+    """Lightning's launcher for ``python train.py``: the strategy checks the model before the other ranks start."""
+
+    def __init__(self, strategy: CheckedStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self.checked_strategy = strategy
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally:  # this process starts the others
+            check_before_launch(self.checked_strategy, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class TunedMultiProcessingLauncher(MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, checking the model before it starts the ranks and returning
+    the strategy's :meth:`~CheckedStrategy.launcher_results` to the launching process."""
+
+    def __init__(self, strategy: CheckedStrategy, *, start_method: str) -> None:
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self.checked_strategy = strategy
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        check_before_launch(self.checked_strategy, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        strategy = trainer.strategy
+        if isinstance(strategy, CheckedStrategy):
+            results = strategy.launcher_results()
+            if results is not None:
+                extra[LAUNCHER_RESULTS_KEY] = results
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        results = extra.get(LAUNCHER_RESULTS_KEY)
+        strategy = trainer.strategy
+        if isinstance(results, dict) and isinstance(strategy, CheckedStrategy):
+            strategy.adopt_launcher_results(results)
+
+
+def checked_launcher(strategy: Any, launcher: Any) -> Any:
+    """Our version of the launcher Lightning picked (``launcher``), or ``launcher`` itself."""
+    if type(launcher) is MultiProcessingLauncher:  # spawn / fork: bring the tuned size home
+        return TunedMultiProcessingLauncher(strategy, start_method=strategy.start_method)
+    if type(launcher) is SubprocessScriptLauncher:  # `python train.py`: check the model before starting ranks
+        return CheckedSubprocessScriptLauncher(
+            strategy, launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+        )
+    return launcher

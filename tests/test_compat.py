@@ -1,0 +1,142 @@
+"""The one door for private torch/Lightning names (``lightning_mgpu/_compat/``).
+
+1. Every private name declared there still exists in the installed torch and Lightning
+   (fails loudly, naming it, when an upgrade removes one).
+2. No module outside ``_compat/`` touches a private name of torch or Lightning, nor
+   reaches into another object's private attributes.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import lightning_mgpu
+import lightning_mgpu._compat.lightning  # noqa: F401  (declares its names on import)
+import lightning_mgpu._compat.torch  # noqa: F401
+from lightning_mgpu._compat import GUARDED
+
+PACKAGE = Path(lightning_mgpu.__file__).parent
+COMPAT = PACKAGE / "_compat"
+EXTERNAL = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(module: str, attribute: str) -> object:
+    obj: object = importlib.import_module(module)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("entry", GUARDED, ids=lambda e: f"{e.module}:{e.attribute}")
+def test_every_guarded_private_name_still_exists(entry: object) -> None:
+    try:
+        _resolve(entry.module, entry.attribute)  # type: ignore[attr-defined]
+    except (ImportError, AttributeError) as error:
+        pytest.fail(
+            f"{entry.module}.{entry.attribute} is gone from the installed torch/Lightning ({error}); "  # type: ignore[attr-defined]
+            f"lightning_mgpu uses it for: {entry.why}. Update lightning_mgpu/_compat/ "  # type: ignore[attr-defined]
+            f"({'no fallback exists' if entry.required else 'its fallback path now runs'}).",  # type: ignore[attr-defined]
+        )
+
+
+def test_compat_declares_names() -> None:
+    assert len(GUARDED) >= 5
+    assert len({(e.module, e.attribute) for e in GUARDED}) == len(GUARDED), "a private name is declared twice"
+
+
+def _external_private_members() -> set[str]:
+    """Underscore names that torch/Lightning base classes of our classes define or set on self."""
+    names: set[str] = set()
+    seen: set[type] = set()
+    for module_file in PACKAGE.rglob("*.py"):
+        if COMPAT in module_file.parents:
+            continue
+        modname = "lightning_mgpu." + ".".join(module_file.relative_to(PACKAGE).with_suffix("").parts)
+        modname = modname.removesuffix(".__init__")
+        try:
+            module = importlib.import_module(modname)
+        except Exception:  # a module that needs an optional extra: its own tests cover it
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != modname:
+                continue
+            for base in cls.__mro__[1:]:
+                if base in seen or not base.__module__.split(".")[0] in EXTERNAL:
+                    continue
+                seen.add(base)
+                names.update(n for n in vars(base) if _private(n))
+                try:
+                    source = inspect.getsource(base)
+                except (OSError, TypeError):
+                    continue
+                names.update(n for n in re.findall(r"self\.(_\w+)\s*[:=]", source) if _private(n))
+    return names
+
+
+def _violations(path: Path, external_members: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    rel = path.relative_to(PACKAGE.parent)
+
+    def report(node: ast.AST, what: str) -> None:
+        found.append(f"{rel}:{getattr(node, 'lineno', '?')}: {what}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in EXTERNAL:
+            if any(_private(part) for part in node.module.split(".")):
+                report(node, f"imports private module {node.module}")
+            for alias in node.names:
+                if _private(alias.name):
+                    report(node, f"imports private name {node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in EXTERNAL and any(_private(p) for p in parts):
+                    report(node, f"imports private module {alias.name}")
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            own = isinstance(base, ast.Name) and base.id in ("self", "cls")
+            own = own or (isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super")
+            if not own:
+                label = ast.unparse(base)
+                if not label.startswith("_") or "." in label:  # our own private module objects are fine
+                    report(node, f"reads private attribute {label}.{node.attr}")
+            elif node.attr in external_members:
+                report(node, f"uses torch/Lightning's private member {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+                arg = node.args[1]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _private(arg.value):
+                    report(node, f"{node.func.id}(..., {arg.value!r})")
+        elif isinstance(node, ast.FunctionDef) and node.name in external_members:
+            report(node, f"overrides torch/Lightning's private method {node.name}")
+    return found
+
+
+def test_no_private_torch_or_lightning_name_outside_compat() -> None:
+    external_members = _external_private_members()
+    found: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if COMPAT not in path.parents:
+            found.extend(_violations(path, external_members))
+    assert not found, "private names outside lightning_mgpu/_compat/:\n" + "\n".join(found)
+
+
+def test_module_hook_dicts_exist_on_a_module() -> None:
+    from torch import nn
+
+    from lightning_mgpu._compat.torch import MODULE_HOOK_DICTS
+
+    module = nn.Linear(2, 2)
+    missing = [name for name in MODULE_HOOK_DICTS if not hasattr(module, name)]
+    assert not missing, f"nn.Module no longer has {missing}: update lightning_mgpu/_compat/torch.py"
