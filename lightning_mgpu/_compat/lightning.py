@@ -51,14 +51,14 @@ _SHOULD_ACCUMULATE = guarded(
     why="whether the current batch is inside a gradient-accumulation window (re-wraps refuse to run there)",
 )  # fmt: skip
 
-from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistryType  # noqa: E402
+from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistryType  # noqa: E402, F401  (re-exported)
 from lightning.fabric.utilities.distributed import _init_dist_connection  # noqa: E402
-from lightning.fabric.utilities.types import _PATH as PathLike  # noqa: E402
+from lightning.fabric.utilities.types import _PATH as PathLike  # noqa: E402, F401  (re-exported)
 from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: E402
-    _MultiProcessingLauncher as MultiProcessingLauncher,
+    _MultiProcessingLauncher as MultiProcessingLauncher,  # noqa: F401  (re-exported)
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,  # noqa: F401  (re-exported)
 )
 
 
@@ -133,3 +133,155 @@ def in_accumulation_window(trainer: "_pl.Trainer") -> bool:
         done = (epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches) == 0
         return not done
     return bool(should())
+
+
+# ---------------------------------------------------------------------------------------
+# DistributedDoctor (callbacks/doctor/): train-loader fetch timing, epoch metrics logged
+# without sync_dist, Trainer(use_distributed_sampler=...), the sampler inside Lightning's
+# DistributedSamplerWrapper. Each function says when it cannot see: the doctor then reports
+# the rule as not checked, never as passed.
+# ---------------------------------------------------------------------------------------
+import time as _doctor_time
+from typing import Any as _DoctorAny, Callable as _DoctorCallable, Optional as _DoctorOptional
+
+_TRAIN_FETCH_START = guarded(
+    "lightning.pytorch.loops.training_epoch_loop",
+    "_TrainingEpochLoop._on_before_fetch",
+    required=False,
+    why="the epoch loop calls it right before each train-loader next() (for Lightning's profiler); "
+    "DistributedDoctor times the fetch through it (fallback: dataloader-starving not checked)",
+)
+_TRAIN_FETCH_END = guarded(
+    "lightning.pytorch.loops.training_epoch_loop",
+    "_TrainingEpochLoop._on_after_fetch",
+    required=False,
+    why="called right after each train-loader next(); the end of DistributedDoctor's fetch timing",
+)
+
+
+def time_train_fetches(
+    trainer: _DoctorAny, on_fetch: "_DoctorCallable[[float], None]"
+) -> "_DoctorOptional[_DoctorCallable[[], None]]":
+    """Call ``on_fetch(seconds)`` after each train-loader ``next()`` of ``trainer``'s fit (from the next
+    epoch run on); returns the function that undoes it, or None when this Lightning has no such hooks.
+
+    Why not the public batch hooks: the time between ``on_train_batch_end`` and the next
+    ``on_train_batch_start`` also holds validation, checkpoint saves, logging and the progress
+    bar (whose ``.item()`` waits for the GPU): it would blame the loader for them.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    names = [entry.attribute.rsplit(".", 1)[-1] for entry in (_TRAIN_FETCH_START, _TRAIN_FETCH_END)]
+    before, after = (getattr(epoch_loop, name, None) for name in names)
+    if not callable(before) or not callable(after):
+        return None
+    started: list[float] = []
+
+    def on_before_fetch() -> None:
+        started[:] = [_doctor_time.perf_counter()]
+        before()
+
+    def on_after_fetch() -> None:
+        after()
+        if started:
+            on_fetch(_doctor_time.perf_counter() - started.pop())
+
+    # Instance attributes shadow the methods; the epoch loop hands them to its data fetcher at every epoch run.
+    setattr(epoch_loop, names[0], on_before_fetch)
+    setattr(epoch_loop, names[1], on_after_fetch)
+
+    def undo() -> None:
+        for name in names:
+            vars(epoch_loop).pop(name, None)
+
+    return undo
+
+
+_RESULTS = guarded(
+    "lightning.pytorch.trainer.trainer",
+    "Trainer._results",
+    required=False,
+    why="the running values of self.log(...) metrics, with their options (DistributedDoctor's unsynced-logging "
+    "compares them across ranks mid-epoch; fallback: not checked)",
+)
+_METRIC_SYNC = guarded(
+    "lightning.pytorch.trainer.connectors.logger_connector.result",
+    "_Metadata._sync",
+    required=False,
+    why="a logged metric's sync_dist/rank_zero_only options (no public accessor while the epoch runs)",
+)
+
+
+def epoch_metrics_logged_without_sync(trainer: _DoctorAny) -> "_DoctorOptional[dict[str, float]]":
+    """This rank's current value of every tensor metric logged with ``on_epoch=True``, ``sync_dist=False``
+    (and not ``rank_zero_only``): the mean so far for mean reductions, else the reduced value.
+    ``{}`` outside a loop; None when this Lightning keeps them where we cannot see.
+    """
+    name = _RESULTS.attribute.rsplit(".", 1)[-1]
+    sync_name = _METRIC_SYNC.attribute.rsplit(".", 1)[-1]
+    if not hasattr(type(trainer), name):
+        return None
+    results = getattr(trainer, name)
+    values: dict[str, float] = {}
+    if results is None:
+        return values
+    for key, metric in list(results.items()):
+        meta = getattr(metric, "meta", None)
+        if meta is None or not getattr(metric, "is_tensor", False) or not meta.on_epoch:
+            continue
+        if not hasattr(meta, sync_name):
+            return None
+        sync = getattr(meta, sync_name)
+        if sync is None or sync.should or sync.rank_zero_only:
+            continue
+        value = metric.value
+        if meta.is_mean_reduction:
+            count = float(metric.cumulated_batch_size)
+            if count == 0:
+                continue
+            values[str(key)] = float(value) / count
+        else:
+            values[str(key)] = float(value)
+    return values
+
+
+_ACCELERATOR_CONNECTOR = guarded(
+    "lightning.pytorch.trainer.connectors.accelerator_connector",
+    "_AcceleratorConnector",
+    required=False,
+    why="Trainer(use_distributed_sampler=...) is kept only on trainer._accelerator_connector (an instance "
+    "attribute: the class is declared); DistributedDoctor names it in data-not-sharded's message, and leaves "
+    "it out when unknown",
+)
+
+
+def trainer_uses_distributed_sampler(trainer: _DoctorAny) -> "_DoctorOptional[bool]":
+    """``Trainer(use_distributed_sampler=...)``; None when this Lightning keeps it elsewhere."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    value = getattr(connector, "use_distributed_sampler", None)
+    return value if isinstance(value, bool) else None
+
+
+_DATASET_SAMPLER_WRAPPER = guarded(
+    "lightning.fabric.utilities.distributed",
+    "_DatasetSamplerWrapper",
+    required=False,
+    why="DistributedSamplerWrapper keeps the user's sampler in its dataset's _sampler (an instance attribute: "
+    "the class is declared); DistributedDoctor reads it to tell a fixed order from a shuffled one "
+    "(fallback: sampler-epoch-not-set not judged for that loader)",
+)
+
+
+def sampler_wrapped_for_distribution(sampler: object) -> object:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` ``sampler``; None when ``sampler``
+    is no such wrapper. Raises ``LookupError`` when it is one but this Lightning keeps it elsewhere."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    if not isinstance(sampler, DistributedSamplerWrapper):
+        return None
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    if inner is None:
+        raise LookupError(
+            f"this Lightning's DistributedSamplerWrapper does not keep the wrapped sampler where "
+            f"{_DATASET_SAMPLER_WRAPPER.module}.{_DATASET_SAMPLER_WRAPPER.attribute}._sampler was"
+        )
+    return inner

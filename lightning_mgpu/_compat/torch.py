@@ -149,7 +149,7 @@ def copy_state_dict_metadata(source: object, target: object) -> None:
     """Copy a ``state_dict``'s ``_metadata`` (module versions) onto a copy of it, if it has one."""
     metadata = getattr(source, "_metadata", None)
     if metadata is not None:
-        setattr(target, "_metadata", metadata)
+        target._metadata = metadata  # type: ignore[attr-defined]
 
 
 _MODULE_APPLY = guarded(

@@ -49,15 +49,10 @@ from torch import nn
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, make_plan
 from lightning_mgpu.placement.profile import LayerCost, profile_layers
-from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
+from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata, is_batchnorm
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 __all__ = ["HybridParallelStrategy"]
-
-# Every batch-norm flavour (1d/2d/3d, lazy, SyncBatchNorm): they normalise over the batch.
-_BATCHNORM_TYPES = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, nn.SyncBatchNorm,
-)  # fmt: skip  (one tuple, kept compact)
 
 _StrategyRegistry = type(StrategyRegistry)
 
@@ -313,7 +308,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's stage threads, in an order "
                 "that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
             )
-        has_bn = any(isinstance(m, _BATCHNORM_TYPES) for m in seq.modules())
+        has_bn = any(is_batchnorm(m) for m in seq.modules())
         if warn and has_bn and (self._microbatches > 1 or self._checkpoint != "never"):
             updates = self._microbatches * (2 if self._checkpoint != "never" else 1)
             rank_zero_warn(
