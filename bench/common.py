@@ -267,7 +267,7 @@ def apply_quick(args: Any, argv: Optional[Sequence[str]], quick: dict[str, Any])
 
 def write_json(path: os.PathLike[str] | str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` to ``path`` (parents created), via a temporary file so a crash never leaves half a file."""
-    from lightning_mgpu.comm.sweep import write_report
+    from lightning_mgpu.comm.allreduce_bench import write_report
 
     return write_report(payload, path)
 

@@ -16,21 +16,17 @@ import pytest
 import torch
 
 from lightning_mgpu import cli
+from lightning_mgpu._sizes import GiB, KiB, MiB, format_size, parse_size
+from lightning_mgpu.cli.bench_comm import summary_line
 from lightning_mgpu.comm import bus_factor
-from lightning_mgpu.comm.sweep import (
-    GiB,
-    KiB,
-    MiB,
+from lightning_mgpu.comm.allreduce_bench import (
     SweepSettings,
     count_wrong,
     fill_check_pattern,
-    format_size,
     load_report,
     message_sizes,
-    parse_size,
     size_row,
     summarize_rows,
-    summary_line,
     time_iterations,
     timed_iterations,
     warmup_iterations,
@@ -229,7 +225,7 @@ def test_cli_prints_the_table_and_a_summary_line(cli_run: tuple[dict[str, Any], 
         (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
         (["--device", "tpu"], "argument --device: invalid choice"),
         (["--factor", "1"], "--factor must be an integer >= 2"),
-        (["--iters", "0"], "--iters must be >= 1"),
+        (["--iters", "0"], "--iters must be an integer >= 1"),
         (["--timeout", "0"], "--timeout must be > 0"),
     ],
 )
@@ -277,7 +273,7 @@ DYING_WORKERS = '''
     import os
     import time
 
-    from lightning_mgpu.comm.sweep import BenchCommError, launch_workers
+    from lightning_mgpu.comm.allreduce_run import BenchCommError, launch_workers
 
 
     def exit_on_rank_1(rank):

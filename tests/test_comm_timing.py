@@ -10,7 +10,7 @@ import torch
 
 from lightning_mgpu.callbacks.comm_profiler import CommProfiler
 from lightning_mgpu.comm.compression import PrescaledAllreduce
-from lightning_mgpu.comm.sweep import SCHEMA_VERSION
+from lightning_mgpu.comm.allreduce_bench import SCHEMA_VERSION
 from tests.conftest import REPO
 from lightning_mgpu.comm.timing import BucketInterval, BucketTimer, HostClock, StepTimeline, step_breakdown, union_ms
 

@@ -10,15 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from pathlib import Path
 from typing import Callable, Optional
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-
-_SIZE = re.compile(r"\s*(\d+)\s*([kmg](?:ib)?|b)?\s*", flags=re.IGNORECASE)
+from lightning_mgpu._sizes import parse_size
 
 
 def bounded_int(maximum: Optional[int] = None) -> Callable[[str], int]:
@@ -53,22 +48,8 @@ def positive_seconds(maximum: float) -> Callable[[str], float]:
     return parse
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"1KiB"``, ``"1K"``, ``"256MiB"``, ``"1GiB"`` (K/M/G are powers of 1024, as in nccl-tests).
-
-    Raises ``ValueError`` for anything it cannot read exactly (``"1MB"``, ``"1.5MiB"``, ``"-4"``).
-    """
-    match = _SIZE.fullmatch(str(text))
-    if match is None:
-        raise ValueError(
-            f"cannot read {text!r} as a size; use a number of bytes or KiB/MiB/GiB (powers of 1024), e.g. 1KiB or 256MiB"
-        )
-    number, unit = int(match.group(1)), (match.group(2) or "b").lower()
-    return number * {"b": 1, "k": KiB, "m": MiB, "g": GiB}[unit[0]]
-
-
 def size(text: str) -> int:
-    """An argparse ``type`` for a size in bytes (see :func:`parse_size`)."""
+    """An argparse ``type`` for a size in bytes: ``4096``, ``1KiB``, ``256MiB``, ``1GiB`` (powers of 1024)."""
     try:
         return parse_size(text)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""An nccl-tests-style all_reduce sweep: ``lightning-mgpu bench-comm``.
+"""The all_reduce benchmark behind ``lightning-mgpu bench-comm``: what is measured, and how.
 
 How fast can this machine all-reduce, message size by message size? The answer is the
 ceiling DDP's gradient buckets are measured against::
@@ -43,8 +43,8 @@ Iterations per size (the rule that keeps a default CPU sweep at about 10-40 s on
 * warm-up: ``min(warmup, max(1, 256 MiB // size))`` - defaults: 5 up to 32 MiB, then
   4, 2, 1.
 
-Processes: the command starts ``--nproc`` workers itself with
-``torch.multiprocessing`` (spawn), one per GPU on CUDA. They meet through a
+Processes (:mod:`lightning_mgpu.comm.allreduce_run`): the command starts ``--nproc``
+workers itself with ``torch.multiprocessing`` (spawn), one per GPU on CUDA. They meet through a
 ``TCPStore`` that the launching process serves on 127.0.0.1 with a port the OS picks
 (so two concurrent runs never collide), and gloo / NCCL are pinned to the loopback
 interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless you set them). A
@@ -84,27 +84,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import re
-import socket
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
-from lightning_mgpu.comm.bandwidth import algbw_gbps, bus_factor, busbw_gbps
-
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
+from lightning_mgpu._checks import check_int
+from lightning_mgpu._sizes import GiB, KiB, MiB, format_size
+from lightning_mgpu.comm.bandwidth import algbw_gbps, busbw_gbps
 
 # ---------------------------------------------------------------------------------------
 # Settings
@@ -132,31 +123,10 @@ ITERATION_RULE = (
 
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
-LOOPBACK = "127.0.0.1"
 SCHEMA_VERSION = 1
 COLLECTIVE = "all_reduce"
 ELEMENT_BYTES = 4  # float32
 CHECK_PERIOD = 251  # prime, so a chunk landing at a wrong offset never lines up with the pattern
-STOP_GRACE_S = 5.0
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"1KiB"``, ``"1K"``, ``"256MiB"``, ``"1GiB"`` (K/M/G are powers of 1024, as in nccl-tests)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmg](?:ib)?|b)?\s*", str(text), flags=re.IGNORECASE)
-    if match is None:
-        raise ValueError(
-            f"cannot read {text!r} as a size; use a number of bytes or KiB/MiB/GiB (powers of 1024), e.g. 1KiB or 256MiB"
-        )
-    number, unit = int(match.group(1)), (match.group(2) or "b").lower()
-    return number * {"b": 1, "k": KiB, "m": MiB, "g": GiB}[unit[0]]
-
-
-def format_size(nbytes: int) -> str:
-    """``1024`` -> ``"1 KiB"``, ``268435456`` -> ``"256 MiB"``, ``1000`` -> ``"1000 B"``."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -223,10 +193,7 @@ class SweepSettings:
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use --backend gloo on CPU")
         if self.nproc is None:
             self.nproc = torch.cuda.device_count() if self.device == "cuda" else DEFAULT_CPU_NPROC
-        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
-            raise ValueError(f"--nproc must be an integer >= 1, got {self.nproc!r}")
-        if self.nproc > MAX_PROCESSES:
-            raise ValueError(f"--nproc must be at most {MAX_PROCESSES} (processes on this machine), got {self.nproc}")
+        self.nproc = check_int("--nproc", self.nproc, maximum=MAX_PROCESSES)
         if self.device == "cuda" and self.nproc > torch.cuda.device_count():
             raise ValueError(
                 f"--nproc {self.nproc} is more than the {torch.cuda.device_count()} visible CUDA device(s); "
@@ -245,26 +212,15 @@ class SweepSettings:
                 f"--max-bytes must be at most {format_size(MAX_MESSAGE_BYTES)} (every process holds the message), "
                 f"got {format_size(self.max_bytes)}"
             )
-        if self.factor < 2:
-            raise ValueError(f"--factor must be an integer >= 2, got {self.factor}")
-        if not 1 <= self.iters <= MAX_COUNT:
-            raise ValueError(f"--iters must be >= 1 and at most {MAX_COUNT}, got {self.iters}")
-        if not 0 <= self.warmup <= MAX_COUNT:
-            raise ValueError(f"--warmup must be >= 0 and at most {MAX_COUNT}, got {self.warmup}")
+        check_int("--factor", self.factor, minimum=2)
+        check_int("--iters", self.iters, maximum=MAX_COUNT)
+        check_int("--warmup", self.warmup, minimum=0, maximum=MAX_COUNT)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
             raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT_S:g} (7 days), got {self.timeout_s}")
 
     @property
     def sizes(self) -> list[int]:
         return message_sizes(self.min_bytes, self.max_bytes, self.factor)
-
-
-class BenchCommError(RuntimeError):
-    """The sweep could not finish: a worker died, timed out, or left no result. ``details``: a worker's traceback."""
-
-    def __init__(self, message: str, details: str = "") -> None:
-        super().__init__(message)
-        self.details = details
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,253 +344,6 @@ def summarize_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------------------
-# The worker process
-# ---------------------------------------------------------------------------------------
-def _loopback_interface() -> Optional[str]:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (AttributeError, OSError):
-        return None
-    return next((name for name in names if name == "lo" or name.startswith("lo")), None)
-
-
-def _pin_to_loopback(backend: str) -> None:
-    """gloo and NCCL open sockets of their own besides the store's; keep them on the loopback interface."""
-    variable = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}[backend]
-    interface = _loopback_interface()
-    if variable not in os.environ and interface is not None:
-        os.environ[variable] = interface
-
-
-def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, Any]:
-    from lightning_mgpu import __version__
-
-    facts: dict[str, Any] = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "lightning_mgpu": __version__,
-        "device_name": platform.processor() or platform.machine(),
-        "cuda": None,
-        "nccl": None,
-        "gpu_count": 0,
-        # Other work on the machine shows up in CPU numbers; this says how much there was.
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    if device.type == "cuda":
-        facts["device_name"] = torch.cuda.get_device_name(device)
-        facts["cuda"] = torch.version.cuda
-        facts["gpu_count"] = torch.cuda.device_count()
-        if settings.backend == "nccl":
-            version = torch.cuda.nccl.version()  # (major, minor, patch); a plain int in old torch builds
-            facts["nccl"] = ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
-    return facts
-
-
-def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_path: str, progress: bool) -> None:
-    world_size = int(settings.nproc or 1)
-    _pin_to_loopback(str(settings.backend))
-    if settings.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        # Ranks share the cores; more intra-op threads than that only fight over them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    timeout = timedelta(seconds=settings.timeout_s)
-    store = dist.TCPStore(LOOPBACK, store_port, is_master=False, timeout=timeout)
-    device_id = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, **device_id
-    )
-    try:
-        rows = []
-        for nbytes in settings.sizes:
-            iters = timed_iterations(nbytes, settings.iters)
-            warmup = warmup_iterations(nbytes, settings.warmup)
-            seconds, wrong = measure_size(
-                nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device
-            )
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (seconds, wrong))  # outside the timed batch
-            row = size_row(
-                nbytes, [item[0] for item in gathered], [item[1] for item in gathered], iters=iters, warmup=warmup
-            )
-            rows.append(row)
-            if progress and rank == 0:
-                print(
-                    f"bench-comm: {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
-                    f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        if rank == 0:
-            payload = {"machine": _machine_facts(settings, device), "rows": rows}
-            partial = Path(result_path + ".partial")
-            partial.write_text(json.dumps(payload))
-            partial.replace(result_path)
-    finally:
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------
-# Launching
-# ---------------------------------------------------------------------------------------
-def _stop(processes: Sequence[Any], grace_s: float) -> None:
-    """SIGTERM whatever still runs, SIGKILL what ignores it (a rank stuck inside a collective may)."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "(no message)"
-
-
-def launch_workers(
-    worker: Callable[..., None], args: tuple[Any, ...], *, nproc: int, timeout_s: float, grace_s: float = STOP_GRACE_S
-) -> None:
-    """Run ``worker(rank, *args)`` in ``nproc`` spawned processes; return when all succeeded.
-
-    Raises :class:`BenchCommError` naming the rank as soon as one fails (the others are
-    stopped), or when they are not all done within ``timeout_s`` (all are stopped).
-    ``worker`` must be importable by the children (defined at a module's top level).
-    """
-    context = torch_mp.start_processes(worker, args=args, nprocs=nproc, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                running = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
-                raise BenchCommError(
-                    f"did not finish within --timeout {timeout_s:g} s; stopped rank(s) {running}, which were still "
-                    "running (a rank stuck in a collective, or a machine too busy: raise --timeout or lower --max-bytes)"
-                )
-            try:
-                if context.join(timeout=min(remaining, 1.0), grace_period=grace_s):
-                    return
-            except torch_mp.ProcessRaisedException as exc:
-                raise BenchCommError(
-                    f"rank {exc.error_index} (pid {exc.error_pid}) failed: {_last_line(exc.msg)}", details=exc.msg.strip()
-                ) from None
-            except torch_mp.ProcessExitedException as exc:
-                how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
-                raise BenchCommError(
-                    f"rank {exc.error_index} (pid {exc.error_pid}) {how} without a Python error "
-                    "(out of memory? a crash inside the backend?); the other ranks were stopped"
-                ) from None
-    finally:
-        _stop(context.processes, grace_s)
-
-
-def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, Any]:
-    """Run the sweep in ``settings.nproc`` fresh processes and return the report (the JSON schema above)."""
-    started = time.monotonic()
-    # The rendezvous store lives here, in the launching process, on a port the OS picks:
-    # no window in which another program could take a port we chose in advance. Its socket is
-    # bound here, to 127.0.0.1 only: TCPStore binds every interface when it makes its own.
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOOPBACK, 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        LOOPBACK, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s),
-        master_listen_fd=listener.detach(),
-    )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="bench-comm-") as workdir:
-        result_path = os.path.join(workdir, "rank0.json")
-        launch_workers(
-            _sweep_worker,
-            (settings, store.port, result_path, progress),
-            nproc=int(settings.nproc or 1),
-            timeout_s=settings.timeout_s,
-        )
-        if not os.path.exists(result_path):
-            raise BenchCommError("the workers finished but rank 0 wrote no result")
-        measured = json.loads(Path(result_path).read_text())
-    del store
-    world_size = int(settings.nproc or 1)
-    rows = measured["rows"]
-    settings_record = {key: value for key, value in asdict(settings).items() if key not in ("device", "backend", "nproc")}
-    settings_record["timing"] = "cuda_events" if settings.device == "cuda" else "host_clock"
-    settings_record["iteration_rule"] = ITERATION_RULE
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "collective": COLLECTIVE,
-        "dtype": "float32",
-        "op": "sum",
-        "in_place": True,
-        "world_size": world_size,
-        "backend": settings.backend,
-        "device_type": settings.device,
-        "machine": measured["machine"],
-        "settings": settings_record,
-        "rows": rows,
-        "bus_factor": bus_factor(COLLECTIVE, world_size),
-        **summarize_rows(rows),
-        "duration_s": time.monotonic() - started,
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# Reporting
-# ---------------------------------------------------------------------------------------
-def summary_line(report: dict[str, Any]) -> str:
-    """``peak busbw 1.83 GB/s at 64 MiB; small-message latency 312.4 us (1 KiB); 0 wrong; 19 sizes in 12.3 s``."""
-    line = (
-        f"peak busbw {report['peak_busbw_gbps']:.2f} GB/s at {format_size(report['peak_busbw_bytes'])}; "
-        f"small-message latency {report['latency_us']:,.1f} µs ({format_size(report['latency_bytes'])}); "
-        f"{report['wrong_total']} wrong; {len(report['rows'])} sizes in {report['duration_s']:.1f} s"
-    )
-    if report["world_size"] == 1:
-        line += " (one process: nothing crosses a link, so busbw is 0 by definition)"
-    return line
-
-
-def print_report(report: dict[str, Any], *, console: Any = None) -> None:
-    """The nccl-tests-like table, then the one-line summary."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 120)  # piped to a log: don't squeeze the table into 80 columns
-    machine = report["machine"]
-    title = f"all_reduce (float32, sum, in place): {report['world_size']} ranks, {report['backend']}, {report['device_type']}"
-    notes = (
-        f"time: slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × {report['bus_factor']:.2f}"
-        f" · GB/s = 10^9 B/s · torch {machine.get('torch')}, {machine.get('device_name')}"
-    )
-    table = Table(title=title)
-    for index, column in enumerate(("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    for row in report["rows"]:
-        table.add_row(
-            format_size(row["bytes"]),
-            f"{row['count']:,}",
-            str(row["iters"]),
-            f"{row['time_us']:,.1f}",
-            f"{row['algbw_gbps']:.2f}",
-            f"{row['busbw_gbps']:.2f}",
-            str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
-        )
-    console.print(table)
-    console.print(notes, style="dim", highlight=False, soft_wrap=True)
-    style = "bold" if report["wrong_total"] == 0 else "bold red"
-    console.print(summary_line(report), style=style, highlight=False, soft_wrap=True)
-
-
 def write_report(report: dict[str, Any], path: os.PathLike[str] | str) -> Path:
     """Write the report as JSON (parents created; via a temporary file, so never half a file)."""
     target = Path(path)
@@ -659,21 +368,19 @@ def load_report(path: os.PathLike[str] | str) -> dict[str, Any]:
 
 
 __all__ = [
-    "BenchCommError",
+    "GiB",
+    "KiB",
+    "MiB",
+    "SCHEMA_VERSION",
     "SweepSettings",
     "count_wrong",
     "fill_check_pattern",
     "format_size",
-    "launch_workers",
     "load_report",
     "measure_size",
     "message_sizes",
-    "parse_size",
-    "print_report",
-    "run_sweep",
     "size_row",
     "summarize_rows",
-    "summary_line",
     "time_iterations",
     "timed_iterations",
     "warmup_iterations",

@@ -1,0 +1,236 @@
+"""Runs the all_reduce benchmark: starts the worker processes, meets them on a loopback store, never hangs.
+
+:func:`run_sweep` starts ``settings.nproc`` workers with ``torch.multiprocessing`` (spawn), one
+per GPU on CUDA. They meet through a ``TCPStore`` that the launching process serves on
+127.0.0.1 with a port the OS picks, and gloo / NCCL are pinned to the loopback interface.
+Each worker measures every size (:func:`lightning_mgpu.comm.allreduce_bench.measure_size`);
+rank 0 writes the rows, and the launching process assembles the report (the JSON schema in
+:mod:`lightning_mgpu.comm.allreduce_bench`). :func:`launch_workers` stops every worker as
+soon as one dies or the deadline passes, and names the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from lightning_mgpu.comm.allreduce_bench import (
+    COLLECTIVE,
+    ITERATION_RULE,
+    SCHEMA_VERSION,
+    SweepSettings,
+    format_size,
+    measure_size,
+    size_row,
+    summarize_rows,
+    timed_iterations,
+    warmup_iterations,
+)
+from lightning_mgpu.comm.bandwidth import bus_factor
+from lightning_mgpu.comm.distributed import LOOPBACK, loopback_store, pin_backend_to_loopback
+
+STOP_GRACE_S = 5.0
+
+
+class BenchCommError(RuntimeError):
+    """The sweep could not finish: a worker died, timed out, or left no result. ``details``: a worker's traceback."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+# ---------------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------------
+def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, Any]:
+    from lightning_mgpu import __version__
+
+    facts: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "lightning_mgpu": __version__,
+        "device_name": platform.processor() or platform.machine(),
+        "cuda": None,
+        "nccl": None,
+        "gpu_count": 0,
+        # Other work on the machine shows up in CPU numbers; this says how much there was.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        facts["device_name"] = torch.cuda.get_device_name(device)
+        facts["cuda"] = torch.version.cuda
+        facts["gpu_count"] = torch.cuda.device_count()
+        if settings.backend == "nccl":
+            version = torch.cuda.nccl.version()  # (major, minor, patch); a plain int in old torch builds
+            facts["nccl"] = ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+    return facts
+
+
+def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_path: str, progress: bool) -> None:
+    world_size = int(settings.nproc or 1)
+    pin_backend_to_loopback(str(settings.backend))  # gloo and NCCL open sockets of their own besides the store's
+    if settings.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the cores; more intra-op threads than that only fight over them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    timeout = timedelta(seconds=settings.timeout_s)
+    store = loopback_store(LOOPBACK, store_port, None, is_master=False, timeout=timeout)
+    device_id = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, **device_id
+    )
+    try:
+        rows = []
+        for nbytes in settings.sizes:
+            iters = timed_iterations(nbytes, settings.iters)
+            warmup = warmup_iterations(nbytes, settings.warmup)
+            seconds, wrong = measure_size(
+                nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device
+            )
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, (seconds, wrong))  # outside the timed batch
+            row = size_row(
+                nbytes, [item[0] for item in gathered], [item[1] for item in gathered], iters=iters, warmup=warmup
+            )
+            rows.append(row)
+            if progress and rank == 0:
+                print(
+                    f"bench-comm: {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
+                    f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if rank == 0:
+            payload = {"machine": _machine_facts(settings, device), "rows": rows}
+            partial = Path(result_path + ".partial")
+            partial.write_text(json.dumps(payload))
+            partial.replace(result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# Launching
+# ---------------------------------------------------------------------------------------
+def _stop(processes: Sequence[Any], grace_s: float) -> None:
+    """SIGTERM whatever still runs, SIGKILL what ignores it (a rank stuck inside a collective may)."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+def launch_workers(
+    worker: Callable[..., None], args: tuple[Any, ...], *, nproc: int, timeout_s: float, grace_s: float = STOP_GRACE_S
+) -> None:
+    """Run ``worker(rank, *args)`` in ``nproc`` spawned processes; return when all succeeded.
+
+    Raises :class:`BenchCommError` naming the rank as soon as one fails (the others are
+    stopped), or when they are not all done within ``timeout_s`` (all are stopped).
+    ``worker`` must be importable by the children (defined at a module's top level).
+    """
+    context = torch_mp.start_processes(worker, args=args, nprocs=nproc, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                raise BenchCommError(
+                    f"did not finish within --timeout {timeout_s:g} s; stopped rank(s) {running}, which were still "
+                    "running (a rank stuck in a collective, or a machine too busy: raise --timeout or lower --max-bytes)"
+                )
+            try:
+                if context.join(timeout=min(remaining, 1.0), grace_period=grace_s):
+                    return
+            except torch_mp.ProcessRaisedException as exc:
+                raise BenchCommError(
+                    f"rank {exc.error_index} (pid {exc.error_pid}) failed: {_last_line(exc.msg)}", details=exc.msg.strip()
+                ) from None
+            except torch_mp.ProcessExitedException as exc:
+                how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+                raise BenchCommError(
+                    f"rank {exc.error_index} (pid {exc.error_pid}) {how} without a Python error "
+                    "(out of memory? a crash inside the backend?); the other ranks were stopped"
+                ) from None
+    finally:
+        _stop(context.processes, grace_s)
+
+
+def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, Any]:
+    """Run the sweep in ``settings.nproc`` fresh processes and return the report.
+
+    The report follows the JSON schema in :mod:`lightning_mgpu.comm.allreduce_bench`.
+    """
+    started = time.monotonic()
+    # The rendezvous store lives here, in the launching process, on a port the OS picks:
+    # no window in which another program could take a port we chose in advance, and its
+    # socket listens on 127.0.0.1 only (TCPStore binds every interface when it makes its own).
+    store = loopback_store(
+        LOOPBACK, 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s)
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-comm-") as workdir:
+        result_path = os.path.join(workdir, "rank0.json")
+        launch_workers(
+            _sweep_worker,
+            (settings, store.port, result_path, progress),
+            nproc=int(settings.nproc or 1),
+            timeout_s=settings.timeout_s,
+        )
+        if not os.path.exists(result_path):
+            raise BenchCommError("the workers finished but rank 0 wrote no result")
+        measured = json.loads(Path(result_path).read_text())
+    del store
+    world_size = int(settings.nproc or 1)
+    rows = measured["rows"]
+    settings_record = {key: value for key, value in asdict(settings).items() if key not in ("device", "backend", "nproc")}
+    settings_record["timing"] = "cuda_events" if settings.device == "cuda" else "host_clock"
+    settings_record["iteration_rule"] = ITERATION_RULE
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "collective": COLLECTIVE,
+        "dtype": "float32",
+        "op": "sum",
+        "in_place": True,
+        "world_size": world_size,
+        "backend": settings.backend,
+        "device_type": settings.device,
+        "machine": measured["machine"],
+        "settings": settings_record,
+        "rows": rows,
+        "bus_factor": bus_factor(COLLECTIVE, world_size),
+        **summarize_rows(rows),
+        "duration_s": time.monotonic() - started,
+    }
+
+
+__all__ = ["BenchCommError", "launch_workers", "run_sweep"]
