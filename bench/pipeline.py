@@ -44,7 +44,7 @@ from torch import nn
 from bench.common import machine_facts, print_table, write_json
 from bench.allocator import retain_freed_memory
 from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import make_plan
+from lightning_mgpu.placement.plan import plan_stages
 from lightning_mgpu.placement.profile import profile_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def make_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
 def split(model: nn.Sequential, sample: torch.Tensor, microbatches: int) -> tuple[list[int], Any]:
     torch.set_num_threads(1)
     micro = sample[: max(1, sample.shape[0] // microbatches)]
-    plan = make_plan(
+    plan = plan_stages(
         profile_layers(model, micro, repeats=3, warmup=1), ["cpu"] * STAGES, "time", microbatches=microbatches
     )
     return plan.sizes, plan

@@ -15,7 +15,7 @@ from lightning_mgpu._compat.torch import (
     is_batchnorm,
     module_has_hooks,
 )
-from lightning_mgpu.placement import LayerCost, PlacementPlan, make_plan, profile_layers
+from lightning_mgpu.placement import LayerCost, PlacementPlan, plan_stages, profile_layers
 from bench.allocator import retain_freed_memory
 from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
 from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
@@ -195,15 +195,15 @@ def _costs(times: list[float], params: list[int]) -> list[LayerCost]:
 
 def test_plan_balances_by_each_mode_and_reports_efficiency() -> None:
     layers = _costs([1, 1, 1, 1, 4], [100, 100, 100, 100, 1])
-    by_time = make_plan(layers, ["cuda:0", "cuda:1"], "time", microbatches=8)
+    by_time = plan_stages(layers, ["cuda:0", "cuda:1"], "time", microbatches=8)
     assert by_time.sizes == [4, 1] and by_time.stage_time_ms == pytest.approx([4, 4])
     assert by_time.balance_efficiency == pytest.approx(1.0)
     assert by_time.bubble_efficiency == pytest.approx(8 / 9)
     assert by_time.ideal_speedup == pytest.approx(2 * 8 / 9)
-    by_params = make_plan(layers, ["cuda:0", "cuda:1"], "params")
+    by_params = plan_stages(layers, ["cuda:0", "cuda:1"], "params")
     assert by_params.sizes == [2, 3] and by_params.stage_params == [200, 201]
     assert by_params.bottleneck_stage == 1
-    given = make_plan(layers, ["a", "b"], [1, 4])
+    given = plan_stages(layers, ["a", "b"], [1, 4])
     assert given.sizes == [1, 4] and given.balance == [1, 4]
     text = str(by_time)
     assert "cuda:0" in text and "0-3" in text and "ideal efficiency" in text
@@ -215,19 +215,28 @@ def test_plan_balances_by_each_mode_and_reports_efficiency() -> None:
 def test_plan_errors_name_the_problem() -> None:
     layers = _costs([1, 2, 3], [1, 1, 1])
     with pytest.raises(ValueError, match="balance must be one of"):
-        make_plan(layers, ["a", "b"], "speed")
+        plan_stages(layers, ["a", "b"], "speed")
     with pytest.raises(ValueError, match=r"adds up to 4 layers but the split module has 3"):
-        make_plan(layers, ["a", "b"], [2, 2])
+        plan_stages(layers, ["a", "b"], [2, 2])
     with pytest.raises(ValueError, match="has 3 stage sizes but there are 2 devices"):
-        make_plan(layers, ["a", "b"], [1, 1, 1])
+        plan_stages(layers, ["a", "b"], [1, 1, 1])
     with pytest.raises(ValueError, match="every stage size must be an integer >= 1"):
-        make_plan(layers, ["a", "b"], [3, 0])
+        plan_stages(layers, ["a", "b"], [3, 0])
     with pytest.raises(ValueError, match="cannot split 3 layers over 4 devices"):
-        make_plan(layers, ["a", "b", "c", "d"], "time")
+        plan_stages(layers, ["a", "b", "c", "d"], "time")
     with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
-        make_plan(layers, ["a"], "time", microbatches=0)
+        plan_stages(layers, ["a"], "time", microbatches=0)
     with pytest.raises(ValueError, match="memory"):  # every layer needs 116 bytes; 50 per device cannot hold one
-        make_plan(layers, ["a", "b"], "time", capacity=[50, 50])
+        plan_stages(layers, ["a", "b"], "time", capacity=[50, 50])
+
+
+def test_make_plan_is_a_deprecated_name_of_plan_stages() -> None:
+    from lightning_mgpu.placement import make_plan
+
+    layers = _costs([1, 1, 1, 1, 4], [100, 100, 100, 100, 1])
+    with pytest.warns(DeprecationWarning, match="plan_stages"):
+        old = make_plan(layers, ["a", "b"], "time", microbatches=2)
+    assert old.as_dict() == plan_stages(layers, ["a", "b"], "time", microbatches=2).as_dict()
 
 
 def test_retain_freed_memory_applies_on_glibc() -> None:

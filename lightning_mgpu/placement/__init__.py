@@ -6,7 +6,7 @@ planner can run anywhere, e.g. in ``lightning-mgpu plan`` before any device is t
 
 from lightning_mgpu.placement.partition import partition
 
-__all__ = ["LayerCost", "PlacementPlan", "make_plan", "partition", "profile_layers"]
+__all__ = ["LayerCost", "PlacementPlan", "make_plan", "partition", "plan_stages", "profile_layers"]
 
 
 def __getattr__(name: str):  # the torch-dependent parts load on first use
@@ -14,7 +14,7 @@ def __getattr__(name: str):  # the torch-dependent parts load on first use
         from lightning_mgpu.placement import profile
 
         return getattr(profile, name)
-    if name in ("PlacementPlan", "make_plan"):
+    if name in ("PlacementPlan", "plan_stages", "make_plan"):  # make_plan: deprecated name of plan_stages
         from lightning_mgpu.placement import plan
 
         return getattr(plan, name)

@@ -1,6 +1,6 @@
 """``PlacementPlan``: which layers run on which device, and what that is expected to cost.
 
-:func:`make_plan` turns per-layer costs (from :func:`~lightning_mgpu.placement.profile.profile_layers`)
+:func:`plan_stages` turns per-layer costs (from :func:`~lightning_mgpu.placement.profile.profile_layers`)
 into a plan with :func:`~lightning_mgpu.placement.partition.partition`:
 
 * ``balance="time"``: minimise the slowest stage's forward+backward time (the pipeline's pace);
@@ -24,14 +24,16 @@ in it: measured figures are below these (``bench/pipeline.py``).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from lightning_mgpu._checks import check_int
 from lightning_mgpu.placement.partition import partition
 from lightning_mgpu.placement.profile import LayerCost
 
-__all__ = ["BALANCE_MODES", "PlacementPlan", "check_sizes", "make_plan"]
+__all__ = ["BALANCE_MODES", "PlacementPlan", "check_sizes", "make_plan", "plan_stages"]
 
 BALANCE_MODES = ("time", "memory", "params")
 
@@ -50,7 +52,9 @@ class PlacementPlan:
         if len(self.devices) != len(self.sizes):
             raise ValueError(f"a plan needs one size per device: {len(self.devices)} devices, {len(self.sizes)} sizes")
         if self.layers and sum(self.sizes) != len(self.layers):
-            raise ValueError(f"stage sizes {self.sizes} add up to {sum(self.sizes)}, not to the {len(self.layers)} layers")
+            raise ValueError(
+                f"stage sizes {self.sizes} add up to {sum(self.sizes)}, not to the {len(self.layers)} layers"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -173,7 +177,9 @@ class PlacementPlan:
         return rows
 
     def summary_line(self) -> str:
-        text = f"{self.num_stages} stages, sizes {self.sizes}, balance={self.balance!r}, microbatches={self.microbatches}"
+        text = (
+            f"{self.num_stages} stages, sizes {self.sizes}, balance={self.balance!r}, microbatches={self.microbatches}"
+        )
         if self.ideal_efficiency is not None:
             text += (
                 f"; bottleneck stage {self.bottleneck_stage} ({max(self.stage_time_ms):.3g} ms/micro-batch); "
@@ -214,13 +220,15 @@ def check_sizes(sizes: object, num_layers: Optional[int], num_stages: int, *, na
     if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in values):
         raise ValueError(f"{name}={values!r}: every stage size must be an integer >= 1 (each stage needs a layer)")
     if len(values) != num_stages:
-        raise ValueError(f"{name}={values!r} has {len(values)} stage sizes but there are {num_stages} devices per replica")
+        raise ValueError(
+            f"{name}={values!r} has {len(values)} stage sizes but there are {num_stages} devices per replica"
+        )
     if num_layers is not None and sum(values) != num_layers:
         raise ValueError(f"{name}={values!r} adds up to {sum(values)} layers but the split module has {num_layers}")
     return values
 
 
-def make_plan(
+def plan_stages(
     layers: Sequence[LayerCost],
     devices: Sequence[Any],
     balance: Union[str, Sequence[int]] = "time",
@@ -232,13 +240,12 @@ def make_plan(
     layers = list(layers)
     device_names = [str(device) for device in devices]
     if not device_names:
-        raise ValueError("make_plan needs at least one device")
+        raise ValueError("plan_stages needs at least one device")
     if len(layers) < len(device_names):
         raise ValueError(
             f"cannot split {len(layers)} layers over {len(device_names)} devices: every stage needs at least one layer"
         )
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    check_int("microbatches", microbatches)
     if isinstance(balance, str):
         if balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
@@ -256,6 +263,16 @@ def make_plan(
         sizes = check_sizes(balance, len(layers), len(device_names))
         chosen = list(sizes)
     return PlacementPlan(devices=device_names, sizes=sizes, balance=chosen, microbatches=microbatches, layers=layers)
+
+
+def make_plan(*args: Any, **kwargs: Any) -> PlacementPlan:
+    """Deprecated name of :func:`plan_stages` (it clashed with ``lightning_mgpu.tuning.plan.make_plan``)."""
+    warnings.warn(
+        "lightning_mgpu.placement.make_plan is deprecated: call lightning_mgpu.placement.plan_stages (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return plan_stages(*args, **kwargs)
 
 
 def _bytes(value: int) -> str:

@@ -34,6 +34,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from lightning_mgpu._checks import check_int, check_real
+
 __all__ = ["LayerCost", "profile_layers"]
 
 
@@ -92,15 +94,21 @@ def profile_layers(
     if len(layers) == 0:
         raise ValueError("profile_layers got an empty nn.Sequential: there is nothing to place")
     if not isinstance(sample, torch.Tensor):
-        raise TypeError(f"sample must be a torch.Tensor (one micro-batch of the sequential's input), got {type(sample).__name__}")
-    for name, value in (("repeats", repeats), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
-            raise ValueError(f"{name} must be an integer >= {1 if name == 'repeats' else 0}, got {value!r}")
-    if not isinstance(optimizer_state_factor, (int, float)) or not optimizer_state_factor >= 0:
+        raise TypeError(
+            f"sample must be a torch.Tensor (one micro-batch of the sequential's input), got {type(sample).__name__}"
+        )
+    check_int("repeats", repeats, minimum=1)
+    check_int("warmup", warmup, minimum=0)
+    factor = check_real("optimizer_state_factor", optimizer_state_factor, what="a number >= 0")
+    if factor < 0:
         raise ValueError(f"optimizer_state_factor must be a number >= 0, got {optimizer_state_factor!r}")
 
     homes = [_home_device(layer) for layer in layers]
-    target = torch.device(device) if device is not None else (next((h for h in homes if h is not None), None) or sample.device)
+    target = (
+        torch.device(device)
+        if device is not None
+        else (next((h for h in homes if h is not None), None) or sample.device)
+    )
     costs: list[LayerCost] = []
     x = sample.detach().to(target)
     try:
