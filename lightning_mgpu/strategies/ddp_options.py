@@ -11,12 +11,18 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from typing import Any, Optional
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu._checks import check_int
 from lightning_mgpu._compat.torch import DDP_DEFAULT_BUCKET_CAP_MB, DDP_DEFAULT_FIRST_BUCKET_BYTES
+from lightning_mgpu.comm.compression import COMPRESSIONS
+from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.plan import TuningSettings
 
 MIB = 1024 * 1024
 MAX_SIZE_MB = float(2**40)
@@ -51,6 +57,7 @@ __all__ = [
     "bucket_kwargs",
     "check_backend",
     "check_ddp_kwargs",
+    "check_options",
     "check_size_mb",
     "first_cap_for",
 ]
@@ -125,3 +132,91 @@ def bucket_kwargs(*, cap: Optional[float], given_first: Optional[float]) -> dict
     # DDP fills bucket 0 up to the first cap, every later one up to the last cap.
     first = first_cap_for(in_force, given_cap=cap, given_first=given_first)
     return {"bucket_cap_mb_list": [first, in_force]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunedOptions:
+    """``TunedDDPStrategy``'s own arguments after their checks."""
+
+    bucket_cap_mb: Optional[float]
+    """None: DDP's default (also for "auto" until it decides)."""
+    first_bucket_cap_mb: Optional[float]
+    compression: Optional[str]
+    powersgd_rank: int
+    powersgd_start_iter: int
+    tuning: Optional[TuningSettings]
+    """The search's settings with ``bucket_cap_mb="auto"``, else None."""
+
+
+def check_options(
+    *,
+    bucket_cap_mb: object,
+    first_bucket_cap_mb: object,
+    compression: object,
+    powersgd_rank: object,
+    powersgd_start_iter: object,
+    tune_steps: Optional[int],
+    tune_candidates: Optional[Sequence[float]],
+    tune_rounds: int,
+    ddp_comm_hook: object,
+    ddp_comm_wrapper: object,
+    model_averaging_period: object,
+    process_group_backend: object,
+    timeout: object,
+    start_method: object,
+    ddp_kwargs: dict[str, Any],
+) -> TunedOptions:
+    """Check every argument of ``TunedDDPStrategy`` (``ValueError`` naming the first bad one)."""
+    auto = isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto"
+    cap = None if auto else check_size_mb("bucket_cap_mb", bucket_cap_mb, auto=True)
+    first = check_size_mb("first_bucket_cap_mb", first_bucket_cap_mb)
+    tuning = None
+    if auto:
+        tuning = TuningSettings(
+            candidates_mb=DEFAULT_GRID_MB if tune_candidates is None else tune_candidates,  # type: ignore[arg-type]
+            steps=tune_steps,
+            rounds=tune_rounds,
+        )
+    else:
+        given = {"tune_steps": (tune_steps, None), "tune_candidates": (tune_candidates, None), "tune_rounds": (tune_rounds, 2)}
+        for name, (value, default) in given.items():
+            if value is not default and (default is None or value != default):
+                raise ValueError(
+                    f"{name}={value!r} applies only to bucket_cap_mb='auto' (got bucket_cap_mb={bucket_cap_mb!r}); "
+                    f"pass TunedDDPStrategy(bucket_cap_mb='auto', {name}=...) or leave {name} out."
+                )
+    if cap is not None and first is not None and first > cap:
+        raise ValueError(
+            f"first_bucket_cap_mb ({first:g}) must not exceed bucket_cap_mb "
+            f"({cap:g}): the first bucket exists to start communication early."
+        )
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if compression is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
+        raise ValueError(
+            f"compression={compression!r} registers its own communication hook; pass either compression= or "
+            "ddp_comm_hook=/ddp_comm_wrapper=, not both."
+        )
+    rank = check_int("powersgd_rank", powersgd_rank, minimum=1)
+    start_iter = check_int(
+        "powersgd_start_iter", powersgd_start_iter, minimum=2, why=" (DDP rebuilds its buckets during the first step)"
+    )
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+    check_backend(process_group_backend)
+    for name, hook in (("ddp_comm_hook", ddp_comm_hook), ("ddp_comm_wrapper", ddp_comm_wrapper)):
+        if hook is not None and not callable(hook):
+            raise ValueError(f"{name} must be a callable (a DDP communication hook) or None, got {hook!r}")
+    if model_averaging_period is not None:
+        check_int("model_averaging_period", model_averaging_period, minimum=1)
+    check_ddp_kwargs(ddp_kwargs)
+    return TunedOptions(
+        bucket_cap_mb=cap,
+        first_bucket_cap_mb=first,
+        compression=compression,  # type: ignore[arg-type]
+        powersgd_rank=rank,
+        powersgd_start_iter=start_iter,
+        tuning=tuning,
+    )

@@ -11,7 +11,7 @@ What is split: one ``nn.Sequential`` of the LightningModule (``split_module``, d
 its only ``nn.Sequential`` child). Everything else stays on the replica's first device,
 where Lightning also puts the batch; the pipelined module returns its output there, so
 the loss code does not change. The split is planned by
-:func:`~lightning_mgpu.placement.plan.make_plan` (``balance``) from per-layer costs measured
+:func:`~lightning_mgpu.placement.plan.plan_stages` (``balance``) from per-layer costs measured
 by :func:`~lightning_mgpu.placement.profile.profile_layers` on one micro-batch of a sample
 (``sample_input``, else the module's ``example_input_array`` pushed through the model; with
 neither, ``"time"``/``"memory"`` fall back to ``"params"`` with a warning). Rank 0 plans
@@ -47,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
-from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, make_plan
+from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
 from lightning_mgpu.placement.profile import LayerCost, profile_layers
 from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata, is_batchnorm
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
@@ -336,7 +336,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
             micro = None if sample is None else sample[: max(1, -(-sample.shape[0] // self._microbatches))]
             layers = profile_layers(seq, micro, device=self.root_device) if micro is not None else _static_costs(seq)
             capacity = [_capacity(device) for device in devices]
-            plan = make_plan(layers, devices, balance, microbatches=self._microbatches, capacity=capacity)
+            plan = plan_stages(layers, devices, balance, microbatches=self._microbatches, capacity=capacity)
             sizes = plan.sizes
         payload = self.broadcast({"sizes": sizes, "balance": balance, "layers": [c.as_dict() for c in layers]}, src=0)
         return PlacementPlan(

@@ -27,7 +27,6 @@ re-wrapping (``rewrap``), checkpoint state (``checkpoint_state``) and failure no
 from __future__ import annotations
 
 import gc
-import math
 import sys
 import warnings
 from datetime import timedelta
@@ -45,9 +44,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType, in_accumulation_window
-from lightning_mgpu._checks import check_int
 from lightning_mgpu.comm import powersgd_memory
-from lightning_mgpu.comm.compression import COMPRESSIONS, resolve_compression
+from lightning_mgpu.comm.compression import resolve_compression
 from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.checkpoint_state import (
@@ -61,20 +59,16 @@ from lightning_mgpu.strategies.ddp_options import (
     DDP_DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
     MIB,
-    START_METHODS,
     SUPPORTS_INIT_SYNC,
     bucket_kwargs,
-    check_backend,
-    check_ddp_kwargs,
-    check_size_mb,
+    check_options,
     first_cap_for,
 )
+from lightning_mgpu.strategies.auto_buckets import AutoBucketDriver
 from lightning_mgpu.strategies.launchers import checked_launcher
 from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous_store
 from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
-from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
-from lightning_mgpu.tuning.plan import TuningSettings
-from lightning_mgpu.tuning.tuner import DONE, FINAL_STATES, RESUMED, WAITING, BucketTuner, LocalComm, TorchComm, host_clock
+from lightning_mgpu.tuning.tuner import BucketTuner
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -168,57 +162,34 @@ class TunedDDPStrategy(DDPStrategyBase):
         tune_rounds: int = 2,
         **kwargs: Any,
     ) -> None:
-        self._auto = isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto"
-        self._bucket_cap_mb = None if self._auto else check_size_mb("bucket_cap_mb", bucket_cap_mb, auto=True)
-        self._first_bucket_cap_mb = check_size_mb("first_bucket_cap_mb", first_bucket_cap_mb)
-        self._tuner: Optional[BucketTuner] = None
-        if self._auto:
-            settings = TuningSettings(
-                candidates_mb=DEFAULT_GRID_MB if tune_candidates is None else tune_candidates,  # type: ignore[arg-type]
-                steps=tune_steps,
-                rounds=tune_rounds,
-            )
-            self._tuner = BucketTuner(settings, default_mb=DDP_DEFAULT_BUCKET_CAP_MB, first_cap_for=self._first_cap_for)
-        else:
-            given = {"tune_steps": (tune_steps, None), "tune_candidates": (tune_candidates, None), "tune_rounds": (tune_rounds, 2)}
-            for name, (value, default) in given.items():
-                if value is not default and (default is None or value != default):
-                    raise ValueError(
-                        f"{name}={value!r} applies only to bucket_cap_mb='auto' (got bucket_cap_mb={bucket_cap_mb!r}); "
-                        f"pass TunedDDPStrategy(bucket_cap_mb='auto', {name}=...) or leave {name} out."
-                    )
-        if (
-            self._bucket_cap_mb is not None
-            and self._first_bucket_cap_mb is not None
-            and self._first_bucket_cap_mb > self._bucket_cap_mb
-        ):
-            raise ValueError(
-                f"first_bucket_cap_mb ({self._first_bucket_cap_mb:g}) must not exceed bucket_cap_mb "
-                f"({self._bucket_cap_mb:g}): the first bucket exists to start communication early."
-            )
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        if compression is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
-            raise ValueError(
-                f"compression={compression!r} registers its own communication hook; pass either compression= or "
-                "ddp_comm_hook=/ddp_comm_wrapper=, not both."
-            )
-        self._compression = compression
-        self._powersgd_rank = check_int("powersgd_rank", powersgd_rank, minimum=1)
-        self._powersgd_start_iter = check_int(
-            "powersgd_start_iter", powersgd_start_iter, minimum=2, why=" (DDP rebuilds its buckets during the first step)"
+        options = check_options(
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            compression=compression,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+            tune_steps=tune_steps,
+            tune_candidates=tune_candidates,
+            tune_rounds=tune_rounds,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            ddp_kwargs=kwargs,
         )
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
-        check_backend(process_group_backend)
-        for name, hook in (("ddp_comm_hook", ddp_comm_hook), ("ddp_comm_wrapper", ddp_comm_wrapper)):
-            if hook is not None and not callable(hook):
-                raise ValueError(f"{name} must be a callable (a DDP communication hook) or None, got {hook!r}")
-        if model_averaging_period is not None:
-            check_int("model_averaging_period", model_averaging_period, minimum=1)
-        check_ddp_kwargs(kwargs)
+        self._auto = options.tuning is not None
+        self._bucket_cap_mb = options.bucket_cap_mb
+        self._first_bucket_cap_mb = options.first_bucket_cap_mb
+        self._compression = options.compression
+        self._powersgd_rank = options.powersgd_rank
+        self._powersgd_start_iter = options.powersgd_start_iter
+        self._tuner: Optional[BucketTuner] = None
+        self._sizer: Optional[AutoBucketDriver] = None
+        if options.tuning is not None:
+            self._tuner = BucketTuner(options.tuning, default_mb=DDP_DEFAULT_BUCKET_CAP_MB, first_cap_for=self._first_cap_for)
+            self._sizer = AutoBucketDriver(self._tuner, owner=type(self).__name__, rewrap=self._rewrap)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -237,7 +208,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         self._wire_dtype: Optional[torch.dtype] = None
         self._hooks = HookChain()
         self._pending_powersgd: Optional[dict[str, Any]] = None
-        self._at_step_boundary = True
         self.rewraps: list[dict[str, Any]] = []
         """Every re-wrap of this fit (``bucket_cap_mb="auto"``): global step, batch, new size."""
 
@@ -481,50 +451,20 @@ class TunedDDPStrategy(DDPStrategyBase):
         super().pre_backward(closure_loss)
         self._hooks.prescale(closure_loss)
 
-    # ------------------------------------------------------------------ bucket-size tuning
+    # ------------------------------------------------------------------ bucket-size tuning (strategies/auto_buckets.py)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._at_step_boundary = True
         self.rewraps = []
-        tuner = self._tuner
-        if tuner is None or tuner.status != WAITING:
-            if tuner is not None and tuner.status == RESUMED:
-                rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
-            return
-        module = self.lightning_module
-        assert module is not None
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        tuner.comm = TorchComm(self.root_device) if distributed else LocalComm()
-        tuner.clock = host_clock(self.root_device)
-        if not isinstance(self.model, DistributedDataParallel):
-            tuner.skip(f"the model is wrapped in {type(self.model).__name__}, not DistributedDataParallel")
-        elif not module.automatic_optimization:
-            tuner.skip("manual optimization: the strategy cannot tell where an optimizer step ends")
-        else:
-            tuner.begin([param for _, param in reducer_named_params(self.model)], remaining_steps=self._steps_left())
-        if tuner.status in FINAL_STATES:
-            rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
-
-    def _steps_left(self) -> Optional[float]:
-        """Optimizer steps this fit still has to run (None: unknown, e.g. an endless loader)."""
-        module = self.lightning_module
-        assert module is not None
-        trainer = module.trainer
-        try:
-            total = float(trainer.estimated_stepping_batches)
-        except Exception:  # Lightning cannot tell (no length, no max_steps): assume a long run
-            return None
-        return None if math.isinf(total) else total - trainer.global_step
+        if self._sizer is not None:
+            self._sizer.on_train_start(self)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._at_step_boundary:  # the first batch of an optimizer step (of an accumulation window)
-            self._at_step_boundary = False
-            if self._tuner is not None and self._tuner.active:
-                self._tuner.window_start()
+        if self._sizer is not None:
+            self._sizer.on_train_batch_start()
 
     @override
     def optimizer_step(
@@ -535,21 +475,9 @@ class TunedDDPStrategy(DDPStrategyBase):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._at_step_boundary = True
-        tuner = self._tuner
-        if tuner is not None and tuner.active:
-            # Every rank is here after the same step, with no gradient half-accumulated:
-            # the one place where the layout may change.
-            size = tuner.step_end(self._built_bucket_bytes)
-            if size is not None:
-                self._rewrap(size)
-            if not tuner.active:
-                self._report_tuning()
+        if self._sizer is not None:
+            self._sizer.after_optimizer_step(self)
         return output
-
-    def _built_bucket_bytes(self) -> Optional[tuple[int, ...]]:
-        layout = self.bucket_layout
-        return None if layout is None else tuple(b.bytes for b in layout)
 
     def _rewrap(self, bucket_cap_mb: float) -> None:
         """Wrap the LightningModule in a new DDP with ``bucket_cap_mb``, hooks carried over."""
@@ -592,25 +520,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         extra = {"init_sync": False} if SUPPORTS_INIT_SYNC else {}
         self.model = replace_ddp_wrapper(old, lambda: self.wrap_model(module, **extra))
         self.register_comm_hooks()
-
-    def _report_tuning(self) -> None:
-        tuner = self._tuner
-        assert tuner is not None
-        rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
-        module = self.lightning_module
-        if tuner.status != DONE or module is None or not self.is_global_zero:
-            return
-        metrics: dict[str, float] = {"tuning/bucket_cap_mb": self.bucket_cap_mb}
-        index = tuner.chosen_index
-        if index is not None:
-            metrics["tuning/step_ms"] = tuner.results[index].step_ms
-            default = next((r for r in tuner.results if r.candidate.is_default), None)
-            if default is not None:
-                metrics["tuning/default_step_ms"] = default.step_ms
-        if tuner.gain is not None:
-            metrics["tuning/gain_vs_default"] = tuner.gain
-        for logger in module.trainer.loggers:
-            logger.log_metrics(metrics, step=module.trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -701,10 +610,8 @@ class TunedDDPStrategy(DDPStrategyBase):
 
     @override
     def teardown(self) -> None:
-        tuner = self._tuner
-        if tuner is not None and tuner.active:  # the fit ended (or failed) before the search did
-            tuner.abandon(f"the fit ended after {tuner.steps_taken} tuning step(s)")
-            rank_zero_info(f"{type(self).__name__}: {tuner.summary()}")
+        if self._sizer is not None:
+            self._sizer.teardown()
         layout = self.bucket_layout
         if layout:
             sizes = ", ".join(f"{b.bytes / MIB:.2f}" for b in layout)
