@@ -1,0 +1,61 @@
+"""The two test lanes keep their rules: the fast lane starts no process, every multi-process test has a ceiling.
+
+The rules live in tests/conftest.py; these tests check that they are in force (without
+starting anything) and that ``make test-fast`` leaves out exactly the markers conftest allows
+to start processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pytest
+
+from tests import conftest
+from tests.conftest import PROCESS_MARKERS, REPO, ProcessStartedInFastTest
+
+
+def test_an_unmarked_test_cannot_start_a_process() -> None:
+    with pytest.raises(ProcessStartedInFastTest, match=r"test_lanes\.py::.* mark it @pytest\.mark\.multiprocess"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    with pytest.raises(ProcessStartedInFastTest):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    with pytest.raises(ProcessStartedInFastTest):
+        multiprocessing.get_context("fork").Process(target=print).start()
+    with pytest.raises(ProcessStartedInFastTest):
+        os.system("true")
+
+
+@dataclass
+class _Item:
+    nodeid: str
+    markers: set[str] = field(default_factory=set)
+
+    def get_closest_marker(self, name: str) -> Optional[Any]:
+        return name if name in self.markers else None
+
+
+def test_a_multiprocess_test_without_a_timeout_is_a_collection_error() -> None:
+    items: Any = [
+        _Item("tests/test_x.py::test_ok", {"multiprocess", "timeout"}),
+        _Item("tests/test_x.py::test_in_process"),
+        _Item("tests/test_x.py::test_no_ceiling", {"multiprocess"}),
+    ]
+    with pytest.raises(pytest.UsageError, match=r"1 test\(s\) marked multiprocess have no timeout ceiling") as raised:
+        conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]  (config is unused)
+    assert "tests/test_x.py::test_no_ceiling" in str(raised.value) and "test_ok" not in str(raised.value)
+    conftest.pytest_collection_modifyitems(None, items[:2])  # type: ignore[arg-type]
+
+
+def test_the_fast_lane_leaves_out_exactly_the_markers_that_may_start_processes() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    found = re.search(r"^test-fast:.*\n\t.*-m \"([^\"]+)\"", makefile, flags=re.MULTILINE)
+    assert found, 'Makefile has no test-fast target running pytest -m "..."'
+    excluded = re.findall(r"not (\w+)", found.group(1))
+    assert sorted(excluded) == sorted(PROCESS_MARKERS) and found.group(1) == " and ".join(f"not {m}" for m in excluded)
