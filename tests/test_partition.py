@@ -34,6 +34,7 @@ from lightning_mgpu.placement.partition import stage_costs
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION_FILE = REPO / "lightning_mgpu" / "placement" / "partition.py"
+PARTITION_INPUT_FILE = REPO / "lightning_mgpu" / "placement" / "partition_input.py"
 PLACEMENT_INIT = REPO / "lightning_mgpu" / "placement" / "__init__.py"
 
 Capacity = Union[float, list[float], None]
@@ -343,7 +344,7 @@ def test_capacity_errors_say_what_does_not_fit(memory: list[float], capacity: Ca
 @pytest.mark.multiprocess  # a fresh interpreter proves the module loads without torch
 @pytest.mark.timeout(90)
 def test_partition_module_imports_no_torch() -> None:
-    for path in (PARTITION_FILE, PLACEMENT_INIT):
+    for path in (PARTITION_FILE, PARTITION_INPUT_FILE, PLACEMENT_INIT):
         tree = ast.parse(path.read_text())
         imported = {
             alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
@@ -352,12 +353,15 @@ def test_partition_module_imports_no_torch() -> None:
             path,
             imported,
         )
-    # Loaded on its own (not through the package, whose __init__ registers strategies), it runs without torch.
+    # Loaded without the package's own __init__ (it registers strategies, so it imports Lightning):
+    # an empty stand-in for `lightning_mgpu`, then placement/__init__, partition and partition_input for real.
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('partition', {str(PARTITION_FILE)!r})\n"
-        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
-        "assert module.partition([1, 1, 1, 1, 4], 2) == [4, 1]\n"
+        "import sys, types\n"
+        "package = types.ModuleType('lightning_mgpu')\n"
+        f"package.__path__ = [{str(PARTITION_FILE.parents[1])!r}]\n"
+        "sys.modules['lightning_mgpu'] = package\n"
+        "from lightning_mgpu.placement import partition\n"
+        "assert partition([1, 1, 1, 1, 4], 2) == [4, 1]\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

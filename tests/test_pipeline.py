@@ -160,7 +160,9 @@ def test_profile_counts_bytes_exactly_and_leaves_the_model_untouched() -> None:
     costs = profile_layers(seq, torch.randn(8, 10), repeats=2, warmup=1, optimizer_state_factor=2)
     assert [c.kind for c in costs] == ["Linear", "BatchNorm1d", "ReLU", "Linear"]
     assert [c.param_count for c in costs] == [220, 40, 0, 84]
-    assert costs[0].param_bytes == 220 * 4 and costs[0].grad_bytes == 220 * 4 and costs[0].optimizer_bytes == 2 * 220 * 4
+    assert (
+        costs[0].param_bytes == 220 * 4 and costs[0].grad_bytes == 220 * 4 and costs[0].optimizer_bytes == 2 * 220 * 4
+    )
     assert [c.output_bytes for c in costs] == [8 * 20 * 4, 8 * 20 * 4, 8 * 20 * 4, 8 * 4 * 4]
     assert costs[0].activation_bytes >= 8 * 10 * 4  # Linear saves its input
     assert all(c.forward_ms > 0 and c.backward_ms >= 0 for c in costs)
@@ -470,7 +472,9 @@ def test_frozen_tied_or_hooked_linears_and_autocast_still_give_the_full_batch_gr
         frozen.requires_grad_(False)
         hooked = nn.Linear(8, 8)
         hooked.register_forward_hook(lambda module, args, out: out * 2)
-        return nn.Sequential(nn.Linear(5, 8), tied, UsesWeight(tied.weight), frozen_bias, frozen, hooked, nn.Linear(8, 3))
+        return nn.Sequential(
+            nn.Linear(5, 8), tied, UsesWeight(tied.weight), frozen_bias, frozen, hooked, nn.Linear(8, 3)
+        )
 
     got, want, names = _pipelined_vs_reference(build, torch.randn(12, 5))
     assert "_AccumulatingLinearBackward" in names

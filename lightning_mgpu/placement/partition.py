@@ -1,7 +1,8 @@
 """Split a sequence of layers into ``k`` contiguous pipeline stages with the smallest bottleneck.
 
 Pure algorithm on plain lists of numbers, no torch import (like torchgpipe's
-``balance/blockpartition.py``): the torch-dependent measuring lives in ``profile.py``.
+``balance/blockpartition.py``): the torch-dependent measuring lives in ``profile.py``, the
+checks of the input and its conversion to exact integers in ``partition_input.py``.
 
     >>> partition([1, 1, 1, 1, 4], 2)
     [4, 1]
@@ -77,15 +78,24 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterable, Mapping
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
+
+from lightning_mgpu.placement.partition_input import (
+    INFINITE,
+    Capacity,
+    Number,
+    capacity_units,
+    common_units,
+    cut_costs_of,
+    layer_costs_of,
+    memory_and_capacity,
+    memory_units,
+    numbers_of,
+    show,
+    stage_count,
+)
 
 __all__ = ["partition", "stage_costs"]
-
-Number = Union[int, float]
-Capacity = Union[Number, Sequence[Number]]
-
-_INFINITE = math.inf
 
 
 def partition(
@@ -122,33 +132,20 @@ def partition(
             the fix), and when no split fits the capacities (the message says which layer
             or stage cannot fit and by how much).
     """
-    layer_costs = _numbers("costs", costs, unit_hint="a layer's time, e.g. ms per micro-batch")
-    if not layer_costs:
-        raise ValueError(
-            "costs is empty: there are no layers to partition. Pass one cost per layer, "
-            "e.g. partition([3.0, 1.0, 2.0], 2)"
-        )
+    layer_costs = layer_costs_of(costs)
     num_layers = len(layer_costs)
-    num_stages = _stage_count(k, num_layers)
+    num_stages = stage_count(k, num_layers)
 
-    cut_values: Optional[list[float]] = None
-    if cut_costs is not None:
-        cut_values = _numbers("cut_costs", cut_costs, unit_hint="a transfer time, in costs' unit")
-        if len(cut_values) != num_layers - 1:
-            raise ValueError(
-                f"cut_costs has {_entries(len(cut_values))} but {num_layers} layers have {num_layers - 1} "
-                f"cuts between them: pass len(costs) - 1 = {num_layers - 1} values (cut_costs[i] is the "
-                "cost of cutting between layer i and layer i + 1)"
-            )
+    cut_values = cut_costs_of(cut_costs, num_layers)
 
-    memory_values, capacities = _memory_and_capacity(memory, capacity, num_layers, num_stages)
+    memory_values, capacities = memory_and_capacity(memory, capacity, num_layers, num_stages)
 
-    (cost_units, cut_units), _ = _common_units([layer_costs, cut_values or []])
+    (cost_units, cut_units), _ = common_units([layer_costs, cut_values or []])
     problem = _Problem(
         cost_units,
         cut_units if cut_values is not None else None,
         num_stages,
-        *_memory_units(memory_values, capacities),
+        *memory_units(memory_values, capacities),
     )
     bottleneck = problem.optimum()
     if bottleneck is None:
@@ -172,14 +169,14 @@ def stage_costs(
     >>> stage_costs([1, 2, 3, 4], [2, 2], cut_costs=[0.5, 0.25, 0.5])
     [3.25, 7.25]
     """
-    layer_costs = _numbers("costs", costs, unit_hint="a layer's time")
+    layer_costs = numbers_of("costs", costs, unit_hint="a layer's time")
     sizes = list(sizes)
     positive_integers = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in sizes)
     if not positive_integers or sum(sizes) != len(layer_costs):
         raise ValueError(f"sizes must be positive integers summing to len(costs) = {len(layer_costs)}, got {sizes}")
     cuts: list[float] = []
     if cut_costs is not None:
-        cuts = _numbers("cut_costs", cut_costs, unit_hint="a transfer time")
+        cuts = numbers_of("cut_costs", cut_costs, unit_hint="a transfer time")
         if len(cuts) != len(layer_costs) - 1:
             raise ValueError(f"cut_costs needs len(costs) - 1 = {len(layer_costs) - 1} entries, got {len(cuts)}")
     result = []
@@ -304,7 +301,7 @@ class _Problem:
 
     def optimum(self) -> Optional[int]:
         """The smallest achievable bottleneck, or None when no split fits the capacities."""
-        feasible, upper = self.probe(_INFINITE)
+        feasible, upper = self.probe(INFINITE)
         if not feasible:
             return None
         assert upper is not None
@@ -386,10 +383,10 @@ def _window_starts(prefix: list[int], limit: int) -> list[int]:
 def _explain_infeasible(memory: list[float], capacities: list[float]) -> str:
     """Why no split fits, as precisely as is true: one layer, the total, or the least overflow."""
     num_layers, num_stages = len(memory), len(capacities)
-    shown_capacities = "[" + ", ".join(_show(c) for c in capacities) + "]"
+    shown_capacities = "[" + ", ".join(show(c) for c in capacities) + "]"
     fix = "use more stages, give the stages more memory, or make the layers lighter (activation checkpointing)"
-    (memory_units, finite_units), denominator = _common_units([memory, [c for c in capacities if c != _INFINITE]])
-    capacity_of = _capacity_units(capacities, finite_units)
+    (memory_units, finite_units), denominator = common_units([memory, [c for c in capacities if c != INFINITE]])
+    capacity_of = capacity_units(capacities, finite_units)
 
     # One layer that fits on none of the stages that could hold it: every stage needs a
     # layer, so layer i can only be on stages max(0, k - (L - i)) .. min(k - 1, i).
@@ -399,35 +396,35 @@ def _explain_infeasible(memory: list[float], capacities: list[float]) -> str:
         if any(limit is None or amount <= limit for limit in limits):
             continue
         if len(set(capacities)) == 1:
-            where = f"every stage's capacity is {_show(capacities[0])}"
+            where = f"every stage's capacity is {show(capacities[0])}"
         elif low == 0 and high == num_stages - 1:
             where = f"no stage holds that much (capacities {shown_capacities})"
         elif low == high:
             where = (
                 f"it can only go on stage {low} (every stage needs at least one layer), "
-                f"whose capacity is {_show(capacities[low])}"
+                f"whose capacity is {show(capacities[low])}"
             )
         else:
-            shown = ", ".join(_show(c) for c in capacities[low : high + 1])
+            shown = ", ".join(show(c) for c in capacities[low : high + 1])
             where = (
                 f"it can only go on stages {low} to {high} (every stage needs at least one layer), "
                 f"whose capacities are [{shown}]"
             )
-        return f"layer {layer} alone needs memory {_show(memory[layer])} but {where}; {fix}"
+        return f"layer {layer} alone needs memory {show(memory[layer])} but {where}; {fix}"
 
     finite_capacities = [limit for limit in capacity_of if limit is not None]
     if len(finite_capacities) == num_stages and sum(memory_units) > sum(finite_capacities):
         return (
-            f"the {num_layers} layers need memory {_show(math.fsum(memory))} in total but the {num_stages} stages "
-            f"hold {_show(math.fsum(capacities))} together (capacities {shown_capacities}); {fix}"
+            f"the {num_layers} layers need memory {show(math.fsum(memory))} in total but the {num_stages} stages "
+            f"hold {show(math.fsum(capacities))} together (capacities {shown_capacities}); {fix}"
         )
 
     overflow_units, sizes = _least_overflow(memory_units, capacity_of, num_stages)
-    overflow = _show(overflow_units / denominator)
+    overflow = show(overflow_units / denominator)
     needs = []
     start = 0
     for size in sizes:
-        needs.append(_show(math.fsum(memory[start : start + size])))
+        needs.append(show(math.fsum(memory[start : start + size])))
         start += size
     return (
         f"no way to place {num_layers} layers on {num_stages} stages within capacities {shown_capacities}: "
@@ -448,146 +445,8 @@ def _least_overflow(
     lower, upper = 1, max(1, sum(memory_units))  # with +total memory every stage fits anything
     while lower < upper:
         middle = (lower + upper) // 2
-        if problem(middle).probe(_INFINITE, keep_path=False)[0]:
+        if problem(middle).probe(INFINITE, keep_path=False)[0]:
             upper = middle
         else:
             lower = middle + 1
-    return upper, problem(upper).smallest_sizes(_INFINITE)
-
-
-# ----------------------------------------------------------------------------- validation and conversion
-def _numbers(name: str, values: object, *, unit_hint: str) -> list[float]:
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-        raise ValueError(
-            f"{name} must be a sequence of numbers (a list or tuple), got {type(values).__name__}: {values!r:.80}"
-        )
-    result = []
-    for index, value in enumerate(values):
-        number = _as_float(value)
-        if number is None:
-            raise ValueError(
-                f"{name}[{index}] is {value!r:.80} ({type(value).__name__}), not a number; "
-                f"every entry of {name} must be a finite number >= 0 ({unit_hint})"
-            )
-        if math.isnan(number) or math.isinf(number):
-            shown = number if isinstance(value, float) else f"{value!r:.40}... ({type(value).__name__}, beyond float's range)"
-            raise ValueError(
-                f"{name}[{index}] is {shown}; every entry of {name} must be a finite number >= 0 ({unit_hint}). "
-                f"Measure layer {index} again, or leave it out"
-            )
-        if number < 0:
-            raise ValueError(
-                f"{name}[{index}] is {_show(number)} < 0; every entry of {name} must be a finite number >= 0 "
-                f"({unit_hint}). A negative value usually means a clock or baseline subtraction went wrong"
-            )
-        result.append(number)
-    return result
-
-
-def _stage_count(k: object, num_layers: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(
-            f"k must be an integer number of stages, got {k!r:.80} ({type(k).__name__}); e.g. partition(costs, 2)"
-        )
-    count = int(k)
-    if count < 1:
-        raise ValueError(f"k must be at least 1 (one stage per device), got {count!s:.40}")
-    if count > num_layers:
-        raise ValueError(
-            f"k={count!s:.40} stages but there are only {num_layers} layers (len(costs) = {num_layers}), and every "
-            f"stage needs at least one layer: use k <= {num_layers}, e.g. partition(costs, {num_layers}), "
-            "or split the model into more layers"
-        )
-    return count
-
-
-def _memory_and_capacity(
-    memory: Optional[Sequence[Number]], capacity: Optional[Capacity], num_layers: int, num_stages: int
-) -> tuple[Optional[list[float]], Optional[list[float]]]:
-    if memory is None and capacity is None:
-        return None, None
-    if capacity is None:
-        raise ValueError(
-            "memory is given without capacity, so it would change nothing: pass capacity= too (what each "
-            "stage's device holds, in memory's unit, e.g. capacity=[8e9] * k), or leave memory out"
-        )
-    if memory is None:
-        raise ValueError(
-            "capacity is given without memory, so it would change nothing: pass memory= too (one value per "
-            "layer, in capacity's unit), or leave capacity out"
-        )
-    memory_values = _numbers("memory", memory, unit_hint="what a layer needs on its device, e.g. bytes")
-    if len(memory_values) != num_layers:
-        raise ValueError(
-            f"memory has {_entries(len(memory_values))} but costs has {num_layers}: pass one memory value per layer"
-        )
-    if isinstance(capacity, numbers.Real) and not isinstance(capacity, bool):
-        capacities = [_capacity_value(capacity, "capacity")] * num_stages
-    else:
-        if isinstance(capacity, (str, bytes, Mapping)) or not isinstance(capacity, Iterable):
-            raise ValueError(
-                f"capacity must be a number (the same for every stage) or a list of k = {num_stages} numbers, "
-                f"got {type(capacity).__name__}: {capacity!r:.80}"
-            )
-        given = list(capacity)
-        if len(given) != num_stages:
-            raise ValueError(
-                f"capacity has {_entries(len(given))} but k = {num_stages} stages: pass one capacity per stage "
-                f"(stage i runs on device i), or a single number for all of them"
-            )
-        capacities = [_capacity_value(value, f"capacity[{index}]") for index, value in enumerate(given)]
-    return memory_values, capacities
-
-
-def _as_float(value: object) -> Optional[float]:
-    """``float(value)`` for a number (NaN and inf included), None for anything else; strings
-    and booleans are not numbers here, although ``float()`` would take them."""
-    if isinstance(value, (str, bytes, bool)):
-        return None
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an integer (or Fraction, Decimal) beyond float's range
-        return math.inf if value > 0 else -math.inf  # type: ignore[operator]
-    except (TypeError, ValueError):
-        return None
-
-
-def _capacity_value(value: object, name: str) -> float:
-    number = _as_float(value)
-    if number is None:
-        raise ValueError(f"{name} is {value!r:.80} ({type(value).__name__}), not a number")
-    if math.isnan(number) or number <= 0:
-        raise ValueError(
-            f"{name} is {_show(number)}; a capacity must be a number > 0 (what the stage's device holds, in "
-            "memory's unit), or math.inf for no limit"
-        )
-    return number
-
-
-def _common_units(groups: list[list[float]]) -> tuple[list[list[int]], int]:
-    """Exact integers ``value * D`` for one power-of-two ``D`` shared by every value in ``groups``."""
-    ratios = [[value.as_integer_ratio() for value in group] for group in groups]
-    denominator = max((d for group in ratios for _, d in group), default=1)
-    return [[n * (denominator // d) for n, d in group] for group in ratios], denominator
-
-
-def _capacity_units(capacities: list[float], finite_units: list[int]) -> list[Optional[int]]:
-    finite = iter(finite_units)
-    return [None if c == _INFINITE else next(finite) for c in capacities]
-
-
-def _memory_units(
-    memory: Optional[list[float]], capacities: Optional[list[float]]
-) -> tuple[Optional[list[int]], Optional[list[Optional[int]]]]:
-    if memory is None or capacities is None:
-        return None, None
-    (memory_units, finite_units), _ = _common_units([memory, [c for c in capacities if c != _INFINITE]])
-    return memory_units, _capacity_units(capacities, finite_units)
-
-
-def _entries(count: int) -> str:
-    return f"{count} entry" if count == 1 else f"{count} entries"
-
-
-def _show(value: float) -> str:
-    return f"{value:.12g}"
+    return upper, problem(upper).smallest_sizes(INFINITE)
