@@ -23,8 +23,7 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from lightning_mgpu.callbacks import _doctor_rules as rules
-from lightning_mgpu.callbacks import doctor as doctor_module
+from lightning_mgpu.callbacks.doctor import checks, findings, parameters, probes, rules
 from lightning_mgpu.callbacks.doctor import (
     RULE_IDS,
     RULES,
@@ -101,11 +100,11 @@ def test_every_rule_is_documented_with_a_stable_id() -> None:
 
 
 def test_finding_says_what_why_and_how_and_the_error_names_the_rules() -> None:
-    finding = rules.Finding("params-diverged", seen="SEEN", why="WHY", fix="FIX", step=7)
+    finding = findings.Finding("params-diverged", seen="SEEN", why="WHY", fix="FIX", step=7)
     text = finding.format()
     assert text.startswith("[params-diverged] at step 7: SEEN") and "why: WHY" in text and "fix: FIX" in text
-    assert rules.Finding.from_dict(finding.as_dict()) == finding
-    error = DistributedDoctorError([finding, rules.Finding("uneven-batches", "a", "b", "c")])
+    assert findings.Finding.from_dict(finding.as_dict()) == finding
+    error = DistributedDoctorError([finding, findings.Finding("uneven-batches", "a", "b", "c")])
     assert error.rules == ["params-diverged", "uneven-batches"]
     assert "stopped the run on every rank: params-diverged, uneven-batches" in str(error)
     assert isinstance(error, RuntimeError)
@@ -114,13 +113,13 @@ def test_finding_says_what_why_and_how_and_the_error_names_the_rules() -> None:
 
 
 def test_local_findings_merge_into_one_per_rule_naming_the_ranks() -> None:
-    a = rules.Finding("batchnorm-without-sync", "small batch", "w", "f").as_dict()
-    b = rules.Finding("unused-parameters", "no grad", "w", "f").as_dict()
-    merged = {f.rule: f for f in rules.merge_local([[a], [a, b], []])}
+    a = findings.Finding("batchnorm-without-sync", "small batch", "w", "f").as_dict()
+    b = findings.Finding("unused-parameters", "no grad", "w", "f").as_dict()
+    merged = {f.rule: f for f in findings.merge_local([[a], [a, b], []])}
     assert merged["batchnorm-without-sync"].ranks == [0, 1]
     assert merged["batchnorm-without-sync"].seen.endswith("(on ranks 0, 1)")
     assert merged["unused-parameters"].seen.endswith("(on rank 1)")
-    assert rules.merge_local([[a], [a]])[0].seen.endswith("(on every rank)")
+    assert findings.merge_local([[a], [a]])[0].seen.endswith("(on every rank)")
 
 
 # ----------------------------------------------------------------------------- fingerprints
@@ -128,130 +127,130 @@ def test_local_findings_merge_into_one_per_rule_naming_the_ranks() -> None:
 
 def test_fingerprint_tells_batches_apart_and_gives_no_verdict_on_opaque_objects() -> None:
     x = torch.arange(12.0).reshape(3, 4)
-    assert rules.fingerprint((x, {"b": 1, "a": "s"})) == rules.fingerprint((x.clone(), {"a": "s", "b": 1}))
-    assert rules.fingerprint(x) != rules.fingerprint(x + 1)
-    assert rules.fingerprint(x) != rules.fingerprint(x.reshape(4, 3))  # shape counts
-    assert rules.fingerprint(x.bfloat16()) is not None
-    assert rules.fingerprint(torch.empty(0)) is not None
-    assert rules.fingerprint([object(), object()]) is None
+    assert probes.fingerprint((x, {"b": 1, "a": "s"})) == probes.fingerprint((x.clone(), {"a": "s", "b": 1}))
+    assert probes.fingerprint(x) != probes.fingerprint(x + 1)
+    assert probes.fingerprint(x) != probes.fingerprint(x.reshape(4, 3))  # shape counts
+    assert probes.fingerprint(x.bfloat16()) is not None
+    assert probes.fingerprint(torch.empty(0)) is not None
+    assert probes.fingerprint([object(), object()]) is None
     big = torch.zeros(1 << 20)
     changed = big.clone()
     changed[0] = 1.0
-    assert rules.fingerprint(big, max_bytes=1024) != rules.fingerprint(changed, max_bytes=1024)
+    assert probes.fingerprint(big, max_bytes=1024) != probes.fingerprint(changed, max_bytes=1024)
 
 
 # ----------------------------------------------------------------------------- the checks over gathered data
 
 
 def test_data_not_sharded_names_the_ranks_and_the_rank_zero_sampler() -> None:
-    assert rules.check_data_not_sharded(["a", "b"], [], 0) is None
-    assert rules.check_data_not_sharded([None, None], [], 0) is None
-    finding = rules.check_data_not_sharded(["a", "b", "a", "c"], [], 3)
+    assert checks.check_data_not_sharded(["a", "b"], [], 0) is None
+    assert checks.check_data_not_sharded([None, None], [], 0) is None
+    finding = checks.check_data_not_sharded(["a", "b", "a", "c"], [], 3)
     assert finding is not None and "ranks 0, 2 read identical first batches in epoch 3" in finding.seen
     rank0 = {"description": "DistributedSampler(shuffle=True)",
              "distributed": {"path": "loader.sampler", "rank": 0, "num_replicas": 2}}  # fmt: skip
-    finding = rules.check_data_not_sharded(["a", "a"], [rank0, rank0], 0)
+    finding = checks.check_data_not_sharded(["a", "a"], [rank0, rank0], 0)
     assert finding is not None and "DistributedSampler(num_replicas=2, rank=0)" in finding.seen
     assert "rank=trainer.global_rank" in finding.fix
     plain = {"description": "SequentialSampler", "distributed": None, "lightning_sampler": False}
-    finding = rules.check_data_not_sharded(["a", "a"], [plain, plain], 0)
+    finding = checks.check_data_not_sharded(["a", "a"], [plain, plain], 0)
     assert finding is not None and "use_distributed_sampler=False" in finding.seen
 
 
 def test_epoch_order_fires_for_a_shuffling_sampler_only() -> None:
     shuffling = {"description": "NestedSampler", "fixed_order": False,
                  "distributed": {"path": "loader.sampler.base", "shuffle": True, "epoch": 0}}  # fmt: skip
-    finding = rules.check_epoch_order(["a", "b"], ["a", "b"], [shuffling] * 2, 1)
+    finding = checks.check_epoch_order(["a", "b"], ["a", "b"], [shuffling] * 2, 1)
     assert finding is not None and finding.rule == "sampler-epoch-not-set"
     assert "loader.sampler.base" in finding.fix and "set_epoch(self.current_epoch)" in finding.fix
-    assert rules.check_epoch_order(["a", "b"], ["c", "d"], [shuffling] * 2, 1) is None
+    assert checks.check_epoch_order(["a", "b"], ["c", "d"], [shuffling] * 2, 1) is None
     fixed = {"description": "SequentialSampler", "fixed_order": True}
-    assert rules.check_epoch_order(["a", "b"], ["a", "b"], [fixed] * 2, 1) is None
+    assert checks.check_epoch_order(["a", "b"], ["a", "b"], [fixed] * 2, 1) is None
 
 
 def test_uneven_batches_predicts_the_hang_and_suggests_the_limit() -> None:
-    finding = rules.check_batch_counts([8.0, 9.0], 0)
+    finding = checks.check_batch_counts([8.0, 9.0], 0)
     assert finding is not None and "rank 0: 8, rank 1: 9" in finding.seen
     assert "limit_train_batches=8" in finding.fix and "hangs" in finding.why
-    assert rules.check_batch_counts([8.0, 8.0], 0) is None
-    assert rules.check_batch_counts([math.inf, 8.0], 0) is None  # an iterable of unknown length: no verdict
+    assert checks.check_batch_counts([8.0, 8.0], 0) is None
+    assert checks.check_batch_counts([math.inf, 8.0], 0) is None  # an iterable of unknown length: no verdict
 
 
 def _bitsums(tensors: list[torch.Tensor]) -> list[int]:
-    return [int(doctor_module._bitsum(t)) for t in tensors]
+    return [int(parameters.bitsum(t)) for t in tensors]
 
 
 def test_param_checksums_are_exact_and_independent_of_the_reduction_order() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(1000, 1000) * 0.02, torch.randn(10).bfloat16(), torch.randn(3, dtype=torch.float64)]
-    assert rules.check_params([_bitsums([w.clone() for w in weights]), _bitsums(weights)], ["w", "b", "d"], False) is None
+    assert checks.check_params([_bitsums([w.clone() for w in weights]), _bitsums(weights)], ["w", "b", "d"], False) is None
     # a non-contiguous view of the same values: same checksum
     assert _bitsums([weights[0].t().contiguous().t()]) == _bitsums([weights[0]])
     for index in range(3):  # one ulp anywhere shows
         edited = [w.clone() for w in weights]
         flat = edited[index].view(-1)
         flat[len(flat) // 2] = torch.nextafter(flat[len(flat) // 2], torch.tensor(10.0, dtype=flat.dtype))
-        finding = rules.check_params([_bitsums(weights), _bitsums(edited)], ["w", "b", "d"], False)
+        finding = checks.check_params([_bitsums(weights), _bitsums(edited)], ["w", "b", "d"], False)
         assert finding is not None and f"differ between rank 0 and rank(s) 1: {'wbd'[index]}" in finding.seen
     assert _bitsums([torch.empty(0)]) == [0]
 
 
 def test_unsynced_metrics_compare_only_keys_every_rank_logged() -> None:
-    finding = rules.check_unsynced_metrics([{"training_step.loss": 1.0, "x.acc": 0.5}, {"training_step.loss": 2.0}])
+    finding = checks.check_unsynced_metrics([{"training_step.loss": 1.0, "x.acc": 0.5}, {"training_step.loss": 2.0}])
     assert finding is not None and "loss (1, 2 on ranks 0..1)" in finding.seen and "sync_dist=True" in finding.fix
-    assert rules.check_unsynced_metrics([{"a.loss": 1.0}, {"a.loss": 1.0}]) is None
-    assert rules.check_unsynced_metrics([{"a.loss": 1.0}]) is None
+    assert checks.check_unsynced_metrics([{"a.loss": 1.0}, {"a.loss": 1.0}]) is None
+    assert checks.check_unsynced_metrics([{"a.loss": 1.0}]) is None
 
 
 def test_random_state_needs_augmentation_and_identical_states() -> None:
     aug = {"augments": True, "how": "dataset[0] changes with the global random seed", "workers": 0}
-    finding = rules.check_random_state([aug, aug], ["s", "s"])
+    finding = checks.check_random_state([aug, aug], ["s", "s"])
     assert finding is not None and "global random states" in finding.seen and "global_rank" in finding.fix
-    assert rules.check_random_state([aug, aug], ["s", "t"]) is None
-    assert rules.check_random_state([{"augments": False}] * 2, ["s", "s"]) is None
+    assert checks.check_random_state([aug, aug], ["s", "t"]) is None
+    assert checks.check_random_state([{"augments": False}] * 2, ["s", "s"]) is None
     workers = {"augments": True, "how": "the dataset has .transform", "workers": 4, "rank_aware_workers": False}
-    finding = rules.check_random_state([workers] * 2, ["base-seed:1", "base-seed:1"])
+    finding = checks.check_random_state([workers] * 2, ["base-seed:1", "base-seed:1"])
     assert finding is not None and "workers=True" in finding.fix
-    assert rules.check_random_state([{**workers, "rank_aware_workers": True}] * 2, ["b", "b"]) is None
+    assert checks.check_random_state([{**workers, "rank_aware_workers": True}] * 2, ["b", "b"]) is None
 
 
 def test_data_wait_share_and_the_num_workers_hint() -> None:
     slow = {"fetch_s": 0.8, "iteration_s": 1.0, "batches": 10}
     fast = {"fetch_s": 0.01, "iteration_s": 1.0, "batches": 10}
     loader = {"num_workers": 0, "cpus": 16, "local_world_size": 2, "cuda": True}
-    finding = rules.check_data_wait([fast, slow], 0.25, [loader, loader])
+    finding = checks.check_data_wait([fast, slow], 0.25, [loader, loader])
     assert finding is not None and "rank 1 spent 80%" in finding.seen
     assert "num_workers=7" in finding.fix and "pin_memory=True" in finding.fix
-    assert rules.check_data_wait([fast, fast], 0.25, [loader] * 2) is None
-    assert rules.check_data_wait([{**slow, "batches": 2}] * 2, 0.25, [loader] * 2) is None  # too few to judge
+    assert checks.check_data_wait([fast, fast], 0.25, [loader] * 2) is None
+    assert checks.check_data_wait([{**slow, "batches": 2}] * 2, 0.25, [loader] * 2) is None  # too few to judge
     workers = {**loader, "num_workers": 4}
-    finding = rules.check_data_wait([slow], 0.25, [workers])
+    finding = checks.check_data_wait([slow], 0.25, [workers])
     assert finding is not None and "the 4 workers per rank do not keep up" in finding.fix
 
 
 def test_parameter_use_never_always_or_dynamic() -> None:
     names = ["a", "b"]
-    never = rules.check_param_usage([[5, 0], [5, 0]], [5, 5], names, True)
+    never = checks.check_param_usage([[5, 0], [5, 0]], [5, 5], names, True)
     assert never is not None and never.rule == "unused-parameters" and "b" in never.seen
-    wasted = rules.check_param_usage([[5, 5], [5, 5]], [5, 5], names, True)
+    wasted = checks.check_param_usage([[5, 5], [5, 5]], [5, 5], names, True)
     assert wasted is not None and wasted.rule == "find-unused-wasted"
-    assert rules.check_param_usage([[5, 2], [5, 5]], [5, 5], names, True) is None  # a dynamic graph needs it
-    assert rules.check_param_usage([[3, 0]], [3], names, True) is None  # too few batches to judge
-    needed = rules.unused_needed_finding(["head.weight"])
+    assert checks.check_param_usage([[5, 2], [5, 5]], [5, 5], names, True) is None  # a dynamic graph needs it
+    assert checks.check_param_usage([[3, 0]], [3], names, True) is None  # too few batches to judge
+    needed = checks.unused_needed_finding(["head.weight"])
     assert "head.weight" in needed.seen and "find_unused_parameters=True" in needed.fix
     # Lightning rewrites any exception message that contains DDP's own error text: keep clear of it.
     assert "Expected to have finished reduction" not in needed.format()
 
 
 def test_batchnorm_and_devices_and_dataparallel() -> None:
-    assert rules.check_batchnorm(["bn"], 8, 16) is not None
-    assert rules.check_batchnorm(["bn"], 16, 16) is None and rules.check_batchnorm([], 2, 16) is None
+    assert checks.check_batchnorm(["bn"], 8, 16) is not None
+    assert checks.check_batchnorm(["bn"], 16, 16) is None and checks.check_batchnorm([], 2, 16) is None
     node = {"node": "n1", "type": "cuda", "used": 4, "cuda_visible": 8}
-    finding = rules.check_unused_devices([node] * 4 + [{**node, "node": "n2", "used": 8}] * 8)
+    finding = checks.check_unused_devices([node] * 4 + [{**node, "node": "n2", "used": 8}] * 8)
     assert finding is not None and finding.seen == "n1: 8 GPUs visible, the run uses 4"
-    assert rules.check_unused_devices([{"node": "n", "type": "cpu", "used": 2, "cuda_visible": 0}] * 2) is None
-    assert rules.check_dataparallel([]) is None
-    assert rules.check_dataparallel(["DataParallel at 'net'"]) is not None
+    assert checks.check_unused_devices([{"node": "n", "type": "cpu", "used": 2, "cuda_visible": 0}] * 2) is None
+    assert checks.check_dataparallel([]) is None
+    assert checks.check_dataparallel(["DataParallel at 'net'"]) is not None
 
 
 # ----------------------------------------------------------------------------- samplers and the augmentation probe
@@ -262,7 +261,7 @@ def test_sampler_description_finds_the_order_and_the_distributed_sampler() -> No
     trainer: Any = type("T", (), {"_accelerator_connector": type("C", (), {"use_distributed_sampler": False})()})()
 
     def describe(loader: DataLoader) -> dict[str, Any]:
-        return doctor_module._describe_sampler(loader, trainer)
+        return probes.describe_sampler(loader, trainer)
 
     assert describe(DataLoader(data, batch_size=4))["fixed_order"] is True
     assert describe(DataLoader(data, batch_size=4, shuffle=True))["fixed_order"] is False
@@ -301,16 +300,16 @@ class _Noisy(Dataset):
 def test_augmentation_probe_restores_the_random_state() -> None:
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    info = doctor_module._probe_augmentation(DataLoader(_Noisy()))
+    info = probes.probe_augmentation(DataLoader(_Noisy()))
     assert info["augments"] is True and torch.equal(torch.get_rng_state(), before)
-    assert doctor_module._probe_augmentation(DataLoader(TensorDataset(torch.zeros(4))))["augments"] is False
+    assert probes.probe_augmentation(DataLoader(TensorDataset(torch.zeros(4))))["augments"] is False
     # randomness from a private generator: the global seed does not drive it, no verdict
-    assert doctor_module._probe_augmentation(DataLoader(_Noisy(torch.Generator())))["augments"] is False
+    assert probes.probe_augmentation(DataLoader(_Noisy(torch.Generator())))["augments"] is False
 
     class WithTransform(TensorDataset):
         transform = staticmethod(lambda x: x)
 
-    workers = doctor_module._probe_augmentation(DataLoader(WithTransform(torch.zeros(4)), num_workers=2))
+    workers = probes.probe_augmentation(DataLoader(WithTransform(torch.zeros(4)), num_workers=2))
     assert workers == {"augments": True, "how": "the dataset has .transform", "workers": 2, "rank_aware_workers": False}
 
 
@@ -319,18 +318,18 @@ def test_augmentation_probe_restores_the_random_state() -> None:
 
 def test_state_survives_a_weights_only_checkpoint_round_trip() -> None:
     doctor = DistributedDoctor()
-    doctor._batches_seen, doctor._checks = 37, 9
-    doctor._reported = {"unsynced-logging"}
-    doctor.findings = [rules.Finding("unsynced-logging", "s", "w", "f", step=3)]
-    doctor._epoch_digests = {4: ["a", None], 5: ["b", "c"]}
-    doctor._use_counts, doctor._use_batches = [[3, 0], [3, 1]], [3, 3]
+    doctor.ledger.batches_seen, doctor.ledger.checks = 37, 9
+    doctor.ledger.reported = {"unsynced-logging"}
+    doctor.findings = [findings.Finding("unsynced-logging", "s", "w", "f", step=3)]
+    doctor.ledger.epoch_digests = {4: ["a", None], 5: ["b", "c"]}
+    doctor.ledger.use_counts, doctor.ledger.use_batches = [[3, 0], [3, 1]], [3, 3]
     buffer = io.BytesIO()
     torch.save(doctor.state_dict(), buffer)
     buffer.seek(0)
     restored = DistributedDoctor()
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.state_dict() == doctor.state_dict()
-    assert restored.findings == doctor.findings and restored._epoch_digests == doctor._epoch_digests
+    assert restored.findings == doctor.findings and restored.ledger.epoch_digests == doctor.ledger.epoch_digests
     with pytest.warns(UserWarning, match="state version"):
         DistributedDoctor().load_state_dict({"version": 99})
 
@@ -363,7 +362,7 @@ def _fit(doctor: DistributedDoctor, steps: int = 6) -> L.Trainer:
 
 
 def test_one_process_fit_reports_local_rules_and_can_fit_again() -> None:
-    doctor = DistributedDoctor(every_n_steps=2)
+    doctor = DistributedDoctor(check_every_n_batches=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = _fit(doctor)
@@ -372,11 +371,11 @@ def test_one_process_fit_reports_local_rules_and_can_fit_again() -> None:
     assert len(messages) == 1 and "[dataparallel-wrapped]" in messages[0] and "fix:" in messages[0]
     # Everything it hooked into Lightning is gone after the fit.
     assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)
-    assert doctor._hooks == []
+    assert not doctor.parameter_watch.counting
     # The same callback on a second fit starts afresh (and reports again).
     with pytest.warns(DistributedDoctorWarning, match="dataparallel-wrapped"):
         _fit(doctor)
-    assert [f.rule for f in doctor.findings] == ["dataparallel-wrapped"] and doctor._batches_seen == 6
+    assert [f.rule for f in doctor.findings] == ["dataparallel-wrapped"] and doctor.ledger.batches_seen == 6
 
 
 def test_strict_raises_and_disable_silences() -> None:

@@ -61,7 +61,7 @@ def launch(out_dir: Path, *flags: str, torchrun: bool = False, check: bool = Tru
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("shared") / "out"
-    return launch(out, "--mistakes", SHARED_MISTAKES, "--batch-size", "8", "--every-n-steps", "8")
+    return launch(out, "--mistakes", SHARED_MISTAKES, "--batch-size", "8", "--check-every-n-batches", "8")
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_strict_under_torchrun_stops_before_ddp_fails_on_rank_zero_samplers(tmp_
 
 
 def test_strict_params_diverged_stops_both_ranks_at_the_same_check(tmp_path: Path) -> None:
-    run = strict_failure(tmp_path / "out", "--mistakes", "diverge", "--every-n-steps", "2")
+    run = strict_failure(tmp_path / "out", "--mistakes", "diverge", "--check-every-n-batches", "2")
     for rank in run.ranks:
         assert rank["error_rules"] == ["params-diverged"] and rank["error_step"] == 4
     assert run.output.count("DistributedDoctorError: DistributedDoctor(strict=True)") >= 2  # raised on both ranks

@@ -77,7 +77,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 def print_rules() -> None:
     """One block per rule: readable at any terminal width."""
-    from lightning_mgpu.callbacks._doctor_rules import table_rows
+    from lightning_mgpu.callbacks.doctor.rules import table_rows
 
     print("DistributedDoctor rules (DistributedDoctor(disable=['<id>', ...]) turns one off)\n")
     for rule_id, catches, detection, cost, fix in table_rows():

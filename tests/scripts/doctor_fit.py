@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-from lightning_mgpu.callbacks import doctor as doctor_module
+from lightning_mgpu.callbacks.doctor import probes
 from lightning_mgpu.callbacks.doctor import DistributedDoctor, DistributedDoctorError
 from lightning_mgpu.strategies import TunedDDPStrategy
 
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--mistakes", default="")
     parser.add_argument("--fixed", action="store_true")
     parser.add_argument("--strict", action="store_true")
-    parser.add_argument("--every-n-steps", type=int, default=4)
+    parser.add_argument("--check-every-n-batches", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=128, help="training samples per rank's data set")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -173,12 +173,14 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     if "fake-gpus" in mistakes:
-        doctor_module._cuda_device_count = lambda: 4  # stands in for a machine with 4 GPUs
+        probes.cuda_device_count = lambda: 4  # stands in for a machine with 4 GPUs
     L.seed_everything(0, verbose=False)
     model = Model(args, mistakes)
     find_unused = bool(mistakes & {"find-unused-wasted", "never-used"}) or args.fixed
     doctor = DistributedDoctor(
-        strict=args.strict, every_n_steps=args.every_n_steps, disable=[d for d in args.disable.split(",") if d]
+        strict=args.strict,
+        check_every_n_batches=args.check_every_n_batches,
+        disable=[d for d in args.disable.split(",") if d],
     )
     callbacks: list[L.Callback] = [doctor]
     if args.save_every_epoch:

@@ -1,297 +1,42 @@
-"""The rules of :class:`~lightning_mgpu.callbacks.doctor.DistributedDoctor`: catalogue, findings and checks.
+"""The doctor's checks: pure functions from what the ranks exchanged to findings, and which check judges what.
 
-Everything here is plain Python over what the ranks exchanged (lists indexed by rank), so
-each rule can be tested without starting processes. The callback (``doctor.py``) collects
-the observations, exchanges them in one collective that every rank enters, and runs
-these checks on the gathered data: every rank reaches the same verdict.
-
-No torch import at module level: ``lightning-mgpu doctor --rules`` reads the catalogue.
+The functions ``check_*`` take lists indexed by rank and return a :class:`~.findings.Finding` or
+None; they are tested with plain lists, no Trainer, no processes. :data:`CHECKS` binds them to
+the typed :class:`~.protocol.Snapshot` and :func:`evaluate` runs them all: every rank evaluates
+the same snapshot and reaches the same verdict. No torch import here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
+from lightning_mgpu.callbacks.doctor.findings import Finding, merge_local, name_list, rank_list
+from lightning_mgpu.callbacks.doctor.protocol import Snapshot
+from lightning_mgpu.callbacks.doctor.rules import RULES
 
-@dataclass(frozen=True)
-class Rule:
-    """One named check: what it catches, how it is detected, what it costs and the usual fix."""
+__all__ = [
+    "CHECKS",
+    "LOCAL_RULES",
+    "Check",
+    "check_batch_counts",
+    "check_batchnorm",
+    "check_data_not_sharded",
+    "check_data_wait",
+    "check_dataparallel",
+    "check_epoch_order",
+    "check_param_usage",
+    "check_params",
+    "check_random_state",
+    "check_unsynced_metrics",
+    "check_unused_devices",
+    "evaluate",
+    "unused_needed_finding",
+]
 
-    id: str
-    catches: str
-    detection: str
-    cost: str
-    fix: str
-
-
-RULES: dict[str, Rule] = {
-    rule.id: rule
-    for rule in (
-        Rule(
-            "unused-devices",
-            "more GPUs visible than the run uses (or GPUs visible while training on CPU)",
-            "at fit start: torch.cuda.device_count() against the devices this node's Trainer uses",
-            "none (once)",
-            "Trainer(devices=-1) uses every visible GPU; if sharing the machine is intended, hide the others "
-            "with CUDA_VISIBLE_DEVICES",
-        ),
-        Rule(
-            "dataparallel-wrapped",
-            "a module still wrapped in nn.DataParallel (or DistributedDataParallel) inside the LightningModule",
-            "at fit start: isinstance over the LightningModule's submodules",
-            "none (once)",
-            "remove the wrapper and let the strategy replicate the model (strategy='ddp_tuned': one process per "
-            "device)",
-        ),
-        Rule(
-            "data-not-sharded",
-            "every rank reads the same batches (sampler not distributed, or DistributedSampler(rank=0) everywhere)",
-            "a hash of each epoch's first batch (up to 1 MiB per tensor), compared across ranks",
-            "one hash per epoch, sent with the epoch's first check",
-            "give each rank its shard: DistributedSampler(dataset, num_replicas=world_size, rank=global_rank), or "
-            "leave Trainer(use_distributed_sampler=True) to do it",
-        ),
-        Rule(
-            "sampler-epoch-not-set",
-            "the same sample order every epoch (a shuffling sampler whose set_epoch is never called)",
-            "each rank's first-batch hash of this epoch equals the previous epoch's, while its sampler shuffles",
-            "the same hash as data-not-sharded",
-            "call sampler.set_epoch(epoch) at the start of every epoch (Lightning does it only for loader.sampler "
-            "and loader.batch_sampler.sampler), or derive a custom sampler's seed from the epoch",
-        ),
-        Rule(
-            "params-diverged",
-            "parameters that differ across ranks (rank-dependent code, in-place edits, weights loaded on one rank, "
-            "buffers not broadcast)",
-            "per tensor, an exact checksum of the bit patterns (integer sum, wrapping) of every parameter (and buffer, "
-            "when DDP does not broadcast them), compared across ranks after the first step and every every_n_steps",
-            "one read of the parameters per check (about 1 ms per 10M parameters on a CPU core)",
-            "change parameters only through the optimizer, the same way on every rank; load weights on every rank "
-            "before DDP wraps the model; keep DDP's broadcast_buffers=True or use SyncBatchNorm",
-        ),
-        Rule(
-            "uneven-batches",
-            "ranks with different numbers of training batches (the classic hang at the end of an epoch)",
-            "each rank's number of batches this epoch, compared at every epoch start, before the first step",
-            "one small exchange per epoch",
-            "give every rank the same number of batches: DistributedSampler pads (drop_last=False) or trims "
-            "(drop_last=True) the shards to equal length; split your own shards evenly",
-        ),
-        Rule(
-            "batchnorm-without-sync",
-            "BatchNorm under DDP at a small per-device batch, without SyncBatchNorm",
-            "BatchNorm layers (not SyncBatchNorm) in training mode and a first batch smaller than "
-            "batchnorm_min_batch (16)",
-            "none (once)",
-            "Trainer(sync_batchnorm=True) (SyncBatchNorm: statistics over the global batch), a larger per-device "
-            "batch, or GroupNorm/LayerNorm",
-        ),
-        Rule(
-            "unused-parameters",
-            "parameters that get no gradient: DDP fails at the next step (find_unused_parameters=False), or they "
-            "never train (find_unused_parameters=True)",
-            "find_unused_parameters=False: .grad still None after the first backward; =True: gradient hooks over "
-            "the first max(every_n_steps, 8) batches, summed over ranks",
-            "a loop over the parameters after the first backward; with find_unused_parameters=True one hook call "
-            "per parameter per batch, first window only",
-            "for a graph that really skips parameters, find_unused_parameters=True "
-            "(strategy='ddp_find_unused_parameters_true' or TunedDDPStrategy(find_unused_parameters=True)); "
-            "parameters that never train: requires_grad_(False) or remove them",
-        ),
-        Rule(
-            "find-unused-wasted",
-            "find_unused_parameters=True although every parameter gets a gradient on every rank and step",
-            "the same gradient hooks: every parameter used in every batch of the first window, on every rank",
-            "as unused-parameters",
-            "find_unused_parameters=False (the default), or static_graph=True: DDP then skips a traversal of the "
-            "autograd graph at every step",
-        ),
-        Rule(
-            "unsynced-logging",
-            "epoch metrics logged from every rank without sync_dist: the logger records rank 0's shard only",
-            "values of self.log(..., on_epoch=True, sync_dist=False) compared across ranks at each check and at the "
-            "end of validation",
-            "one small exchange per check",
-            "self.log(..., sync_dist=True), or log a torchmetrics Metric (it syncs its state itself)",
-        ),
-        Rule(
-            "same-random-state",
-            "identical random state on every rank while the data is augmented: every rank draws the same "
-            "augmentation",
-            "augmentation: dataset[0] read under two seeds differs (num_workers=0) or the dataset has a transform "
-            "(workers); identical: the random states (or the workers' base seed) hash the same on every rank at the "
-            "first batch",
-            "three reads of dataset[0] at fit start (random state restored), one hash",
-            "seed each rank differently once the model is built, e.g. torch.manual_seed(seed + self.global_rank) in "
-            "on_train_start; with num_workers > 0, seed_everything(seed, workers=True)",
-        ),
-        Rule(
-            "dataloader-starving",
-            "the step waits for data: time in the train loader's next() above data_wait_threshold (25%) of the "
-            "iteration time",
-            "Lightning's fetch hooks timed on every rank between checks (each epoch's first 2 batches left out)",
-            "two clock reads per batch",
-            "more DataLoader workers (num_workers), persistent_workers=True, pin_memory=True on GPUs, or less work "
-            "per sample",
-        ),
-    )
-}
-
-RULE_IDS: tuple[str, ...] = tuple(RULES)
-
-
-def validate_rule_ids(ids: Any, argument: str = "disable") -> frozenset[str]:
-    """``ids`` as a set of known rule ids; a clear ``ValueError`` naming ``argument`` otherwise."""
-    if isinstance(ids, str):
-        ids = [ids]
-    try:
-        items = list(ids)
-    except TypeError:
-        raise ValueError(
-            f"DistributedDoctor: {argument} must be a list of rule ids, got {type(ids).__name__} {ids!r}; "
-            f"valid ids: {', '.join(RULE_IDS)}"
-        ) from None
-    unknown = [item for item in items if not isinstance(item, str) or item not in RULES]
-    if unknown:
-        raise ValueError(
-            f"DistributedDoctor: {argument} has unknown rule id(s) {', '.join(repr(u) for u in unknown)}; "
-            f"valid ids: {', '.join(RULE_IDS)}"
-        )
-    return frozenset(items)
-
-
-@dataclass
-class Finding:
-    """What a rule saw, why it matters and how to fix it."""
-
-    rule: str
-    seen: str
-    why: str
-    fix: str
-    step: int = -1
-    ranks: list[int] = field(default_factory=list)
-
-    def format(self) -> str:
-        where = f" at step {self.step}" if self.step >= 0 else ""
-        return f"[{self.rule}]{where}: {self.seen}\n  why: {self.why}\n  fix: {self.fix}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Finding":
-        return cls(
-            rule=str(data["rule"]),
-            seen=str(data["seen"]),
-            why=str(data["why"]),
-            fix=str(data["fix"]),
-            step=int(data.get("step", -1)),
-            ranks=[int(r) for r in data.get("ranks", [])],
-        )
-
-
-def merge_local(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> list[Finding]:
-    """Findings each rank made on its own, one per rule: the lowest rank's words, every rank named."""
-    merged: dict[str, Finding] = {}
-    for rank, findings in enumerate(per_rank):
-        for data in findings:
-            finding = Finding.from_dict(data)
-            if finding.rule in merged:
-                merged[finding.rule].ranks.append(rank)
-            else:
-                finding.ranks = [rank]
-                merged[finding.rule] = finding
-    for finding in merged.values():
-        if len(finding.ranks) == len(per_rank) and len(per_rank) > 1:
-            finding.seen += " (on every rank)"
-        elif len(per_rank) > 1:
-            finding.seen += f" (on rank{'s' if len(finding.ranks) > 1 else ''} {_rank_list(finding.ranks)})"
-    return list(merged.values())
-
-
-def _rank_list(ranks: Sequence[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
-def _names(names: Sequence[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-# --------------------------------------------------------------------------- fingerprints
-
-
-def fingerprint(obj: Any, max_bytes: int = 1 << 20) -> Optional[str]:
-    """A short hash of a batch (tensors, arrays, numbers, strings, nested in lists/dicts).
-
-    Each tensor contributes its shape, dtype and its first ``max_bytes`` bytes. ``None`` when
-    nothing in ``obj`` could be hashed (opaque objects): no verdict is better than a wrong one.
-    """
-    digest = hashlib.blake2b(digest_size=12)
-    return digest.hexdigest() if _feed(digest, obj, max_bytes) else None
-
-
-def _feed(digest: Any, obj: Any, max_bytes: int) -> bool:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        tensor = obj.detach()
-        digest.update(f"T{tuple(tensor.shape)}{tensor.dtype}".encode())
-        if tensor.is_sparse or tensor.numel() == 0:
-            return True
-        count = max(1, max_bytes // max(1, tensor.element_size()))
-        part = tensor.reshape(-1)[:count]
-        if part.device.type != "cpu":
-            part = part.cpu()
-        digest.update(part.contiguous().view(torch.uint8).numpy().tobytes())
-        return True
-    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
-        digest.update(repr(obj).encode())
-        return True
-    if isinstance(obj, Mapping):
-        seen = False
-        for key in sorted(obj, key=str):
-            digest.update(repr(key).encode())
-            seen = _feed(digest, obj[key], max_bytes) or seen
-        return seen
-    if isinstance(obj, (list, tuple)):
-        digest.update(f"L{len(obj)}".encode())
-        seen = False
-        for item in obj:
-            seen = _feed(digest, item, max_bytes) or seen
-        return seen
-    tobytes = getattr(obj, "tobytes", None)  # numpy arrays and scalars
-    if callable(tobytes) and hasattr(obj, "shape"):
-        digest.update(f"A{obj.shape}".encode())
-        digest.update(bytes(tobytes())[:max_bytes])
-        return True
-    return False
-
-
-def random_state_digest() -> str:
-    """A hash of this process's global random states: torch (CPU), numpy (if present) and ``random``."""
-    import random
-
-    import torch
-
-    digest = hashlib.blake2b(digest_size=12)
-    digest.update(torch.get_rng_state().numpy().tobytes())
-    try:
-        import numpy
-
-        state = numpy.random.get_state()
-        digest.update(state[1].tobytes() + repr(state[2:]).encode())
-    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        pass
-    digest.update(repr(random.getstate()).encode())
-    return digest.hexdigest()
-
-
-# --------------------------------------------------------------------------- checks over gathered data
+# --------------------------------------------------------------------------- checks over per-rank data
 # Each takes lists indexed by rank and returns a Finding or None.
 
 
@@ -323,7 +68,7 @@ def check_dataparallel(wrapped: Sequence[str]) -> Optional[Finding]:
         return None
     return Finding(
         "dataparallel-wrapped",
-        seen=f"the LightningModule holds {_names(list(wrapped))}",
+        seen=f"the LightningModule holds {name_list(list(wrapped))}",
         why="nn.DataParallel runs in one process and copies the model to every GPU at every step; under a DDP "
         "strategy each process would do so again over the GPUs it sees (or wrap twice): slow at best, wrong "
         "device placement at worst",
@@ -345,7 +90,7 @@ def check_data_not_sharded(
     if len(shared) == 1 and len(shared[0]) == len(digests):
         who = f"all {len(digests)} ranks"
     else:
-        who = "; ".join(f"ranks {_rank_list(ranks)}" for ranks in shared)
+        who = "; ".join(f"ranks {rank_list(ranks)}" for ranks in shared)
     seen = f"{who} read identical first batches in epoch {epoch}"
     sampler = samplers[shared[0][0]] if samplers else {}
     dist = sampler.get("distributed")
@@ -382,14 +127,15 @@ def check_epoch_order(
     repeated = [
         rank
         for rank, (before, now) in enumerate(zip(previous, current))
-        if before is not None and before == now and not (samplers and samplers[rank].get("fixed_order"))
+        if before is not None and before == now
+        and not (samplers and (samplers[rank].get("fixed_order") or samplers[rank].get("order_unknown")))
     ]
     if not repeated:
         return None
     sampler = samplers[repeated[0]] if samplers else {}
     seen = (
         f"epoch {epoch} starts with the same batch as epoch {epoch - 1} on rank{'s' if len(repeated) > 1 else ''} "
-        f"{_rank_list(repeated)}; the train sampler is {sampler.get('description', '?')}"
+        f"{rank_list(repeated)}; the train sampler is {sampler.get('description', '?')}"
     )
     dist = sampler.get("distributed")
     fix = RULES["sampler-epoch-not-set"].fix
@@ -444,7 +190,7 @@ def check_params(bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers
     kinds = "parameters" + (" and buffers" if buffers_checked else "")
     return Finding(
         "params-diverged",
-        seen=f"{len(differ)} tensor(s) differ between rank 0 and rank(s) {_rank_list(sorted(ranks))}: {_names(differ)}",
+        seen=f"{len(differ)} tensor(s) differ between rank 0 and rank(s) {rank_list(sorted(ranks))}: {name_list(differ)}",
         why=f"DDP keeps replicas identical only if every change goes through the averaged gradients; {kinds} that "
         "drifted stay apart for the rest of the run (each rank trains a different model, the checkpoint keeps "
         "rank 0's)",
@@ -469,7 +215,7 @@ def check_unsynced_metrics(values: Sequence[Mapping[str, float]], rtol: float = 
         return None
     return Finding(
         "unsynced-logging",
-        seen=f"epoch-level metric(s) logged with sync_dist=False differ across ranks: {_names(differ, 3)}",
+        seen=f"epoch-level metric(s) logged with sync_dist=False differ across ranks: {name_list(differ, 3)}",
         why="each rank averages only its own shard and the logger keeps rank 0's value: the curve you read is one "
         "shard's, not the data set's",
         fix=RULES["unsynced-logging"].fix,
@@ -565,7 +311,7 @@ def check_param_usage(
         return Finding(
             "unused-parameters",
             seen=f"{len(never)} parameter(s) got no gradient on any rank in the first {min(batches)} batches: "
-            f"{_names(never)}",
+            f"{name_list(never)}",
             why="they never train, yet DDP (find_unused_parameters=True) searches the autograd graph for them at "
             "every step",
             fix="requires_grad_(False) on them (or remove them) if they are not meant to train; check the forward "
@@ -588,7 +334,7 @@ def unused_needed_finding(names: Sequence[str]) -> Finding:
     return Finding(
         "unused-parameters",
         seen=f"{len(names)} parameter(s) got no gradient in the first backward pass, with "
-        f"find_unused_parameters=False: {_names(list(names))}",
+        f"find_unused_parameters=False: {name_list(list(names))}",
         # (Not DDP's error text: Lightning rewrites any exception message that contains it.)
         why="DDP waits for a gradient from every parameter: the next step fails (DDP did not finish reducing the "
         "previous step's gradients), and the gradients in their bucket were never averaged across ranks",
@@ -601,7 +347,7 @@ def check_batchnorm(layers: Sequence[str], batch_size: Optional[int], minimum: i
         return None
     return Finding(
         "batchnorm-without-sync",
-        seen=f"{len(layers)} BatchNorm layer(s) ({_names(list(layers), 3)}) normalise over a per-device batch of "
+        seen=f"{len(layers)} BatchNorm layer(s) ({name_list(list(layers), 3)}) normalise over a per-device batch of "
         f"{batch_size} (< {minimum}) without SyncBatchNorm",
         why="each rank normalises with the statistics of its own few samples: noisy statistics, worse accuracy, and "
         "running statistics that differ per rank",
@@ -609,6 +355,87 @@ def check_batchnorm(layers: Sequence[str], batch_size: Optional[int], minimum: i
     )
 
 
-def table_rows() -> list[tuple[str, str, str, str, str]]:
-    """(id, catches, detection, cost, fix) per rule, for documentation and ``doctor --rules``."""
-    return [(r.id, r.catches, r.detection, r.cost, r.fix) for r in RULES.values()]
+# --------------------------------------------------------------------------- the typed protocol
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check over a snapshot: the rules it may report, and the function (None entries: nothing found)."""
+
+    rules: tuple[str, ...]
+    run: Callable[[Snapshot], Iterable[Optional[Finding]]]
+
+
+def _devices(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.setups:
+        yield check_unused_devices([setup.devices for setup in s.setups])
+
+
+def _dataparallel(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.setups:
+        yield check_dataparallel(s.setups[0].wrapped)
+
+
+def _batch_counts(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.batch_counts is not None:
+        yield check_batch_counts(s.batch_counts, s.epoch)
+
+
+def _first_batches(s: Snapshot) -> Iterable[Optional[Finding]]:
+    for batches in s.first_batches:
+        yield check_data_not_sharded(batches.digests, s.samplers, batches.epoch)
+        if batches.previous is not None:
+            yield check_epoch_order(batches.previous, batches.digests, s.samplers, batches.epoch)
+
+
+def _random_state(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.random_states is not None and s.world_size > 1 and s.augment:
+        yield check_random_state(s.augment, s.random_states)
+
+
+def _params(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.param_sums is not None and s.world_size > 1:
+        yield check_params(s.param_sums, s.tensor_names, s.buffers_checked)
+
+
+def _metrics(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.metrics is not None and s.world_size > 1:
+        yield check_unsynced_metrics(s.metrics)
+
+
+def _data_wait(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.timings is not None:
+        yield check_data_wait(s.timings, s.data_wait_threshold, s.loaders)
+
+
+def _usage(s: Snapshot) -> Iterable[Optional[Finding]]:
+    if s.usage is not None:
+        yield check_param_usage(s.usage.counts, s.usage.batches, s.usage.names, s.usage.find_unused)
+
+
+CHECKS: tuple[Check, ...] = (
+    Check(("unused-devices",), _devices),
+    Check(("dataparallel-wrapped",), _dataparallel),
+    Check(("uneven-batches",), _batch_counts),
+    Check(("data-not-sharded", "sampler-epoch-not-set"), _first_batches),
+    Check(("same-random-state",), _random_state),
+    Check(("params-diverged",), _params),
+    Check(("unsynced-logging",), _metrics),
+    Check(("dataloader-starving",), _data_wait),
+    Check(("unused-parameters", "find-unused-wasted"), _usage),
+)
+"""In the order their findings are reported within one check."""
+
+LOCAL_RULES: frozenset[str] = frozenset({"batchnorm-without-sync", "unused-parameters"})
+"""Rules a rank judges on its own (the findings arrive in ``Snapshot.local_findings``)."""
+
+
+def evaluate(snapshot: Snapshot, disabled: Collection[str] = ()) -> list[Finding]:
+    """Every finding the snapshot shows, rules in ``disabled`` left out: the ranks' own findings
+    first (merged, one per rule), then each of :data:`CHECKS` in order."""
+    found = [f for f in merge_local(snapshot.local_findings) if f.rule not in disabled]
+    for check in CHECKS:
+        if all(rule in disabled for rule in check.rules):
+            continue
+        found.extend(f for f in check.run(snapshot) if f is not None and f.rule not in disabled)
+    return found
