@@ -2,7 +2,7 @@
 
 Parses the flags, builds the model from the target, measures each layer on one micro-batch
 (:func:`lightning_mgpu.placement.profile.profile_layers`), plans it with every balance mode
-(:func:`lightning_mgpu.placement.plan.make_plan`) and prints the plans side by side.
+(:func:`lightning_mgpu.placement.plan.plan_stages`) and prints the plans side by side.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lightning_mgpu._target import TargetError, load_target
-    from lightning_mgpu.placement.plan import BALANCE_MODES, make_plan
+    from lightning_mgpu.placement.plan import BALANCE_MODES, plan_stages
     from lightning_mgpu.placement.profile import profile_layers
 
     try:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     plans = {}
     for balance in BALANCE_MODES:
         try:
-            plan = make_plan(layers, devices, balance, microbatches=args.microbatches, capacity=[capacity] * args.devices)
+            plan = plan_stages(layers, devices, balance, microbatches=args.microbatches, capacity=[capacity] * args.devices)
         except ValueError as exc:
             console.print(f"[bold]balance={balance!r}[/]: [red]{exc}[/]")
             continue
