@@ -191,7 +191,7 @@ def test_only_pausable_wrappers_leave_ddp_and_only_when_that_restores_the_builti
 def test_a_switch_is_never_made_after_the_last_step() -> None:
     from types import SimpleNamespace
 
-    from lightning_mgpu.callbacks.comm_profiler import _fit_ends_here
+    from lightning_mgpu.callbacks.comm_profiler.callback import _fit_ends_here
 
     def trainer(**kw: Any) -> Any:
         state = {"should_stop": False, "max_steps": -1, "global_step": 10, "current_epoch": 0, "max_epochs": 3,

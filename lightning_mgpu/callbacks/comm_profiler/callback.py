@@ -526,7 +526,7 @@ class CommProfiler(L.Callback):
         }
 
     def _report(self, trainer: L.Trainer, profile: dict[str, Any], gathered: list[dict[str, Any]]) -> None:
-        from lightning_mgpu.callbacks import _comm_report
+        from lightning_mgpu.callbacks.comm_profiler import report as _comm_report
 
         _comm_report.print_summary(profile)
         timelines = [t for g in gathered for t in g["timelines"]]
