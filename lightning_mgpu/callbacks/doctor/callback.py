@@ -154,7 +154,9 @@ class DistributedDoctor(L.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self.ledger.load_state_dict(state_dict):
-            rank_zero_warn(f"{_OWNER}: checkpoint state version {state_dict.get('version')!r} unknown; starting afresh.")
+            rank_zero_warn(
+                f"{_OWNER}: checkpoint state version {state_dict.get('version')!r} unknown; starting afresh."
+            )
 
     # ------------------------------------------------------------------ fit start
 
@@ -200,7 +202,9 @@ class DistributedDoctor(L.Callback):
         self._check(trainer, "epoch_start")
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._fitting:
             return
         self._clock.batch_start(batch_idx)

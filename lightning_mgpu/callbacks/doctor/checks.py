@@ -127,7 +127,8 @@ def check_epoch_order(
     repeated = [
         rank
         for rank, (before, now) in enumerate(zip(previous, current))
-        if before is not None and before == now
+        if before is not None
+        and before == now
         and not (samplers and (samplers[rank].get("fixed_order") or samplers[rank].get("order_unknown")))
     ]
     if not repeated:
@@ -222,9 +223,7 @@ def check_unsynced_metrics(values: Sequence[Mapping[str, float]], rtol: float = 
     )
 
 
-def check_random_state(
-    augment: Sequence[Mapping[str, Any]], states: Sequence[Optional[str]]
-) -> Optional[Finding]:
+def check_random_state(augment: Sequence[Mapping[str, Any]], states: Sequence[Optional[str]]) -> Optional[Finding]:
     """``augment[r]``: {"augments": bool, "how": str, "workers": int, "rank_aware_workers": bool}."""
     if len(states) < 2 or not augment or not all(a.get("augments") for a in augment):
         return None

@@ -59,6 +59,7 @@ __all__ = [
 EPOCH_EDGE_BATCHES = 2
 """Each epoch's first batches wait for the loader's workers to start: not timed."""
 
+
 def cuda_device_count() -> int:
     """GPUs this process can see (a module-level function so tests can stand in for a GPU machine)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
