@@ -305,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "pairs": args.pairs,
             "model": args.model,
             "schedule": "ABBA in one launch",
-            "doctor": "DistributedDoctor() (every_n_steps=100)",
+            "doctor": "DistributedDoctor() (check_every_n_batches=100)",
             "measure": "iteration: one step start to the next (rank 0); ratio: median over pairs",
         },
         **result,

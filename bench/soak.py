@@ -162,7 +162,7 @@ def report(ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path)
         "steps_per_s": steps / elapsed_s if elapsed_s else None,
         "callbacks": {
             "CommProfiler": f"defaults (every_n_steps=50, history={HISTORY})",
-            "DistributedDoctor": "defaults (every_n_steps=100)",
+            "DistributedDoctor": "defaults (check_every_n_batches=100)",
         },
         "limits": {"window_mib": FLAT_MIB, "window_gc_objects": FLAT_OBJECTS},
         "verdict": verdict,

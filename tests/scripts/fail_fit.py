@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N optimizer steps")
     parser.add_argument("--resume", default=None, help="a checkpoint, or 'latest' in OUT/ckpt (none: start afresh)")
     parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2, every_n_steps=4)")
-    parser.add_argument("--doctor", action="store_true", help="DistributedDoctor(every_n_steps=--ckpt-every or 4)")
+    parser.add_argument("--doctor", action="store_true", help="DistributedDoctor(check_every_n_batches=--ckpt-every or 4)")
     parser.add_argument("--wandb", action="store_true", help="WandbLogger (offline) and CSVLogger under OUT")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -279,7 +279,7 @@ def main() -> None:
     if args.profiler:
         callbacks.append(CommProfiler(warmup_steps=2, every_n_steps=4, export_dir=args.out_dir / "profile"))
     if args.doctor:
-        callbacks.append(DistributedDoctor(every_n_steps=every))
+        callbacks.append(DistributedDoctor(check_every_n_batches=every))
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out_dir / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1)
