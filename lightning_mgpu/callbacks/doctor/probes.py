@@ -363,6 +363,9 @@ class DataWaitClock:
 
     def __init__(self) -> None:
         self._undo: Optional[Callable[[], None]] = None
+        self._reset()
+
+    def _reset(self) -> None:
         self._last_fetch_s = 0.0
         self._last_batch_start: Optional[float] = None
         self._fetch_s = 0.0
@@ -370,8 +373,9 @@ class DataWaitClock:
         self._batches = 0
 
     def attach(self, trainer: L.Trainer) -> bool:
-        """Start timing this fit's fetches; False when this Lightning offers no way to (not checked)."""
+        """Start timing this fit's fetches, from zero; False when this Lightning offers no way to (not checked)."""
         self.detach()
+        self._reset()
         self._undo = time_train_fetches(trainer, self._on_fetched)
         return self._undo is not None
 
