@@ -56,7 +56,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 import weakref
@@ -71,6 +70,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_mgpu._checks import check_int
+from lightning_mgpu.callbacks.comm_profiler.schedule import SETTLE_STEPS, Phase, ProfileSchedule
 from lightning_mgpu.comm.bandwidth import bus_factor
 from lightning_mgpu.comm.hook_chain import CommHookHost
 from lightning_mgpu.comm.timing import (
@@ -85,9 +86,6 @@ from lightning_mgpu.comm.timing import (
 )
 
 _GB = 1e9
-SETTLE_STEPS = 2
-"""Steps of a new DDP wrapper never profiled: the first runs DDP's initial bucket layout, the
-second rebuilds it (in its forward)."""
 
 
 def _median(values: list[float]) -> float:
@@ -134,43 +132,41 @@ class CommProfiler(L.Callback):
         profile_steps: int = 20,
         profile_every: Optional[int] = 200,
     ) -> None:
-        for name, value, minimum in (
-            ("warmup_steps", warmup_steps, 1),
-            ("every_n_steps", every_n_steps, 1),
-            ("timeline_steps", timeline_steps, 0),
-            ("history", history, 1),
-            ("profile_steps", profile_steps, 1),
-            ("profile_every", 1 if profile_every is None else profile_every, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= sys.maxsize:
-                raise ValueError(
-                    f"CommProfiler: {name} must be an integer >= {minimum} (at most {sys.maxsize}), got {value!r:.60}"
-                )
-        if profile_every is not None and profile_every <= max(warmup_steps, SETTLE_STEPS) + profile_steps:
-            raise ValueError(
-                f"CommProfiler: profile_every={profile_every} leaves no step outside the profiling window "
-                f"(warmup_steps={warmup_steps} or the {SETTLE_STEPS} settling steps of a re-wrap, plus "
-                f"profile_steps={profile_steps}); make it larger, or profile_every=None to profile every step"
-            )
+        check_int("warmup_steps", warmup_steps, owner="CommProfiler")
+        check_int("every_n_steps", every_n_steps, owner="CommProfiler")
+        check_int("timeline_steps", timeline_steps, minimum=0, owner="CommProfiler")
+        check_int("history", history, owner="CommProfiler")
+        # checks profile_steps and profile_every (alone and against the warm-up)
+        self.schedule = ProfileSchedule(warmup_steps=warmup_steps, profile_steps=profile_steps, profile_every=profile_every)
+        """Which synchronising steps are profiled."""
         if export_dir is not None and (not isinstance(export_dir, (str, os.PathLike)) or not str(export_dir).strip()):
             raise ValueError(
                 f"CommProfiler: export_dir must be a directory path (str or pathlib.Path) or None, got {export_dir!r:.80}"
             )
         if sweep is not None and (not isinstance(sweep, (str, os.PathLike)) or not str(sweep).strip()):
             raise ValueError(f"CommProfiler: sweep must be the path of a bench-comm JSON result or None, got {sweep!r:.80}")
-        self.warmup_steps = warmup_steps
         self.every_n_steps = every_n_steps
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.timeline_steps = timeline_steps
         self.history = history
-        self.profile_steps = profile_steps
-        self.profile_every = profile_every
         self.peak_busbw_gbps = _read_sweep_peak(sweep) if sweep is not None else None
         self.summary: Optional[dict[str, Any]] = None
         """After fit: the ``summary`` of comm_profile.json (every rank), for code and tests."""
         self.ranks: list[dict[str, float]] = []
         """After fit: each rank's own medians (the ``ranks`` of comm_profile.json)."""
         self._reset_run_state()
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.schedule.warmup_steps
+
+    @property
+    def profile_steps(self) -> int:
+        return self.schedule.profile_steps
+
+    @property
+    def profile_every(self) -> Optional[int]:
+        return self.schedule.profile_every
 
     def _reset_run_state(self) -> None:
         self._timer: Optional[BucketTimer] = None
@@ -237,19 +233,10 @@ class CommProfiler(L.Callback):
 
     # ------------------------------------------------------------------ schedule
 
-    def _phase(self, n: int) -> str:
-        """What synchronising step ``n`` (1-based, counted across resumes) is for:
-        "skip" (hooked, not profiled), "profile", or "off" (DDP without the profiler's hook)."""
-        n -= self._origin
-        if n <= 0:
-            return "skip"
-        if self.profile_every is None:
-            return "skip" if n <= self.warmup_steps else "profile"
-        window, offset = divmod(n - 1, self.profile_every)
-        skip = self.warmup_steps if window == 0 else SETTLE_STEPS
-        if offset < skip:
-            return "skip"
-        return "profile" if offset < skip + self.profile_steps else "off"
+    def _phase(self, n: int) -> Phase:
+        """What synchronising step ``n`` (1-based, counted across resumes) is for: the schedule
+        counts from ``_origin`` (after ``bucket_cap_mb="auto"`` has measured)."""
+        return self.schedule.phase(n - self._origin)
 
     def _switch(self, trainer: L.Trainer, on: bool) -> None:
         """Put the profiler's hook into DDP or take it out (between steps, on every rank alike)."""
@@ -505,11 +492,7 @@ class CommProfiler(L.Callback):
             "busbw_fraction": metrics.get("comm/busbw_fraction"),
             "straggler_ms": straggler,
             "measures_comm": self._measures_comm,
-            "schedule": {
-                "warmup_steps": self.warmup_steps,
-                "profile_steps": self.profile_steps,
-                "profile_every": self.profile_every,
-            },
+            "schedule": self.schedule.as_dict(),
         }
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         return {
