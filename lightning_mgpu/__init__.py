@@ -2,19 +2,54 @@
 
 Importing the package registers its strategy names with Lightning, so that
 ``Trainer(strategy="ddp_tuned")`` works once ``import lightning_mgpu`` has run.
+
+The package itself imports neither torch nor Lightning, so that the ``lightning-mgpu``
+command starts at once: the public classes below load on first use, and the names are
+registered as soon as Lightning is loaded (at once when it already is; see
+:mod:`lightning_mgpu._registration`).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_mgpu.callbacks import CommProfiler, DistributedDoctor, DistributedDoctorError
-from lightning_mgpu.strategies import BucketInfo, HybridParallelStrategy, TunedDDPStrategy
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_mgpu import _registration
 
 __version__ = "0.1.0"
 
 STRATEGY_NAMES = ("ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_powersgd", "hybrid")
 
-TunedDDPStrategy.register_strategies(StrategyRegistry)
-HybridParallelStrategy.register_strategies(StrategyRegistry)
+# Public name -> the module that defines it, imported on first access.
+_PUBLIC = {
+    "BucketInfo": "lightning_mgpu.strategies",
+    "HybridParallelStrategy": "lightning_mgpu.strategies",
+    "TunedDDPStrategy": "lightning_mgpu.strategies",
+    "CommProfiler": "lightning_mgpu.callbacks",
+    "DistributedDoctor": "lightning_mgpu.callbacks",
+    "DistributedDoctorError": "lightning_mgpu.callbacks",
+}
+# Importing the package used to load these; `lightning_mgpu.strategies.X` keeps working without an import.
+_SUBPACKAGES = ("callbacks", "comm", "placement", "strategies", "tuning")
+
+if TYPE_CHECKING:
+    from lightning_mgpu.callbacks import CommProfiler, DistributedDoctor, DistributedDoctorError
+    from lightning_mgpu.strategies import BucketInfo, HybridParallelStrategy, TunedDDPStrategy
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # once: later lookups do not come here
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __all__ = [
     "BucketInfo",
@@ -26,3 +61,5 @@ __all__ = [
     "TunedDDPStrategy",
     "__version__",
 ]
+
+_registration.install()

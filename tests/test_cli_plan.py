@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,16 @@ def test_a_sample_the_model_cannot_take_is_reported_as_such(workdir: Path) -> No
     proc = _plan(workdir, "plan_factory_mod:build", "--shape", "8,7", check=False)
     assert proc.returncode == 2 and "running the model on a sample of shape [8, 7] (float32) failed" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_plan_takes_a_file_target_like_tune(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FILE.py:FUNCTION as well as MODULE:FUNCTION: one target syntax for every command (in this process)."""
+    monkeypatch.chdir(workdir)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    target = f"{workdir / 'plan_factory_mod.py'}:build"
+    assert main(["plan", target, "--shape", "8,16", "--repeats", "1"]) == 0
+    assert "5 layers over 2 devices" in capsys.readouterr().out
+    code, err = _plan_here(workdir, monkeypatch, capsys, f"{workdir / 'absent.py'}:build", "--shape", "8,16")
+    assert code == 2 and "argument TARGET: no such file" in err

@@ -16,7 +16,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import lightning_mgpu  # registers the names
+    import lightning_mgpu
+    from lightning_mgpu._registration import register_strategies
+
+    register_strategies()  # done already when Lightning loaded; again costs nothing and says so here
     rows = [
         {"name": name, "description": StrategyRegistry[name]["description"], "options": StrategyRegistry[name]["init_params"]}
         for name in lightning_mgpu.STRATEGY_NAMES
