@@ -51,15 +51,16 @@ _SHOULD_ACCUMULATE = guarded(
     why="whether the current batch is inside a gradient-accumulation window (re-wraps refuse to run there)",
 )  # fmt: skip
 
-from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistryType  # noqa: E402, F401  (re-exported)
+from lightning.fabric.strategies import _StrategyRegistry  # noqa: E402
 from lightning.fabric.utilities.distributed import _init_dist_connection  # noqa: E402
-from lightning.fabric.utilities.types import _PATH as PathLike  # noqa: E402, F401  (re-exported)
-from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: E402
-    _MultiProcessingLauncher as MultiProcessingLauncher,  # noqa: F401  (re-exported)
-)
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,  # noqa: F401  (re-exported)
-)
+from lightning.fabric.utilities.types import _PATH  # noqa: E402
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: E402
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: E402
+
+StrategyRegistryType = _StrategyRegistry
+PathLike = _PATH
+MultiProcessingLauncher = _MultiProcessingLauncher
+SubprocessScriptLauncher = _SubprocessScriptLauncher
 
 
 class DDPStrategyBase(_DDPStrategy):

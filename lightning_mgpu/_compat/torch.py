@@ -136,7 +136,7 @@ def powersgd_should_compress(n: int, m: int, rank: int, min_compression_rate: fl
     """Whether torch's ``powerSGD_hook`` compresses an n x m matrix at ``rank``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    return bool(powerSGD_hook._should_compress(n, m, rank, min_compression_rate)[0])
+    return bool(powerSGD_hook._should_compress(n, m, rank, min_compression_rate)[0])  # type: ignore[no-untyped-call]
 
 
 _STATE_DICT_METADATA = guarded(
@@ -160,7 +160,7 @@ _MODULE_APPLY = guarded(
 
 def apply_to_own_tensors(module: _torch.nn.Module, fn: "Callable[[_torch.Tensor], _torch.Tensor]") -> None:
     """``module.to``-style conversion of ``module``'s own parameters and buffers, children untouched."""
-    module._apply(fn, recurse=False)
+    module._apply(fn, recurse=False)  # type: ignore[no-untyped-call]
 
 
 from typing import Any, Callable  # noqa: E402  (annotations above are strings)

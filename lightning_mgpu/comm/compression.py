@@ -45,7 +45,8 @@ def bf16_allreduce_hook(
         out.copy_(fut.value()[0])
         return out
 
-    return future.then(decompress)
+    result: torch.futures.Future[torch.Tensor] = future.then(decompress)
+    return result
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class PrescaledAllreduce:
             queue_autograd_callback(self._end_of_backward)
             return grad / self.world_size
 
-        loss.register_hook(scale_root)
+        loss.register_hook(scale_root)  # type: ignore[no-untyped-call]
 
     def _end_of_backward(self) -> None:
         self._prescaled = False
@@ -146,4 +147,5 @@ class PrescaledAllreduce:
                 on_done(index)
             return fut.value()[0]
 
-        return future.then(unwrap)
+        result: torch.futures.Future[torch.Tensor] = future.then(unwrap)
+        return result

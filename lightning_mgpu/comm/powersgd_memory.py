@@ -229,7 +229,7 @@ class PowerSGDLayoutKeeper:
         ``error`` is this rank's own residual; ``q`` is the same on every rank.
         """
         error, q = self._per_parameter()
-        keys, pos, has_gauss, cached = self.state.rng.get_state()[1:]
+        keys, pos, has_gauss, cached = self.state.rng.get_state()[1:]  # type: ignore[index]  # a tuple at run time
         return {
             "iter": int(self.state.iter),
             "seed": self._seed,
@@ -268,7 +268,7 @@ class PowerSGDLayoutKeeper:
         for name, tensor in saved.get("q", {}).items():
             p = position.get(name)
             matrix = None if p is None else self._matrix[p]
-            if matrix is None or tensor.numel() != matrix[1] * matrix[2]:
+            if p is None or matrix is None or tensor.numel() != matrix[1] * matrix[2]:
                 rejected.append(name)
             else:
                 self._q[p] = tensor.reshape(-1)

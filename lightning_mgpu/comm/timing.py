@@ -36,7 +36,7 @@ from lightning_mgpu._compat.torch import queue_autograd_callback
 from lightning_mgpu.comm.compression import PrescaledAllreduce
 
 Stamp = Union[int, "torch.cuda.Event"]
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+CommHook = Callable[[Any, dist.GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 # ----------------------------------------------------------------------------- clocks
@@ -64,13 +64,13 @@ class CudaClock:
     device_type = "cuda"
 
     def stamp(self) -> Stamp:
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record()
         return event
 
     def ready(self, stamp: Stamp) -> bool:
         assert not isinstance(stamp, int)
-        return bool(stamp.query())
+        return bool(stamp.query())  # type: ignore[no-untyped-call]
 
     def elapsed_ms(self, start: Stamp, end: Stamp) -> float:
         assert not isinstance(start, int) and not isinstance(end, int)
@@ -212,7 +212,7 @@ class BucketTimer:
         # Our own averaging all-reduce reports completion from the callback it already has:
         # one future per bucket instead of two.
         fused = isinstance(hook, PrescaledAllreduce)
-        if fused:
+        if isinstance(hook, PrescaledAllreduce):
             hook.on_done = lambda index: self._dones.append((index, self.clock.stamp()))
 
         def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

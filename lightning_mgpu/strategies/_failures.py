@@ -47,10 +47,10 @@ _PEER_LOST = (
 )
 _TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 _NOTE_MARK = "[lightning_mgpu]"
-_registered: list[list[tuple[int, subprocess.Popen]]] = []
+_registered: list[list[tuple[int, subprocess.Popen[Any]]]] = []
 
 
-def launched_children(launcher: Any, global_rank: int) -> list[tuple[int, subprocess.Popen]]:
+def launched_children(launcher: Any, global_rank: int) -> list[tuple[int, subprocess.Popen[Any]]]:
     """(global rank, process) of the ranks this process started (Lightning's subprocess launcher)."""
     procs = getattr(launcher, "procs", None)
     if not isinstance(procs, list):
@@ -75,7 +75,7 @@ def explain_collective_failure(
     *,
     rank: int,
     timeout: Optional[timedelta],
-    children: list[tuple[int, subprocess.Popen]],
+    children: list[tuple[int, subprocess.Popen[Any]]],
 ) -> Optional[str]:
     """Append to ``exception``'s message what a lost peer or a timeout means, and which of this
     process's children ended how. Returns the note (None when the error is neither)."""
@@ -108,7 +108,7 @@ def explain_collective_failure(
     return note
 
 
-def reap_children_at_exit(children: list[tuple[int, subprocess.Popen]], grace_s: float = CHILD_GRACE_S) -> None:
+def reap_children_at_exit(children: list[tuple[int, subprocess.Popen[Any]]], grace_s: float = CHILD_GRACE_S) -> None:
     """At interpreter exit: drop the process group, wait ``grace_s`` for ``children``, kill the rest."""
     if not children or any(entry is children for entry in _registered):
         return
@@ -116,7 +116,7 @@ def reap_children_at_exit(children: list[tuple[int, subprocess.Popen]], grace_s:
     atexit.register(_reap, children, grace_s)
 
 
-def _reap(children: list[tuple[int, subprocess.Popen]], grace_s: float) -> None:
+def _reap(children: list[tuple[int, subprocess.Popen[Any]]], grace_s: float) -> None:
     # Children blocked in a collective with this rank fail (and exit, with their own error) once
     # its connections close: drop the process group and what still holds it. The traceback of the
     # exception (printed by now) holds the frames, and through them the DDP wrapper and its group.

@@ -152,7 +152,7 @@ def check_options(
     *,
     bucket_cap_mb: object,
     first_bucket_cap_mb: object,
-    compression: object,
+    compression: Optional[str],
     powersgd_rank: object,
     powersgd_start_iter: object,
     tune_steps: Optional[int],
@@ -173,7 +173,7 @@ def check_options(
     tuning = None
     if auto:
         tuning = TuningSettings(
-            candidates_mb=DEFAULT_GRID_MB if tune_candidates is None else tune_candidates,  # type: ignore[arg-type]
+            candidates_mb=DEFAULT_GRID_MB if tune_candidates is None else tune_candidates,  # type: ignore[arg-type]  # checked in TuningSettings
             steps=tune_steps,
             rounds=tune_rounds,
         )
@@ -215,7 +215,7 @@ def check_options(
     return TunedOptions(
         bucket_cap_mb=cap,
         first_bucket_cap_mb=first,
-        compression=compression,  # type: ignore[arg-type]
+        compression=compression,
         powersgd_rank=rank,
         powersgd_start_iter=start_iter,
         tuning=tuning,

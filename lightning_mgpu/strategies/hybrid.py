@@ -42,19 +42,18 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
 from lightning_mgpu.placement.profile import LayerCost, profile_layers
+from lightning_mgpu._compat.lightning import StrategyRegistryType
 from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata, is_batchnorm
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 __all__ = ["HybridParallelStrategy"]
 
-_StrategyRegistry = type(StrategyRegistry)
 
 
 class _PipelinedSequential(nn.Sequential):
@@ -341,10 +340,10 @@ class HybridParallelStrategy(TunedDDPStrategy):
         payload = self.broadcast({"sizes": sizes, "balance": balance, "layers": [c.as_dict() for c in layers]}, src=0)
         return PlacementPlan(
             devices=[str(d) for d in devices],
-            sizes=payload["sizes"],
-            balance=payload["balance"],
+            sizes=list(payload["sizes"]),  # type: ignore[arg-type]  # broadcast: plain data from rank 0
+            balance=payload["balance"],  # type: ignore[arg-type]
             microbatches=self._microbatches,
-            layers=[LayerCost.from_dict(c) for c in payload["layers"]],
+            layers=[LayerCost.from_dict(c) for c in payload["layers"]],  # type: ignore[union-attr, arg-type]
         )
 
     def _sample_for(self, module: nn.Module, seq: nn.Sequential) -> Optional[torch.Tensor]:
@@ -354,7 +353,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
         if example is None:
             return None
 
-        def capture(_: nn.Module, args: tuple) -> None:
+        def capture(_: nn.Module, args: tuple[Any, ...]) -> None:
             raise _Captured(args[0].detach())
 
         handle = seq.register_forward_pre_hook(capture)
@@ -452,7 +451,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
 
     # ------------------------------------------------------------------ registration / teardown
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register(
             "hybrid",
             cls,

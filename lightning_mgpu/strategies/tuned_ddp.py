@@ -353,7 +353,7 @@ class TunedDDPStrategy(DDPStrategyBase):
         kwargs = {**self.ddp_kwargs, **extra}
         if device_ids is None:
             return DistributedDataParallel(module=model, device_ids=None, **kwargs)
-        with torch.cuda.stream(torch.cuda.Stream()):  # see torch's notes on CUDA streams and DDP
+        with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]  # see torch's notes on CUDA streams and DDP
             return DistributedDataParallel(module=model, device_ids=device_ids, **kwargs)
 
     @override
@@ -394,8 +394,9 @@ class TunedDDPStrategy(DDPStrategyBase):
         """True when DDP runs a Python communication hook whatever the pausable wrappers
         (compression, ``ddp_comm_hook``, ``ddp_comm_wrapper``, a wrapper that is not pausable);
         False when without them it would use its built-in C++ all-reduce."""
-        base = self.comm_hook if self._compression is None else True  # compression's hook is set at configure_ddp
-        return self._hooks.needs_python_hook(base_hook=base, user_wrapper=self.comm_wrapper)
+        if self._compression is not None:  # its hook is set when DDP is configured
+            return True
+        return self._hooks.needs_python_hook(base_hook=self.comm_hook, user_wrapper=self.comm_wrapper)
 
     @property
     def comm_hook_wrappers_on(self) -> bool:

@@ -193,7 +193,7 @@ def observe_ready_order(params: Sequence[torch.Tensor], backward: Callable[[], N
     """Indices of ``params`` in the order their gradients became ready during ``backward()``."""
     order: list[int] = []
     handles = [
-        param.register_post_accumulate_grad_hook(lambda _, index=index: order.append(index))
+        param.register_post_accumulate_grad_hook(lambda _, index=index: order.append(index))  # type: ignore[no-untyped-call]
         for index, param in enumerate(params)
     ]
     try:

@@ -126,7 +126,7 @@ class Plan:
 
 def visit_order(num_candidates: int, rounds: int) -> list[tuple[int, int]]:
     """(candidate, round) pairs: 0..n-1, then n-1..0, and so on."""
-    order = []
+    order: list[tuple[int, int]] = []
     for round_index in range(rounds):
         sequence = range(num_candidates) if round_index % 2 == 0 else range(num_candidates - 1, -1, -1)
         order.extend((candidate, round_index) for candidate in sequence)

@@ -208,7 +208,7 @@ class BucketTuner:
             )
             return
         for index, param in enumerate(self._params):
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._ready_hook(index)))
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._ready_hook(index)))  # type: ignore[no-untyped-call]
         self.status = OBSERVING
 
     def _ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
