@@ -35,4 +35,6 @@ def retain_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):  # no mallopt (not glibc), or no dlopen(NULL) (Windows)
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)))
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
+        mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))
+    )
