@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
 
-from lightning_mgpu import cli, doctor_env
+from lightning_mgpu import cli, envcheck
 from lightning_mgpu.callbacks.doctor import RULE_IDS
-from lightning_mgpu.doctor_env import Check
+from lightning_mgpu.envcheck import Check
 from tests.conftest import REPO, cpu_env, run_python
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API key
@@ -87,17 +88,17 @@ def test_checks_need_a_fix_sentence_for_warn_and_fail() -> None:
     ],
 )
 def test_secret_looking_values_are_masked(name: str, value: str, masked: bool) -> None:
-    shown = doctor_env.mask(name, value)
+    shown = envcheck.mask(name, value)
     assert (shown == f"****({len(value)} chars)") is masked
     assert (value not in shown) is masked
 
 
 def test_environment_lists_only_distributed_variables() -> None:
     env = {"HOME": "/root", "NCCL_DEBUG": "INFO", "WANDB_API_KEY": SECRET, "RANK": "0", "SLURM_PROCID": "3"}
-    assert doctor_env.relevant_environment(env) == {
+    assert envcheck.relevant_environment(env) == {
         "NCCL_DEBUG": "INFO", "RANK": "0", "SLURM_PROCID": "3", "WANDB_API_KEY": "****(40 chars)"
     }
-    check = doctor_env.check_environment({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    check = envcheck.check_environment({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     assert check.status == "warn" and "unset" in check.fix
 
 
@@ -114,7 +115,7 @@ def test_environment_lists_only_distributed_variables() -> None:
     ],
 )
 def test_cuda_visible_devices_parsing(value: str | None, entries: list[str] | None, problem: str | None) -> None:
-    got_entries, got_problem = doctor_env.parse_visible_devices(value)
+    got_entries, got_problem = envcheck.parse_visible_devices(value)
     assert got_entries == entries
     assert (got_problem is None) == (problem is None) and (problem is None or problem in got_problem)
 
@@ -133,7 +134,7 @@ def test_cuda_visible_devices_parsing(value: str | None, entries: list[str] | No
     ],
 )
 def test_launcher_detection(env: dict[str, str], status: str, words: str) -> None:
-    check = doctor_env.detect_launcher(env)
+    check = envcheck.detect_launcher(env)
     assert check.status == status and words in check.value, check
 
 
@@ -151,43 +152,43 @@ def test_launcher_detection(env: dict[str, str], status: str, words: str) -> Non
     ],
 )
 def test_master_address_and_port(env: dict[str, str], status: str, words: str) -> None:
-    check = doctor_env.check_master(env, port_in_use=lambda port: False)
+    check = envcheck.check_master(env, port_in_use=lambda port: False)
     assert check.status == status and words in check.value, check
 
 
 def test_master_port_in_use_on_this_machine() -> None:
     env = {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
-    check = doctor_env.check_master(env, port_in_use=lambda port: True)
+    check = envcheck.check_master(env, port_in_use=lambda port: True)
     assert check.status == "warn" and "in use" in check.value
     # Inside a launched job rank 0 is meant to hold the port: no warning there.
-    assert doctor_env.check_master({**env, "RANK": "1"}, port_in_use=lambda port: True).status == "ok"
+    assert envcheck.check_master({**env, "RANK": "1"}, port_in_use=lambda port: True).status == "ok"
 
 
 def test_small_shm_and_low_file_limit_warn(monkeypatch: pytest.MonkeyPatch) -> None:
     class Small:
         f_frsize, f_blocks, f_bavail = 4096, (64 << 20) // 4096, 1000
 
-    monkeypatch.setattr(doctor_env.os, "statvfs", lambda path: Small())
-    check = doctor_env.check_shm()
+    monkeypatch.setattr(os, "statvfs", lambda path: Small())
+    check = envcheck.check_shm()
     assert check.status == "warn" and "--shm-size" in check.fix and check.value.startswith("0.1 GiB")
     import resource
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
-    check = doctor_env.check_open_files()
+    check = envcheck.check_open_files()
     assert check.status == "warn" and "ulimit -n 4096" in check.fix
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(30)  # the ceiling is the check: waiting for the hung ranks would take far longer
 def test_a_hung_allreduce_is_reported_not_waited_for() -> None:
-    result = doctor_env.run_allreduce_smoke("gloo", 2, timeout=0.2)
+    result = envcheck.run_allreduce_smoke("gloo", 2, timeout=0.2)
     assert not result["ok"] and "no result within 0.2 s" in result["reason"]
-    check = doctor_env.Check("gloo all_reduce", "fail", result["reason"], fix="f")
+    check = envcheck.Check("gloo all_reduce", "fail", result["reason"], fix="f")
     assert check.status == "fail"
 
 
 def test_text_report_rules_list_and_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    cli.doctor.print_report(doctor_env.report([Check("a", "ok", "fine"), Check("b", "warn", "meh", fix="do X")], 1.5))
+    cli.doctor.print_report(envcheck.report([Check("a", "ok", "fine"), Check("b", "warn", "meh", fix="do X")], 1.5))
     text = capsys.readouterr().out
     assert "1 ok, 1 warn, 0 fail" in text and "warn b: do X" in text
     assert cli.main(["doctor", "--rules"]) == 0

@@ -38,7 +38,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrategy, cli, doctor_env
+from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrategy, cli, envcheck as doctor_env
 from lightning_mgpu.callbacks.doctor import DistributedDoctor
 from lightning_mgpu.placement import partition
 from tests.conftest import REPO

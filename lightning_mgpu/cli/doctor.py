@@ -1,6 +1,6 @@
 """``lightning-mgpu doctor``: is this machine (and this shell) ready for multi-process training?
 
-The checks and the JSON report are :mod:`lightning_mgpu.doctor_env`; this module parses the
+The checks and the JSON report are :mod:`lightning_mgpu.envcheck`; this module parses the
 flags, prints the report as a table (or JSON) and lists the ``DistributedDoctor`` callback's
 rules with ``--rules``.
 """
@@ -13,9 +13,11 @@ import os
 import time
 from typing import Any
 
-from lightning_mgpu import doctor_env
+from lightning_mgpu import envcheck  # standard library only at import: fine for --help
 from lightning_mgpu.cli._args import positive_seconds
-from lightning_mgpu.doctor_env import MAX_TIMEOUT_S, SMOKE_TIMEOUT_S  # standard library only: fine for --help
+from lightning_mgpu.envcheck import SMOKE_TIMEOUT_S
+
+MAX_TIMEOUT_S = 3600.0  # a health check that may wait longer is a mistake
 
 
 def register(subparsers: Any) -> None:
@@ -41,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
         print_rules()
         return 0
     started = time.perf_counter()
-    checks = doctor_env.collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
-    result = doctor_env.report(checks, time.perf_counter() - started)
+    checks = envcheck.collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
+    result = envcheck.report(checks, time.perf_counter() - started)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,26 +1,17 @@
-"""``lightning-mgpu doctor``: is this machine (and this shell) ready for multi-process training?
+"""The environment checks of ``lightning-mgpu doctor``, one function each, and the :class:`Check` they return.
 
-Each line is ``ok``, ``warn`` or ``fail``; every warn and fail carries one sentence on how to
-fix it. The exit code is 1 when anything fails. ``--json`` prints the same as JSON::
+Each check looks at one thing (versions, devices, backends, the launcher's variables,
+``MASTER_ADDR``/``MASTER_PORT``, ``/dev/shm``, the open-file limit, the distributed-related
+environment variables) and says ``ok``, ``warn`` or ``fail``, with one sentence on how to fix
+every warn and fail. Values that look like secrets are masked. The multi-process all_reduce
+check is :mod:`lightning_mgpu.envcheck.smoke`.
 
-    {"version": 1, "status": "ok"|"warn"|"fail", "elapsed_s": float,
-     "counts": {"ok": int, "warn": int, "fail": int},
-     "checks": [{"name": str, "status": str, "value": str, "fix": str|null, "details": {...}}, ...]}
-
-What it checks: versions (Python, torch, Lightning, CUDA, NCCL, driver), visible devices and
-``CUDA_VISIBLE_DEVICES``, the distributed backends, a real 2-process gloo all_reduce over
-127.0.0.1 (and an NCCL one across every GPU when there are at least 2), the launcher
-environment (torchrun, SLURM or none), ``MASTER_ADDR``/``MASTER_PORT``, ``/dev/shm``, the
-open-file limit and the distributed-related environment variables (values that look like
-secrets are masked: API keys, tokens, passwords).
-
-Only light imports at module level: ``lightning-mgpu --help`` imports this module.
+Only light imports at module level; torch and Lightning are imported inside the checks.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -28,14 +19,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 STATUSES = ("ok", "warn", "fail")
-SMOKE_TIMEOUT_S = 20.0
-MAX_TIMEOUT_S = 3600.0  # a health check that may wait longer is a mistake
-SMOKE_BYTES = 4 << 20  # all_reduce 4 MiB of float32
 SHM_MIN_BYTES = 1 << 30
 NOFILE_MIN = 4096
 # Launcher variables: a stale one in the shell confuses every launcher.
@@ -51,6 +38,8 @@ _SECRET_VALUE = re.compile(r"[A-Za-z0-9+/=_\-]{20,}")
 
 @dataclass
 class Check:
+    """One line of the doctor's report: ``fix`` is required for every ``warn`` and ``fail``."""
+
     name: str
     status: str
     value: str
@@ -221,133 +210,6 @@ def check_backends(gpu_count: int) -> Check:
     return Check("backends", "ok", value, details=available)
 
 
-_SMOKE_CHILD = r"""
-import json, sys, time
-from datetime import timedelta
-started = time.perf_counter()
-import torch
-import torch.distributed as dist
-rank, world, port, backend, nbytes, timeout = sys.argv[1:7]
-rank, world, nbytes, timeout = int(rank), int(world), int(nbytes), float(timeout)
-imported = time.perf_counter()
-if backend == "nccl":
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-else:
-    device = torch.device("cpu")
-if rank == 0:  # the store's socket bound to 127.0.0.1 only (TCPStore binds every interface on its own)
-    import socket
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", int(port)))
-    listener.listen(128)
-    store = dist.TCPStore("127.0.0.1", int(port), world, True, timeout=timedelta(seconds=timeout),
-                          master_listen_fd=listener.detach())
-else:
-    store = dist.TCPStore("127.0.0.1", int(port), world, False, timeout=timedelta(seconds=timeout))
-dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-joined = time.perf_counter()
-x = torch.full((nbytes // 4,), float(rank + 1), device=device)
-dist.all_reduce(x)
-expected = world * (world + 1) / 2
-wrong = int((x != expected).sum().item())
-times = []
-for _ in range(5):
-    if backend == "nccl":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    dist.all_reduce(x)
-    if backend == "nccl":
-        torch.cuda.synchronize()
-    times.append(time.perf_counter() - t)
-dist.destroy_process_group()
-print(json.dumps({"rank": rank, "wrong": wrong, "import_s": imported - started, "init_s": joined - imported,
-                  "allreduce_ms": 1e3 * sorted(times)[len(times) // 2]}))
-"""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def run_allreduce_smoke(backend: str, world: int, timeout: float, nbytes: int = SMOKE_BYTES) -> dict[str, Any]:
-    """Start ``world`` processes on 127.0.0.1 that all_reduce ``nbytes`` and check the sum.
-
-    Returns {"ok": bool, "reason": str, "wall_s": float, "ranks": [...]}. Never waits longer than
-    ``timeout`` (plus a second to reap): processes still running then are killed.
-    """
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if backend == "gloo":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU test: never touch a GPU
-    port = free_port()
-    started = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SMOKE_CHILD, str(rank), str(world), str(port), backend, str(nbytes), str(timeout)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        for rank in range(world)
-    ]
-    outputs: list[tuple[str, str]] = [("", "")] * world
-    deadline = started + timeout
-    timed_out = False
-    for rank, proc in enumerate(procs):
-        try:
-            outputs[rank] = proc.communicate(timeout=max(0.01, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    if timed_out:
-        for proc in procs:  # only the processes started here
-            if proc.poll() is None:
-                proc.kill()
-        for rank, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=1.0)
-                outputs[rank] = (out or "", err or "")
-            except subprocess.TimeoutExpired:
-                pass
-    wall = time.perf_counter() - started
-    ranks: list[dict[str, Any]] = []
-    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
-        line = next((l for l in reversed((out or "").splitlines()) if l.startswith("{")), None)
-        ranks.append(json.loads(line) if line else {"rank": rank, "returncode": proc.returncode,
-                                                       "stderr_tail": (err or "").strip().splitlines()[-3:]})
-    if timed_out:
-        return {"ok": False, "reason": f"no result within {timeout:g} s (a rank hung or started too slowly)",
-                "wall_s": wall, "ranks": ranks}  # fmt: skip
-    failed = [r for r in ranks if "wrong" not in r]
-    if failed:
-        tail = "; ".join(" / ".join(r.get("stderr_tail", [])) for r in failed)[-300:]
-        return {"ok": False, "reason": f"rank(s) {[r['rank'] for r in failed]} failed: {tail}", "wall_s": wall,
-                "ranks": ranks}
-    if any(r["wrong"] for r in ranks):
-        return {"ok": False, "reason": "all_reduce returned wrong values", "wall_s": wall, "ranks": ranks}
-    return {"ok": True, "reason": "", "wall_s": wall, "ranks": ranks}
-
-
-def check_smoke(backend: str, world: int, timeout: float) -> Check:
-    name = f"{backend} all_reduce"
-    result = run_allreduce_smoke(backend, world, timeout)
-    details = {"world_size": world, "bytes": SMOKE_BYTES, **result}
-    if result["ok"]:
-        ranks = result["ranks"]
-        ms = max(r["allreduce_ms"] for r in ranks)
-        init = max(r["init_s"] for r in ranks)
-        return Check(name, "ok", f"{world} processes on 127.0.0.1: {SMOKE_BYTES >> 20} MiB correct, {ms:.2f} ms "
-                     f"per all_reduce (rendezvous {init * 1e3:.0f} ms, {result['wall_s']:.1f} s with start-up)",
-                     details=details)  # fmt: skip
-    fix = (
-        "check that local processes can connect over TCP on 127.0.0.1 (firewall, sandbox), that no GLOO_/NCCL_ "
-        "variable points at a missing interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), and rerun with "
-        "TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=INFO for the cause"
-    )
-    return Check(name, "fail", result["reason"], fix=fix, details=details)
-
-
 def detect_launcher(environ: Mapping[str, str]) -> Check:
     present = {k: environ[k] for k in (*ENV_NAMES, "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID") if k in environ}
     slurm = {k: environ[k] for k in SLURM_NAMES if k in environ}
@@ -496,36 +358,3 @@ def check_environment(environ: Mapping[str, str]) -> Check:
         return Check("environment", "warn", value, details={"variables": shown},
                      fix=f"{', '.join(set_slow)} slows training (debugging settings): unset them for real runs")
     return Check("environment", "ok", value, details={"variables": shown})
-
-
-# --------------------------------------------------------------------------- the command
-
-
-def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = SMOKE_TIMEOUT_S) -> list[Check]:
-    import torch
-
-    checks = check_versions()
-    checks += check_devices(environ)
-    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    checks.append(check_backends(gpu_count))
-    if smoke:
-        checks.append(check_smoke("gloo", 2, timeout))
-        if gpu_count >= 2 and torch.distributed.is_nccl_available():
-            checks.append(check_smoke("nccl", gpu_count, timeout))
-        else:
-            checks.append(Check("nccl all_reduce", "ok", f"not run: needs 2 or more GPUs ({gpu_count} visible)"))
-    else:
-        checks.append(Check("all_reduce", "ok", "not run (--skip-allreduce)"))
-    checks.append(detect_launcher(environ))
-    checks.append(check_master(environ))
-    checks.append(check_shm())
-    checks.append(check_open_files())
-    checks.append(check_environment(environ))
-    return checks
-
-
-def report(checks: list[Check], elapsed_s: float) -> dict[str, Any]:
-    counts = {status: sum(c.status == status for c in checks) for status in STATUSES}
-    status = "fail" if counts["fail"] else "warn" if counts["warn"] else "ok"
-    return {"version": 1, "status": status, "elapsed_s": elapsed_s, "counts": counts,
-            "checks": [asdict(c) for c in checks]}  # fmt: skip

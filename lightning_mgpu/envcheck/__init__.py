@@ -1,0 +1,103 @@
+"""Is this machine (and this shell) ready for multi-process training? The checks behind ``lightning-mgpu doctor``.
+
+:func:`collect` runs every check and returns a list of :class:`Check`; :func:`report` turns it
+into the JSON the command prints with ``--json``::
+
+    {"version": 1, "status": "ok"|"warn"|"fail", "elapsed_s": float,
+     "counts": {"ok": int, "warn": int, "fail": int},
+     "checks": [{"name": str, "status": str, "value": str, "fix": str|null, "details": {...}}, ...]}
+
+What it checks: versions (Python, torch, Lightning, CUDA, NCCL, driver), visible devices and
+``CUDA_VISIBLE_DEVICES``, the distributed backends, a real 2-process gloo all_reduce over
+127.0.0.1 (and an NCCL one across every GPU when there are at least 2), the launcher
+environment (torchrun, SLURM or none), ``MASTER_ADDR``/``MASTER_PORT``, ``/dev/shm``, the
+open-file limit and the distributed-related environment variables (values that look like
+secrets are masked: API keys, tokens, passwords).
+
+* :mod:`~lightning_mgpu.envcheck.checks`: :class:`Check` and the single-process checks;
+* :mod:`~lightning_mgpu.envcheck.smoke`: the multi-process all_reduce check;
+* :mod:`~lightning_mgpu.envcheck.smoke_worker`: one rank of it, run as ``python -m``.
+
+Only light imports at module level (``lightning-mgpu doctor --help`` imports this package);
+torch and Lightning are imported when the checks run. Not to be confused with the
+``DistributedDoctor`` callback (:mod:`lightning_mgpu.callbacks.doctor`), which watches a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Mapping
+
+from lightning_mgpu.envcheck.checks import (
+    STATUSES,
+    Check,
+    check_backends,
+    check_devices,
+    check_environment,
+    check_master,
+    check_open_files,
+    check_shm,
+    check_versions,
+    detect_launcher,
+    looks_secret,
+    mask,
+    parse_visible_devices,
+    relevant_environment,
+)
+from lightning_mgpu.envcheck.smoke import SMOKE_BYTES, SMOKE_TIMEOUT_S, check_smoke, run_allreduce_smoke
+
+
+def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = SMOKE_TIMEOUT_S) -> list[Check]:
+    """Every check, in the order the table shows them; ``smoke=False`` skips the multi-process ones."""
+    import torch
+
+    checks = check_versions()
+    checks += check_devices(environ)
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    checks.append(check_backends(gpu_count))
+    if smoke:
+        checks.append(check_smoke("gloo", 2, timeout))
+        if gpu_count >= 2 and torch.distributed.is_nccl_available():
+            checks.append(check_smoke("nccl", gpu_count, timeout))
+        else:
+            checks.append(Check("nccl all_reduce", "ok", f"not run: needs 2 or more GPUs ({gpu_count} visible)"))
+    else:
+        checks.append(Check("all_reduce", "ok", "not run (--skip-allreduce)"))
+    checks.append(detect_launcher(environ))
+    checks.append(check_master(environ))
+    checks.append(check_shm())
+    checks.append(check_open_files())
+    checks.append(check_environment(environ))
+    return checks
+
+
+def report(checks: list[Check], elapsed_s: float) -> dict[str, Any]:
+    """The JSON form of ``checks`` (the schema above): the worst status decides the overall one."""
+    counts = {status: sum(c.status == status for c in checks) for status in STATUSES}
+    status = "fail" if counts["fail"] else "warn" if counts["warn"] else "ok"
+    return {"version": 1, "status": status, "elapsed_s": elapsed_s, "counts": counts,
+            "checks": [asdict(c) for c in checks]}  # fmt: skip
+
+
+__all__ = [
+    "SMOKE_BYTES",
+    "SMOKE_TIMEOUT_S",
+    "STATUSES",
+    "Check",
+    "check_backends",
+    "check_devices",
+    "check_environment",
+    "check_master",
+    "check_open_files",
+    "check_shm",
+    "check_smoke",
+    "check_versions",
+    "collect",
+    "detect_launcher",
+    "looks_secret",
+    "mask",
+    "parse_visible_devices",
+    "relevant_environment",
+    "report",
+    "run_allreduce_smoke",
+]
