@@ -1,6 +1,6 @@
 """The worker of ``lightning-mgpu tune``: one ``fit`` that only tunes, in every rank.
 
-Started by :mod:`lightning_mgpu.tuning.cli` through ``torch.distributed.run``::
+Started by :mod:`lightning_mgpu.cli.tune` through ``torch.distributed.run``::
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m lightning_mgpu.tuning.sweep \\
         --target recipes/x.py:make_module --out result.json
@@ -15,57 +15,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib
-import importlib.util
 import json
 import os
 import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
-
-class TargetError(ValueError):
-    """``--target`` does not name a callable that can be imported."""
-
-
-def parse_target(text: str) -> tuple[str, str]:
-    """``"FILE.py:FUNCTION"`` or ``"package.module:FUNCTION"`` -> (where, function)."""
-    where, sep, name = text.rpartition(":")
-    if not sep or not where or not name or not name.isidentifier():
-        raise TargetError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {text!r}")
-    return where, name
-
-
-def load_factory(text: str) -> Callable[[], Any]:
-    """Import ``text``'s module (a file or a module name) and return its function."""
-    where, name = parse_target(text)
-    module: ModuleType
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise TargetError(f"no such file: {where!r} (in {text!r})")
-        spec = importlib.util.spec_from_file_location(f"_lightning_mgpu_tune_target_{path.stem}", path)
-        if spec is None or spec.loader is None:
-            raise TargetError(f"cannot import {where!r}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        # Scripts import their neighbours the way `python FILE.py` would allow.
-        sys.path.insert(0, str(path.resolve().parent))
-        spec.loader.exec_module(module)
-    else:
-        try:
-            found = importlib.util.find_spec(where)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            raise TargetError(f"no module named {where!r} (in {text!r}); give FILE.py:FUNCTION or an importable module")
-        module = importlib.import_module(where)
-    factory = getattr(module, name, None)
-    if factory is None or not callable(factory):
-        raise TargetError(f"{where!r} has no function {name!r}")
-    return factory  # type: ignore[no-any-return]
+from lightning_mgpu._target import TargetError
+from lightning_mgpu._target import load_target as load_factory
 
 
 def _build(factory: Callable[[], Any]) -> tuple[Any, Optional[Any]]:
