@@ -51,6 +51,38 @@ def is_loopback_address(host: str) -> bool:
         return False
 
 
+def resolve_host(host: str) -> list[str]:
+    """Every address ``host`` resolves to (an IP literal: itself); ``[]`` if it does not resolve."""
+    try:
+        return [str(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError):
+        return []
+    return sorted({str(info[4][0]).split("%", 1)[0] for info in infos})
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` (an IP literal or a name such as ``localhost``) resolves only to loopback addresses.
+
+    A name that also resolves to another address, or does not resolve, is not loopback: the
+    caller then leaves the rendezvous to torch, which listens where other machines can reach it.
+    """
+    addresses = resolve_host(host)
+    return bool(addresses) and all(is_loopback_address(address) for address in addresses)
+
+
+def loopback_bind_address(host: str) -> str:
+    """The address a server for loopback ``host`` binds: ``host`` itself if it is an IP literal, else the
+    IPv4 loopback address it resolves to (clients connecting by name try every address)."""
+    if is_loopback_address(host):
+        return host
+    addresses = resolve_host(host)
+    return next((a for a in addresses if ":" not in a), addresses[0] if addresses else LOOPBACK)
+
+
 def pin_backend_to_loopback(backend: str, environ: Optional[dict[str, str]] = None) -> Optional[str]:
     """Set the backend's socket-interface variable to the loopback interface unless already set.
 
@@ -100,7 +132,7 @@ def loopback_store(
     timeout: timedelta,
     wait_for_workers: bool = True,
 ) -> dist.TCPStore:
-    """A ``TCPStore`` whose server (``is_master``) listens on ``host`` only.
+    """A ``TCPStore`` whose server (``is_master``) listens on ``host`` only (a loopback IP literal or name).
 
     ``port`` 0 lets the OS pick (read it back from ``store.port``). Clients connect as usual.
     Raises ``OSError`` when the server's socket cannot be bound, and ``TypeError`` on a torch
@@ -108,7 +140,7 @@ def loopback_store(
     """
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    listener = bind_listener(host, port, backlog=world_size or 1)
+    listener = bind_listener(loopback_bind_address(host), port, backlog=world_size or 1)
     bound_port = int(listener.getsockname()[1])
     fd = listener.detach()  # the store owns the socket from here on
     try:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_mgpu.comm.distributed import is_loopback_address, loopback_store, pin_backend_to_loopback
+from lightning_mgpu.comm.distributed import is_loopback_host, loopback_store, pin_backend_to_loopback
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -66,14 +66,17 @@ def attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta
 def loopback_only_store(
     environment: Any, global_rank: int, world_size: int, timeout: Optional[timedelta], backend: str
 ) -> Optional[Any]:
-    """A ``TCPStore`` bound to loopback when ``MASTER_ADDR`` is a loopback address, else None."""
+    """A ``TCPStore`` bound to loopback when ``MASTER_ADDR`` is a loopback address (or a name such as
+    ``localhost`` that resolves only to loopback addresses), else None."""
     host = environment.main_address
-    if not is_loopback_address(host):
+    if not is_loopback_host(host):
         return None
     port = int(environment.main_port)
     timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
     if "gloo" in backend:
-        pin_backend_to_loopback("gloo")
+        variable = pin_backend_to_loopback("gloo")
+        if variable is not None:
+            _VARIABLES_SET.append(variable)
     try:
         return loopback_store(host, port, world_size, is_master=global_rank == 0, timeout=timeout)
     except OSError as error:
@@ -83,6 +86,17 @@ def loopback_only_store(
         ) from None
     except TypeError:  # a torch without master_listen_fd: its own rendezvous
         return None
+
+
+_VARIABLES_SET: list[str] = []
+"""Environment variables this module set (``GLOO_SOCKET_IFNAME``), removed by :func:`restore_environment`."""
+
+
+def restore_environment() -> None:
+    """Remove the variables the rendezvous set, so that nothing is left behind after a run (the
+    backend read them when the group was created)."""
+    while _VARIABLES_SET:
+        os.environ.pop(_VARIABLES_SET.pop(), None)
 
 
 _EXIT_HANDLER_REGISTERED = False

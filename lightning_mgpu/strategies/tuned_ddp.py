@@ -66,7 +66,7 @@ from lightning_mgpu.strategies.ddp_options import (
 )
 from lightning_mgpu.strategies.auto_buckets import AutoBucketDriver
 from lightning_mgpu.strategies.launchers import checked_launcher
-from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous_store
+from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous_store, restore_environment
 from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
 from lightning_mgpu.tuning.tuner import BucketTuner
 
@@ -622,6 +622,7 @@ class TunedDDPStrategy(DDPStrategyBase):
                 f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)."
             )
         super().teardown()
+        restore_environment()  # e.g. GLOO_SOCKET_IFNAME set for the loopback rendezvous
         # Wrappers belong to one fit (callbacks add them again in their setup). The PowerSGD keeper
         # stays: a checkpoint saved after fit still carries its memory.
         self._hooks.clear()
