@@ -92,7 +92,7 @@ CONTRACTS: dict[type[L.Callback], Contract] = {
         },
     ),
     DistributedDoctor: Contract(
-        settings={"every_n_steps": 2},
+        settings={"check_every_n_batches": 2},
         outcome=_doctor_outcome,
         fresh={"rules": ["dataparallel-wrapped"], "batches_seen": STEPS},
         resumed={"rules": ["dataparallel-wrapped"], "batches_seen": 2 * STEPS},
