@@ -142,7 +142,7 @@ class _WatchedLoader(importlib.abc.Loader):
 
     def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
         create = getattr(self._loader, "create_module", None)
-        return None if create is None else create(spec)  # type: ignore[no-any-return]
+        return None if create is None else create(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._finder.module_started(is_lightning=self._is_lightning)

@@ -55,8 +55,13 @@ def test_parse_size_refuses_what_it_cannot_read_exactly(text: str) -> None:
 
 def test_format_size() -> None:
     assert [format_size(n) for n in (1000, KiB, 3 * KiB, 256 * MiB, 2 * GiB, 1536)] == [
-        "1000 B", "1 KiB", "3 KiB", "256 MiB", "2 GiB", "1536 B",
-    ]  # fmt: skip
+        "1000 B",
+        "1 KiB",
+        "3 KiB",
+        "256 MiB",
+        "2 GiB",
+        "1536 B",
+    ]
 
 
 def test_message_sizes() -> None:
@@ -109,9 +114,7 @@ def test_check_pattern_sums_exactly_and_catches_wrong_elements(count: int, world
 def test_time_iterations_on_cpu_reads_the_clock_between_calls() -> None:
     ticks = iter([1_000, 3_000, 3_500, 13_500])  # ns: 2 us, 0.5 us, 10 us
     calls = []
-    seconds = time_iterations(
-        lambda: calls.append(1), 3, device=torch.device("cpu"), clock=lambda: next(ticks)
-    )
+    seconds = time_iterations(lambda: calls.append(1), 3, device=torch.device("cpu"), clock=lambda: next(ticks))
     assert seconds == pytest.approx([2e-6, 0.5e-6, 10e-6])
     assert len(calls) == 3
 
@@ -126,9 +129,7 @@ def test_the_slowest_rank_decides_a_row() -> None:
 
 
 def test_summary_names_the_peak_and_the_small_message_latency() -> None:
-    rows = [
-        size_row(n, [t, t / 2], [0, 0], iters=5, warmup=1) for n, t in ((KiB, 50e-6), (MiB, 1e-3), (4 * MiB, 8e-3))
-    ]
+    rows = [size_row(n, [t, t / 2], [0, 0], iters=5, warmup=1) for n, t in ((KiB, 50e-6), (MiB, 1e-3), (4 * MiB, 8e-3))]
     summary = summarize_rows(rows)
     assert summary["peak_busbw_bytes"] == MiB and summary["latency_bytes"] == KiB
     assert summary["latency_us"] == pytest.approx(50.0) and summary["wrong_total"] == 0
@@ -148,10 +149,23 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], s
     workdir = tmp_path_factory.mktemp("bench_comm")
     out = workdir / "nested" / "bench_comm.json"
     proc = run_python(
-        ["-m", "lightning_mgpu.cli", "bench-comm", "--nproc", "2", "--max-bytes", "1MiB", "--iters", "3",
-         "--json", str(out)],
-        cwd=workdir, timeout=90, env=cpu_env(),
-    )  # fmt: skip
+        [
+            "-m",
+            "lightning_mgpu.cli",
+            "bench-comm",
+            "--nproc",
+            "2",
+            "--max-bytes",
+            "1MiB",
+            "--iters",
+            "3",
+            "--json",
+            str(out),
+        ],
+        cwd=workdir,
+        timeout=90,
+        env=cpu_env(),
+    )
     return json.loads(out.read_text()), proc.stdout
 
 
@@ -261,15 +275,17 @@ def test_timeout_stops_every_worker_and_says_so(tmp_path: Path) -> None:
     # The default sweep (1 KiB .. 256 MiB) takes far longer than 2 s, process start alone about that.
     proc = run_python(
         ["-m", "lightning_mgpu.cli", "bench-comm", "--nproc", "2", "--timeout", "2", "--quiet"],
-        cwd=tmp_path, timeout=45, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        timeout=45,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("lightning-mgpu bench-comm: error: did not finish within --timeout 2 s; stopped rank(s)")
     assert "Traceback" not in proc.stderr
 
 
-DYING_WORKERS = '''
+DYING_WORKERS = """
     import os
     import time
 
@@ -295,7 +311,7 @@ DYING_WORKERS = '''
                 launch_workers(worker, (), nproc=2, timeout_s=100, grace_s=2)
             except BenchCommError as exc:
                 print(f"{worker.__name__}|{exc}|{exc.details.strip().splitlines()[-1:]}|{time.monotonic() - started:.1f}")
-'''
+"""
 
 
 @pytest.mark.multiprocess

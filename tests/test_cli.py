@@ -61,9 +61,7 @@ REGISTRATION_ORDERS = {
 @pytest.mark.parametrize("order", list(REGISTRATION_ORDERS))
 def test_import_registers_the_strategy_names_whatever_the_import_order(order: str) -> None:
     code = (
-        "import sys\n"
-        + REGISTRATION_ORDERS[order]
-        + "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "import sys\n" + REGISTRATION_ORDERS[order] + "from lightning.pytorch.strategies import StrategyRegistry\n"
         "import lightning_mgpu\n"
         "missing = [name for name in lightning_mgpu.STRATEGY_NAMES if name not in StrategyRegistry]\n"
         "assert missing == [], missing\n"

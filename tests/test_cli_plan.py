@@ -11,7 +11,7 @@ import pytest
 from lightning_mgpu.cli import main
 from tests.conftest import run_python
 
-FACTORY = '''
+FACTORY = """
 import torch.nn as nn
 
 def build():
@@ -31,7 +31,7 @@ def two():
     m = Wrapper()
     m.other = build()
     return m
-'''
+"""
 
 
 @pytest.fixture()
@@ -57,7 +57,18 @@ def _plan_here(workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 @pytest.mark.timeout(150)
 def test_plan_prints_every_balance_mode_and_writes_json(workdir: Path) -> None:
     out = workdir / "plan.json"
-    proc = _plan(workdir, "plan_factory_mod:build", "--shape", "64,16", "--devices", "2", "--microbatches", "4", "--json", str(out))
+    proc = _plan(
+        workdir,
+        "plan_factory_mod:build",
+        "--shape",
+        "64,16",
+        "--devices",
+        "2",
+        "--microbatches",
+        "4",
+        "--json",
+        str(out),
+    )
     for mode in ("balance='time'", "balance='memory'", "balance='params'", "(fastest)", "ideal speed-up"):
         assert mode in proc.stdout, mode
     payload = json.loads(out.read_text())
@@ -79,16 +90,28 @@ def test_plan_finds_the_sequential_inside_a_module(workdir: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["plan_factory_mod", "--shape", "8,16"], "expected FILE.py:FUNCTION or MODULE:FUNCTION, got 'plan_factory_mod'"),
+        (
+            ["plan_factory_mod", "--shape", "8,16"],
+            "expected FILE.py:FUNCTION or MODULE:FUNCTION, got 'plan_factory_mod'",
+        ),
         (["no_such_mod:build", "--shape", "8,16"], "no module named 'no_such_mod'"),
         (["plan_factory_mod:missing", "--shape", "8,16"], "plan_factory_mod has no function 'missing'"),
         (["plan_factory_mod:two", "--shape", "8,16"], "has 2 nn.Sequential children; name one with --split-module"),
-        (["plan_factory_mod:wrapped", "--shape", "8,16", "--split-module", "stem"], "--split-module 'stem' is not an nn.Sequential"),
+        (
+            ["plan_factory_mod:wrapped", "--shape", "8,16", "--split-module", "stem"],
+            "--split-module 'stem' is not an nn.Sequential",
+        ),
         (["plan_factory_mod:build", "--shape", "8,x"], "argument --shape"),
         (["plan_factory_mod:build", "--shape", "0,16"], "every size must be >= 1"),
-        (["plan_factory_mod:build", "--shape", "8,16", "--devices", "0"], "argument --devices: expected an integer >= 1"),
+        (
+            ["plan_factory_mod:build", "--shape", "8,16", "--devices", "0"],
+            "argument --devices: expected an integer >= 1",
+        ),
         (["plan_factory_mod:build", "--shape", "8,16", "--devices", "6"], "5 layers, fewer than --devices 6"),
-        (["plan_factory_mod:build", "--shape", "8,16", "--capacity", "lots"], "argument --capacity: cannot read 'lots'"),
+        (
+            ["plan_factory_mod:build", "--shape", "8,16", "--capacity", "lots"],
+            "argument --capacity: cannot read 'lots'",
+        ),
         (["plan_factory_mod:build", "--shape", "8,16", "--device", "cuda"], "CUDA is not available"),
     ],
 )

@@ -15,22 +15,37 @@ from tests.conftest import REPO, cpu_env, run_python
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API key
 CHECK_NAMES = {
-    "python", "torch", "lightning", "cuda", "nccl", "driver", "devices", "backends", "gloo all_reduce",
-    "nccl all_reduce", "launcher", "master", "/dev/shm", "open files", "environment",
-}  # fmt: skip
+    "python",
+    "torch",
+    "lightning",
+    "cuda",
+    "nccl",
+    "driver",
+    "devices",
+    "backends",
+    "gloo all_reduce",
+    "nccl all_reduce",
+    "launcher",
+    "master",
+    "/dev/shm",
+    "open files",
+    "environment",
+}
 
 
 def doctor(*flags: str, env: dict[str, str]) -> tuple[int, dict[str, Any], str]:
-    proc = run_python(["-m", "lightning_mgpu.cli", "doctor", "--json", *flags], cwd=REPO, timeout=90, env=env,
-                      check=False)  # fmt: skip
+    proc = run_python(
+        ["-m", "lightning_mgpu.cli", "doctor", "--json", *flags], cwd=REPO, timeout=90, env=env, check=False
+    )
     return proc.returncode, json.loads(proc.stdout), proc.stdout + proc.stderr
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_json_report_with_a_real_allreduce_a_provoked_warning_and_a_masked_secret() -> None:
-    env = cpu_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "80", "WANDB_API_KEY": SECRET,
-                   "MY_SERVICE_TOKEN": "hunter2"})  # fmt: skip
+    env = cpu_env(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "80", "WANDB_API_KEY": SECRET, "MY_SERVICE_TOKEN": "hunter2"}
+    )
     code, result, output = doctor(env=env)
     assert code == 0, output  # warnings only
     assert set(result) == {"version", "status", "elapsed_s", "counts", "checks"}
@@ -96,7 +111,10 @@ def test_secret_looking_values_are_masked(name: str, value: str, masked: bool) -
 def test_environment_lists_only_distributed_variables() -> None:
     env = {"HOME": "/root", "NCCL_DEBUG": "INFO", "WANDB_API_KEY": SECRET, "RANK": "0", "SLURM_PROCID": "3"}
     assert envcheck.relevant_environment(env) == {
-        "NCCL_DEBUG": "INFO", "RANK": "0", "SLURM_PROCID": "3", "WANDB_API_KEY": "****(40 chars)"
+        "NCCL_DEBUG": "INFO",
+        "RANK": "0",
+        "SLURM_PROCID": "3",
+        "WANDB_API_KEY": "****(40 chars)",
     }
     check = envcheck.check_environment({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     assert check.status == "warn" and "unset" in check.fix
@@ -124,7 +142,11 @@ def test_cuda_visible_devices_parsing(value: str | None, entries: list[str] | No
     ("env", "status", "words"),
     [
         ({}, "ok", "none (plain process"),
-        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, "ok", "torchrun (rank 1 of 4)"),
+        (
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"},
+            "ok",
+            "torchrun (rank 1 of 4)",
+        ),
         ({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_PROCID": "3"}, "ok", "SLURM (job 42, 8 task(s))"),
         ({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8"}, "warn", "not started by srun"),
         ({"RANK": "2"}, "warn", "RANK set in the environment"),

@@ -22,8 +22,12 @@ def register(subparsers: Any) -> None:
         description="Time all_reduce of float32 tensors from --min-bytes to --max-bytes in --nproc processes "
         "it starts itself (127.0.0.1 only), check the results, and print algbw / busbw as nccl-tests does.",
     )
-    parser.add_argument("--nproc", type=bounded_int(), default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    parser.add_argument(
+        "--nproc", type=bounded_int(), default=None, help="processes (default: 2 on CPU, every GPU on CUDA)"
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu"
+    )
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, gloo on cpu")
     parser.add_argument("--min-bytes", type=size, default=None, metavar="SIZE", help="smallest message (default 1KiB)")
     parser.add_argument("--max-bytes", type=size, default=None, metavar="SIZE", help="largest message (default 256MiB)")
@@ -35,13 +39,18 @@ def register(subparsers: Any) -> None:
         help="timed all_reduces per size (default 20); large sizes get fewer: min(iters, max(5, 1GiB // size))",
     )
     parser.add_argument(
-        "--warmup", type=int, default=None, help="untimed all_reduces first (default 5): min(warmup, max(1, 256MiB // size))"
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed all_reduces first (default 5): min(warmup, max(1, 256MiB // size))",
     )
     # A plain float: the settings check it, with the message programmatic callers get too.
     parser.add_argument(
         "--timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long (default 300)"
     )
-    parser.add_argument("--json", type=output_file, metavar="PATH", default=None, help="also write the results as JSON here")
+    parser.add_argument(
+        "--json", type=output_file, metavar="PATH", default=None, help="also write the results as JSON here"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines while measuring")
     parser.set_defaults(func=run, subparser=parser)
 

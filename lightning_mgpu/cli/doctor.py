@@ -31,9 +31,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--skip-allreduce", action="store_true", help="skip the multi-process all_reduce tests")
     parser.add_argument(
-        "--timeout", type=positive_seconds(MAX_TIMEOUT_S), default=SMOKE_TIMEOUT_S, metavar="SECONDS",
+        "--timeout",
+        type=positive_seconds(MAX_TIMEOUT_S),
+        default=SMOKE_TIMEOUT_S,
+        metavar="SECONDS",
         help=f"limit for each all_reduce test, start-up included (default {SMOKE_TIMEOUT_S:g})",
-    )  # fmt: skip
+    )
     parser.add_argument("--rules", action="store_true", help="list the DistributedDoctor callback's rules and exit")
     parser.set_defaults(func=run, subparser=parser)
 

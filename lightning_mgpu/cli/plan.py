@@ -11,10 +11,13 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_mgpu._target import SYNTAX
 from lightning_mgpu.cli._args import bounded_int, existing_parent, positive_size, target
+
+if TYPE_CHECKING:  # torch underneath: imported when the command runs, not for --help
+    from lightning_mgpu.placement.plan import PlacementPlan
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
 # Beyond these a value is a mistake: refused before anything is built or measured.
@@ -47,14 +50,36 @@ def register(subparsers: Any) -> None:
     parser.add_argument("factory", type=target, metavar="TARGET", help=f"a function returning the model: {SYNTAX}")
     parser.add_argument("--shape", required=True, help="shape of one batch of the split module's input, e.g. 64,512")
     parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="input dtype (long/int for token ids)")
-    parser.add_argument("--high", type=bounded_int(_LIMITS["high"]), default=2, help="token ids are drawn from [0, HIGH) for integer dtypes")
-    parser.add_argument("--devices", type=bounded_int(_LIMITS["devices"]), default=2, help="K, devices per replica (default 2)")
-    parser.add_argument("--microbatches", type=bounded_int(_LIMITS["microbatches"]), default=1, help="M, micro-batches per step (default 1)")
+    parser.add_argument(
+        "--high",
+        type=bounded_int(_LIMITS["high"]),
+        default=2,
+        help="token ids are drawn from [0, HIGH) for integer dtypes",
+    )
+    parser.add_argument(
+        "--devices", type=bounded_int(_LIMITS["devices"]), default=2, help="K, devices per replica (default 2)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=bounded_int(_LIMITS["microbatches"]),
+        default=1,
+        help="M, micro-batches per step (default 1)",
+    )
     parser.add_argument("--split-module", default=None, help="attribute holding the nn.Sequential, if not the only one")
     parser.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1 ...)")
-    parser.add_argument("--capacity", type=positive_size, default=None, metavar="SIZE", help="memory per device, e.g. 80GiB (default: no limit)")
-    parser.add_argument("--repeats", type=bounded_int(_LIMITS["repeats"]), default=5, help="timed runs per layer (median; default 5)")
-    parser.add_argument("--json", type=existing_parent, default=None, metavar="PATH", help="also write the plans as JSON")
+    parser.add_argument(
+        "--capacity",
+        type=positive_size,
+        default=None,
+        metavar="SIZE",
+        help="memory per device, e.g. 80GiB (default: no limit)",
+    )
+    parser.add_argument(
+        "--repeats", type=bounded_int(_LIMITS["repeats"]), default=5, help="timed runs per layer (median; default 5)"
+    )
+    parser.add_argument(
+        "--json", type=existing_parent, default=None, metavar="PATH", help="also write the plans as JSON"
+    )
     parser.set_defaults(func=run, subparser=parser)
 
 
@@ -67,8 +92,10 @@ def _shape(parser: argparse.ArgumentParser, text: str, microbatches: int) -> lis
         parser.error(f"argument --shape: every size must be >= 1, got {text!r}")
     elements = -(-shape[0] // microbatches) * math.prod(shape[1:])  # one micro-batch is measured
     if elements > MAX_SAMPLE_ELEMENTS:
-        parser.error(f"argument --shape: a micro-batch of {text!r} has {elements} elements, more than "
-                     f"{MAX_SAMPLE_ELEMENTS}; measure on a smaller batch (costs scale with it)")  # fmt: skip
+        parser.error(
+            f"argument --shape: a micro-batch of {text!r} has {elements} elements, more than "
+            f"{MAX_SAMPLE_ELEMENTS}; measure on a smaller batch (costs scale with it)"
+        )
     return shape
 
 
@@ -125,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     plans = {}
     for balance in BALANCE_MODES:
         try:
-            plan = plan_stages(layers, devices, balance, microbatches=args.microbatches, capacity=[capacity] * args.devices)
+            plan = plan_stages(
+                layers, devices, balance, microbatches=args.microbatches, capacity=[capacity] * args.devices
+            )
         except ValueError as exc:
             console.print(f"[bold]balance={balance!r}[/]: [red]{exc}[/]")
             continue
@@ -134,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if not plans:
         print(f"{parser.prog}: error: no balance mode found a placement that fits", file=sys.stderr)
         return 1
-    best = min(plans.values(), key=lambda p: max(p.stage_time_ms))
+    best = min(plans.values(), key=_slowest_stage_ms)
     summary = Table(title=f"{args.factory}: micro-batch {list(sample_shape)}, M={args.microbatches}")
     for column in ("balance", "sizes", "slowest stage ms", "largest stage memory", "ideal speed-up"):
         summary.add_column(column, justify="left" if column in ("balance", "sizes") else "right")
@@ -143,17 +172,26 @@ def run(args: argparse.Namespace) -> int:
         summary.add_row(
             name + mark,
             str(plan.sizes),
-            f"{max(plan.stage_time_ms):.3f}",
-            f"{max(plan.stage_memory_bytes) / 2**20:.1f} MiB",
+            f"{_slowest_stage_ms(plan):.3f}",
+            f"{max(plan.stage_memory_bytes or [0]) / 2**20:.1f} MiB",
             f"{plan.ideal_speedup:.2f}x",
         )
     console.print(summary)
     if args.json:
-        payload = {"factory": args.factory, "sample_shape": list(sample_shape), "plans": {k: p.as_dict() for k, p in plans.items()}}
+        payload = {
+            "factory": args.factory,
+            "sample_shape": list(sample_shape),
+            "plans": {k: p.as_dict() for k, p in plans.items()},
+        }
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(payload, handle, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+def _slowest_stage_ms(plan: PlacementPlan) -> float:
+    # Plans made here come from measured layers: every stage has a time.
+    return max(plan.stage_time_ms or [0.0])
 
 
 def _find_sequential(parser: argparse.ArgumentParser, model: Any, split_module: Any) -> Any:
@@ -174,5 +212,7 @@ def _find_sequential(parser: argparse.ArgumentParser, model: Any, split_module: 
         parser.error(f"the factory returned {type(model).__name__}, not an nn.Module")
     candidates = [child for child in model.children() if isinstance(child, nn.Sequential)]
     if len(candidates) != 1:
-        parser.error(f"{type(model).__name__} has {len(candidates)} nn.Sequential children; name one with --split-module")
+        parser.error(
+            f"{type(model).__name__} has {len(candidates)} nn.Sequential children; name one with --split-module"
+        )
     return candidates[0]

@@ -21,7 +21,11 @@ def run(args: argparse.Namespace) -> int:
 
     register_strategies()  # done already when Lightning loaded; again costs nothing and says so here
     rows = [
-        {"name": name, "description": StrategyRegistry[name]["description"], "options": StrategyRegistry[name]["init_params"]}
+        {
+            "name": name,
+            "description": StrategyRegistry[name]["description"],
+            "options": StrategyRegistry[name]["init_params"],
+        }
         for name in lightning_mgpu.STRATEGY_NAMES
     ]
     if args.json:

@@ -69,15 +69,23 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--rounds", type=counts, default=3, help="visits per layout, alternating order (3)")
     parser.add_argument("--measure", type=counts, default=8, help="timed steps per visit (8)")
     parser.add_argument(
-        "--sizes", type=_sizes, default=None, metavar="MIB,...",
+        "--sizes",
+        type=_sizes,
+        default=None,
+        metavar="MIB,...",
         help="candidate bucket sizes in MiB (default 1,2,4,...,256); DDP's default 25 is always added",
-    )  # fmt: skip
-    parser.add_argument("--out-dir", type=output_dir, default=Path("tune"), help="where tune.json and tune.png go (./tune)")
+    )
+    parser.add_argument(
+        "--out-dir", type=output_dir, default=Path("tune"), help="where tune.json and tune.png go (./tune)"
+    )
     parser.add_argument("--threads", type=processes, default=None, help="torch threads per rank on CPU (cores / nproc)")
     parser.add_argument(
-        "--timeout", type=positive_seconds(MAX_TIMEOUT_S), default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        "--timeout",
+        type=positive_seconds(MAX_TIMEOUT_S),
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
         help=f"stop everything after this long (default {DEFAULT_TIMEOUT_S:g})",
-    )  # fmt: skip
+    )
     parser.set_defaults(func=run, subparser=parser)
 
 
@@ -107,10 +115,24 @@ def run(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "tune.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "lightning_mgpu.tuning.sweep", "--target", args.target, "--out", str(out.resolve()),
-        "--accelerator", accelerator, "--rounds", str(args.rounds), "--measure", str(args.measure),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "lightning_mgpu.tuning.sweep",
+        "--target",
+        args.target,
+        "--out",
+        str(out.resolve()),
+        "--accelerator",
+        accelerator,
+        "--rounds",
+        str(args.rounds),
+        "--measure",
+        str(args.measure),
+    ]
     if args.sizes:
         command += ["--candidates", args.sizes]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -118,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if out.exists():
         out.unlink()
-    print(f"tuning {args.target}: {nproc} process(es) on {accelerator}, {args.rounds} rounds x {args.measure} timed steps")
+    print(
+        f"tuning {args.target}: {nproc} process(es) on {accelerator}, {args.rounds} rounds x {args.measure} timed steps"
+    )
     # Own session: on timeout the launcher and every rank it started go together.
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -139,7 +163,10 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(known), file=sys.stderr)
             return 1
         print(_tail(output or ""), file=sys.stderr)
-        print(f"{parser.prog}: error: the sweep failed (exit code {process.returncode}); its last lines are above", file=sys.stderr)
+        print(
+            f"{parser.prog}: error: the sweep failed (exit code {process.returncode}); its last lines are above",
+            file=sys.stderr,
+        )
         return 1
     result: dict[str, Any] = json.loads(out.read_text())  # plain JSON, never unpickled
     return _report(result, args.out_dir)
@@ -158,7 +185,9 @@ def _report(result: dict[str, Any], out_dir: Path) -> int:
     gain = record.get("gain_over_default")
     is_default = any(c["is_default"] and c["cap_mb"] == chosen for c in record["candidates"])
     if is_default:
-        print(f"recommended: keep DDP's default bucket size (no other layout was at least 2% faster); chosen_mb={chosen:g}")
+        print(
+            f"recommended: keep DDP's default bucket size (no other layout was at least 2% faster); chosen_mb={chosen:g}"
+        )
     else:
         verdict = f"recommended: TunedDDPStrategy(bucket_cap_mb={chosen:g})"
         if gain is not None:

@@ -190,7 +190,9 @@ class SweepSettings:
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == "nccl" and self.device != "cuda":
-            raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use --backend gloo on CPU")
+            raise ValueError(
+                "--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use --backend gloo on CPU"
+            )
         if self.nproc is None:
             self.nproc = torch.cuda.device_count() if self.device == "cuda" else DEFAULT_CPU_NPROC
         self.nproc = check_int("--nproc", self.nproc, maximum=MAX_PROCESSES)
@@ -216,7 +218,9 @@ class SweepSettings:
         check_int("--iters", self.iters, maximum=MAX_COUNT)
         check_int("--warmup", self.warmup, minimum=0, maximum=MAX_COUNT)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
-            raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT_S:g} (7 days), got {self.timeout_s}")
+            raise ValueError(
+                f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT_S:g} (7 days), got {self.timeout_s}"
+            )
 
     @property
     def sizes(self) -> list[int]:
@@ -270,7 +274,7 @@ def time_iterations(
     never waits inside it. CPU: ``clock()`` (nanoseconds) between calls.
     """
     if device.type == "cuda":
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]  # type: ignore[no-untyped-call]
         events[0].record()
         for index in range(iters):
             run_once()

@@ -76,7 +76,7 @@ def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, A
         facts["cuda"] = torch.version.cuda
         facts["gpu_count"] = torch.cuda.device_count()
         if settings.backend == "nccl":
-            version = torch.cuda.nccl.version()  # (major, minor, patch); a plain int in old torch builds
+            version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # (major, minor, patch); an int in old torch
             facts["nccl"] = ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
     return facts
 
@@ -93,10 +93,12 @@ def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_pa
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     timeout = timedelta(seconds=settings.timeout_s)
     store = loopback_store(LOOPBACK, store_port, None, is_master=False, timeout=timeout)
-    device_id = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, **device_id
-    )
+    if device.type == "cuda":  # NCCL binds the group to this rank's GPU at once
+        dist.init_process_group(
+            str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
+        )
+    else:
+        dist.init_process_group(str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         rows = []
         for nbytes in settings.sizes:
@@ -158,7 +160,9 @@ def launch_workers(
     stopped), or when they are not all done within ``timeout_s`` (all are stopped).
     ``worker`` must be importable by the children (defined at a module's top level).
     """
-    context = torch_mp.start_processes(worker, args=args, nprocs=nproc, join=False, start_method="spawn")
+    context = torch_mp.start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
+        worker, args=args, nprocs=nproc, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -174,7 +178,8 @@ def launch_workers(
                     return
             except torch_mp.ProcessRaisedException as exc:
                 raise BenchCommError(
-                    f"rank {exc.error_index} (pid {exc.error_pid}) failed: {_last_line(exc.msg)}", details=exc.msg.strip()
+                    f"rank {exc.error_index} (pid {exc.error_pid}) failed: {_last_line(exc.msg)}",
+                    details=exc.msg.strip(),
                 ) from None
             except torch_mp.ProcessExitedException as exc:
                 how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
@@ -212,7 +217,9 @@ def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, A
     del store
     world_size = int(settings.nproc or 1)
     rows = measured["rows"]
-    settings_record = {key: value for key, value in asdict(settings).items() if key not in ("device", "backend", "nproc")}
+    settings_record = {
+        key: value for key, value in asdict(settings).items() if key not in ("device", "backend", "nproc")
+    }
     settings_record["timing"] = "cuda_events" if settings.device == "cuda" else "host_clock"
     settings_record["iteration_rule"] = ITERATION_RULE
     return {

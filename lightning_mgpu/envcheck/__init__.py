@@ -75,8 +75,13 @@ def report(checks: list[Check], elapsed_s: float) -> dict[str, Any]:
     """The JSON form of ``checks`` (the schema above): the worst status decides the overall one."""
     counts = {status: sum(c.status == status for c in checks) for status in STATUSES}
     status = "fail" if counts["fail"] else "warn" if counts["warn"] else "ok"
-    return {"version": 1, "status": status, "elapsed_s": elapsed_s, "counts": counts,
-            "checks": [asdict(c) for c in checks]}  # fmt: skip
+    return {
+        "version": 1,
+        "status": status,
+        "elapsed_s": elapsed_s,
+        "counts": counts,
+        "checks": [asdict(c) for c in checks],
+    }
 
 
 __all__ = [

@@ -39,8 +39,11 @@ def run_allreduce_smoke(backend: str, world: int, timeout: float, nbytes: int = 
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", WORKER, str(rank), str(world), str(port), backend, str(nbytes), str(timeout)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for rank in range(world)
     ]
     outputs: list[tuple[str, str]] = [("", "")] * world
@@ -66,16 +69,27 @@ def run_allreduce_smoke(backend: str, world: int, timeout: float, nbytes: int = 
     ranks: list[dict[str, Any]] = []
     for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
         line = next((l for l in reversed((out or "").splitlines()) if l.startswith("{")), None)
-        ranks.append(json.loads(line) if line else {"rank": rank, "returncode": proc.returncode,
-                                                       "stderr_tail": (err or "").strip().splitlines()[-3:]})
+        ranks.append(
+            json.loads(line)
+            if line
+            else {"rank": rank, "returncode": proc.returncode, "stderr_tail": (err or "").strip().splitlines()[-3:]}
+        )
     if timed_out:
-        return {"ok": False, "reason": f"no result within {timeout:g} s (a rank hung or started too slowly)",
-                "wall_s": wall, "ranks": ranks}  # fmt: skip
+        return {
+            "ok": False,
+            "reason": f"no result within {timeout:g} s (a rank hung or started too slowly)",
+            "wall_s": wall,
+            "ranks": ranks,
+        }
     failed = [r for r in ranks if "wrong" not in r]
     if failed:
         tail = "; ".join(" / ".join(r.get("stderr_tail", [])) for r in failed)[-300:]
-        return {"ok": False, "reason": f"rank(s) {[r['rank'] for r in failed]} failed: {tail}", "wall_s": wall,
-                "ranks": ranks}
+        return {
+            "ok": False,
+            "reason": f"rank(s) {[r['rank'] for r in failed]} failed: {tail}",
+            "wall_s": wall,
+            "ranks": ranks,
+        }
     if any(r["wrong"] for r in ranks):
         return {"ok": False, "reason": "all_reduce returned wrong values", "wall_s": wall, "ranks": ranks}
     return {"ok": True, "reason": "", "wall_s": wall, "ranks": ranks}
@@ -89,9 +103,13 @@ def check_smoke(backend: str, world: int, timeout: float) -> Check:
         ranks = result["ranks"]
         ms = max(r["allreduce_ms"] for r in ranks)
         init = max(r["init_s"] for r in ranks)
-        return Check(name, "ok", f"{world} processes on 127.0.0.1: {SMOKE_BYTES >> 20} MiB correct, {ms:.2f} ms "
-                     f"per all_reduce (rendezvous {init * 1e3:.0f} ms, {result['wall_s']:.1f} s with start-up)",
-                     details=details)  # fmt: skip
+        return Check(
+            name,
+            "ok",
+            f"{world} processes on 127.0.0.1: {SMOKE_BYTES >> 20} MiB correct, {ms:.2f} ms "
+            f"per all_reduce (rendezvous {init * 1e3:.0f} ms, {result['wall_s']:.1f} s with start-up)",
+            details=details,
+        )
     fix = (
         "check that local processes can connect over TCP on 127.0.0.1 (firewall, sandbox), that no GLOO_/NCCL_ "
         "variable points at a missing interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), and rerun with "

@@ -53,8 +53,13 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
     dist.destroy_process_group()
-    return {"rank": rank, "wrong": wrong, "import_s": imported - STARTED, "init_s": joined - imported,
-            "allreduce_ms": 1e3 * sorted(times)[len(times) // 2]}  # fmt: skip
+    return {
+        "rank": rank,
+        "wrong": wrong,
+        "import_s": imported - STARTED,
+        "init_s": joined - imported,
+        "allreduce_ms": 1e3 * sorted(times)[len(times) // 2],
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
