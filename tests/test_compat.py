@@ -140,3 +140,19 @@ def test_module_hook_dicts_exist_on_a_module() -> None:
     module = nn.Linear(2, 2)
     missing = [name for name in MODULE_HOOK_DICTS if not hasattr(module, name)]
     assert not missing, f"nn.Module no longer has {missing}: update lightning_mgpu/_compat/torch.py"
+
+
+def test_installed_torch_and_lightning_are_inside_the_tested_bounds() -> None:
+    """pyproject's upper bounds are the versions this suite ran against; a newer install must fail here first."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    requirements = {Requirement(r).name: Requirement(r) for r in pyproject["project"]["dependencies"]}
+    for name in ("torch", "lightning"):
+        spec = requirements[name].specifier
+        assert any(s.operator == "<" for s in spec), f"{name} needs a tested upper bound in pyproject.toml"
+        installed = version(name).split("+")[0]
+        assert spec.contains(installed), f"installed {name} {installed} is outside pyproject's {spec}"
