@@ -141,7 +141,7 @@ def main() -> None:
     # compute = forward end -> backward compute end; comm = first launch -> last done;
     # DDP's "overlap" = first launch -> backward compute end.
     ours = {}
-    for t in profiler._timelines:
+    for t in profiler.stats.kept_timelines:
         if not t.buckets or t.compute_end_ms is None:
             continue
         first = min(b.launch_ms for b in t.buckets)
@@ -160,7 +160,7 @@ def main() -> None:
         "comm_hooks": timers.comm_hooks,
         "wrappers": timers.wrappers,
         "switches": list(profiler.switches),
-        "profiled_steps": list(profiler._step_numbers),
+        "profiled_steps": profiler.stats.step_numbers,
         "ddp": {
             "rows": len(timers.rows),
             "backward_compute_ms": median("backward_compute_time"),

@@ -92,9 +92,9 @@ class Probe(L.Callback):
         }
         profiler = next((c for c in trainer.callbacks if isinstance(c, lightning_mgpu.CommProfiler)), None)
         if profiler is not None:
-            report["profile"] = {"summary": profiler.summary, "buckets": profiler._local_buckets()}
+            report["profile"] = {"summary": profiler.summary, "buckets": profiler.stats.local_buckets()}
             report["profiler_switches"] = list(profiler.switches)
-            report["profiled_steps"] = list(profiler._step_numbers)
+            report["profiled_steps"] = profiler.stats.step_numbers
         flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
         gathered = strategy.all_gather(flat)
         if trainer.global_rank == 0:

@@ -1,63 +1,17 @@
-"""``CommProfiler``: where a DDP step's time goes — compute, communication, and how much
-of the communication hides behind backward.
+"""The ``CommProfiler`` callback: Lightning's hooks stamp each synchronising step, feed the
+statistics, switch the profiler's hook in and out of DDP on the window schedule, gather from
+every rank and log.
 
-Logged metrics (through the LightningModule's ``log``, so every Lightning logger gets them;
-values are medians over the profiled steps since the last log, gathered from every rank):
-
-==============================  ==============================================================
-key                             meaning
-==============================  ==============================================================
-``comm/step_ms``                a synchronising training step, start to end (slowest rank)
-``comm/forward_ms``             forward pass and loss (slowest rank)
-``comm/backward_compute_ms``    backward until the last gradient was ready (slowest rank)
-``comm/comm_ms``                first bucket launched -> last bucket done (slowest rank)
-``comm/exposed_ms``             communication after backward compute ended: time the step
-                                waited for the network (slowest rank)
-``comm/overlap_ratio``          share of ``comm_ms`` hidden behind backward compute (0..1)
-``comm/optimizer_ms``           optimizer step (slowest rank)
-``comm/bytes_per_step``         gradient bytes reduced per step
-``comm/wire_bytes_per_step``    bytes actually sent per step (after fp16/bf16 casting)
-``comm/compression_ratio``      ``bytes_per_step / wire_bytes_per_step`` (when known)
-``comm/algbw_gbps``             ``wire bytes / comm_ms`` in GB/s (1e9 B/s)
-``comm/busbw_gbps``             ``algbw * 2(n-1)/n``: nccl-tests' bus bandwidth of all-reduce
-``comm/busbw_fraction``         ``busbw`` / the machine's peak from ``lightning-mgpu bench-comm``
-                                (when ``sweep=`` is given)
-``comm/straggler_ms``           slowest minus fastest rank's median compute (forward + backward
-                                compute): how long the others wait for the slowest
-==============================  ==============================================================
-
-Which steps: by default a window of ``profile_steps`` (20) synchronising steps out of every
-``profile_every`` (200). Timing a bucket needs a Python communication hook, and with one DDP
-copies each gradient into its bucket and completes each bucket through Python instead of its
-fused C++ all-reduce: on CPU about 2% of an 8M-parameter MLP's step. Between windows the
-profiler takes its hook out (``TunedDDPStrategy`` re-wraps the model in DDP, no weight
-broadcast; with a compression hook, which is Python anyway, the hook stays and only the
-stamping pauses), so a long run pays that for a tenth of its steps. ``profile_every=None``
-profiles every step. The first ``warmup_steps`` synchronising steps of a fit are not
-profiled; nor are the first two steps of every DDP wrapper (at the start of a fit, after a
-resume, after the profiler's or ``bucket_cap_mb="auto"``'s re-wraps): the first runs DDP's
-initial bucket layout, the second rebuilds it. A switch happens only at the end of a
-synchronising step (after its optimizer step), the same step on every rank. With
-``bucket_cap_mb="auto"`` the steps it measures bucket sizes on are not profiled (with the
-hook in, so that every candidate pays the same): the schedule, warm-up included, starts on
-the size it keeps. With gradient accumulation only the synchronising step of each
-accumulation window counts: the others do not communicate. Figures are gathered and logged
-every ``every_n_steps`` profiled steps and at the end of each window.
-
-Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
-callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read
-one step later, so no step synchronises for the profiler. Memory is bounded: medians come
-from the last ``history`` profiled steps; full timelines are kept for ``timeline_steps`` steps.
+The arithmetic is :class:`~.stats.CommStats` (tested without a Trainer), the schedule
+:class:`~.schedule.ProfileSchedule`, the outputs :mod:`.report`, the logged keys
+:data:`~.metrics.METRICS`. Communication is reached only through the
+:class:`~lightning_mgpu.comm.hook_chain.CommHookHost` protocol, never a strategy class.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import statistics
 import time
-import warnings
 import weakref
 from collections import deque
 from pathlib import Path
@@ -71,36 +25,68 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu._checks import check_int
+from lightning_mgpu.callbacks.comm_profiler import report
 from lightning_mgpu.callbacks.comm_profiler.schedule import SETTLE_STEPS, Phase, ProfileSchedule
-from lightning_mgpu.comm.bandwidth import bus_factor
+from lightning_mgpu.callbacks.comm_profiler.stats import CommStats
+from lightning_mgpu.comm.distributed import gather_objects
 from lightning_mgpu.comm.hook_chain import CommHookHost
-from lightning_mgpu.comm.timing import (
-    BucketInterval,
-    BucketTimer,
-    Clock,
-    Stamp,
-    StepBreakdown,
-    StepTimeline,
-    clock_for,
-    step_breakdown,
-)
+from lightning_mgpu.comm.timing import BucketInterval, BucketTimer, Clock, Stamp, StepTimeline, clock_for
 
-_GB = 1e9
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
-
-
-def _p90(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)])
+_PendingStep = tuple[int, dict[str, Stamp], list[Any], list[Any]]
+"""A profiled step not yet read: (global step, marks, bucket launches, bucket completions)."""
 
 
 class CommProfiler(L.Callback):
     """Measure DDP communication per step and per bucket, on CPU and GPU.
+
+    Logged metrics (through the LightningModule's ``log``, so every Lightning logger gets them;
+    values are medians over the profiled steps since the last log, gathered from every rank;
+    this table is rendered from :data:`~.metrics.METRICS`, and a test keeps the two equal):
+
+    ==============================  ==============================================================
+    key                             meaning
+    ==============================  ==============================================================
+    ``comm/step_ms``                a synchronising training step, start to end (slowest rank)
+    ``comm/forward_ms``             forward pass and loss (slowest rank)
+    ``comm/backward_compute_ms``    backward until the last gradient was ready (slowest rank)
+    ``comm/comm_ms``                first bucket launched -> last bucket done (slowest rank)
+    ``comm/exposed_ms``             communication after backward compute ended: time the step
+                                    waited for the network (slowest rank)
+    ``comm/overlap_ratio``          share of ``comm_ms`` hidden behind backward compute (0..1)
+    ``comm/optimizer_ms``           optimizer step (slowest rank)
+    ``comm/bytes_per_step``         gradient bytes reduced per step
+    ``comm/wire_bytes_per_step``    bytes actually sent per step (after fp16/bf16 casting)
+    ``comm/compression_ratio``      ``bytes_per_step / wire_bytes_per_step`` (when known)
+    ``comm/algbw_gbps``             ``wire bytes / comm_ms`` in GB/s (1e9 B/s)
+    ``comm/busbw_gbps``             ``algbw * 2(n-1)/n``: nccl-tests' bus bandwidth of all-reduce
+    ``comm/busbw_fraction``         ``busbw`` / the machine's peak from
+                                    ``lightning-mgpu bench-comm`` (when ``sweep=`` is given)
+    ``comm/straggler_ms``           slowest minus fastest rank's median compute (forward +
+                                    backward compute): how long the others wait for the slowest
+    ==============================  ==============================================================
+
+    Which steps: by default a window of ``profile_steps`` (20) synchronising steps out of every
+    ``profile_every`` (200). Timing a bucket needs a Python communication hook, and with one DDP
+    copies each gradient into its bucket and completes each bucket through Python instead of its
+    fused C++ all-reduce: on CPU about 2% of an 8M-parameter MLP's step. Between windows the
+    profiler takes its hook out (``TunedDDPStrategy`` re-wraps the model in DDP, no weight
+    broadcast; with a compression hook, which is Python anyway, the hook stays and only the
+    stamping pauses), so a long run pays that for a tenth of its steps. ``profile_every=None``
+    profiles every step. The first ``warmup_steps`` synchronising steps of a fit are not
+    profiled; nor are the first two steps of every DDP wrapper (at the start of a fit, after a
+    resume, after the profiler's or ``bucket_cap_mb="auto"``'s re-wraps): the first runs DDP's
+    initial bucket layout, the second rebuilds it. A switch happens only at the end of a
+    synchronising step (after its optimizer step), the same step on every rank. With
+    ``bucket_cap_mb="auto"`` the steps it measures bucket sizes on are not profiled (with the
+    hook in, so that every candidate pays the same): the schedule, warm-up included, starts on
+    the size it keeps. With gradient accumulation only the synchronising step of each
+    accumulation window counts: the others do not communicate. Figures are gathered and logged
+    every ``every_n_steps`` profiled steps and at the end of each window.
+
+    Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
+    callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read
+    one step later, so no step synchronises for the profiler. Memory is bounded: medians come
+    from the last ``history`` profiled steps; full timelines are kept for ``timeline_steps`` steps.
 
     Args:
         warmup_steps: synchronising steps of a fit not profiled (at least 1; DDP's first two
@@ -137,14 +123,18 @@ class CommProfiler(L.Callback):
         check_int("timeline_steps", timeline_steps, minimum=0, owner="CommProfiler")
         check_int("history", history, owner="CommProfiler")
         # checks profile_steps and profile_every (alone and against the warm-up)
-        self.schedule = ProfileSchedule(warmup_steps=warmup_steps, profile_steps=profile_steps, profile_every=profile_every)
+        self.schedule = ProfileSchedule(
+            warmup_steps=warmup_steps, profile_steps=profile_steps, profile_every=profile_every
+        )
         """Which synchronising steps are profiled."""
         if export_dir is not None and (not isinstance(export_dir, (str, os.PathLike)) or not str(export_dir).strip()):
             raise ValueError(
                 f"CommProfiler: export_dir must be a directory path (str or pathlib.Path) or None, got {export_dir!r:.80}"
             )
         if sweep is not None and (not isinstance(sweep, (str, os.PathLike)) or not str(sweep).strip()):
-            raise ValueError(f"CommProfiler: sweep must be the path of a bench-comm JSON result or None, got {sweep!r:.80}")
+            raise ValueError(
+                f"CommProfiler: sweep must be the path of a bench-comm JSON result or None, got {sweep!r:.80}"
+            )
         self.every_n_steps = every_n_steps
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.timeline_steps = timeline_steps
@@ -168,10 +158,14 @@ class CommProfiler(L.Callback):
     def profile_every(self) -> Optional[int]:
         return self.schedule.profile_every
 
+    @property
+    def stats(self) -> CommStats:
+        """This fit's statistics on this rank (after fit: what the profile was made from)."""
+        return self._stats
+
     def _reset_run_state(self) -> None:
         self._timer: Optional[BucketTimer] = None
         self._clock: Optional[Clock] = None
-        self._measures_comm = False
         self._sync_steps_seen = 0
         self._origin = 0  # the schedule counts from here: after bucket_cap_mb="auto" has measured
         self._tuning = False  # bucket_cap_mb="auto" was measuring when this batch started
@@ -181,17 +175,19 @@ class CommProfiler(L.Callback):
         self.switches: deque[tuple[int, bool]] = deque(maxlen=1000)
         """(global step, on): the hook went into DDP (True) or out of it after that step (last 1000)."""
         self._marks: dict[str, Stamp] = {}
-        self._pending: Optional[tuple[int, dict[str, Stamp], list[Any], list[Any]]] = None
-        self._since_log: list[StepBreakdown] = []
-        self._steps: deque[StepBreakdown] = deque(maxlen=self.history)
-        self._step_numbers: deque[int] = deque(maxlen=self.history)
-        # per (layout, bucket index): (launch, done) in ms from the start of backward
-        self._bucket_times: dict[tuple[int, int], deque[tuple[float, float]]] = {}
-        self._bucket_params: dict[tuple[int, int], int] = {}
-        self._layout: tuple[int, ...] = ()
-        self._timelines: list[StepTimeline] = []
-        self._straggler_ms: deque[float] = deque(maxlen=self.history)
+        self._pending: Optional[_PendingStep] = None
+        self._stats = self._new_stats()
         self._forward_hook: Optional[torch.utils.hooks.RemovableHandle] = None
+
+    def _new_stats(self) -> CommStats:
+        timer = self._timer
+        return CommStats(
+            history=self.history,
+            timeline_steps=self.timeline_steps,
+            measures_comm=timer is not None,
+            wire_ratio=timer.wire_ratio if timer is not None else None,
+            peak_busbw_gbps=self.peak_busbw_gbps,
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -206,13 +202,13 @@ class CommProfiler(L.Callback):
             self._timer = BucketTimer(self._clock)
             self._timer.wire_ratio = strategy.wire_ratio
             strategy.add_comm_hook_wrapper(self._timer.wrap, pausable=True)
-            self._measures_comm = True
         else:
             rank_zero_warn(
                 f"CommProfiler: the strategy is {type(strategy).__name__}; communication is measured only with "
                 "TunedDDPStrategy (strategy='ddp_tuned', 'ddp_tuned_fp16', ...). Step, forward, backward and "
                 "optimizer times are still reported; the comm/* bucket figures will be 0."
             )
+        self._stats = self._new_stats()
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -256,7 +252,9 @@ class CommProfiler(L.Callback):
         self._marks[name] = self._clock.stamp()
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._clock is None:
             return
         model = trainer.strategy.model
@@ -307,7 +305,7 @@ class CommProfiler(L.Callback):
         settling = self._settle_left > 0
         self._settle_left = max(0, self._settle_left - 1)
         if self._phase(n) == "profile" and self._timing_on and not settling:
-            step = (trainer.global_step, self._marks, launches, dones)
+            step: Optional[_PendingStep] = (trainer.global_step, self._marks, launches, dones)
             if self._clock.device_type == "cuda":
                 # CUDA events are read one step later, so that no step waits for the GPU here.
                 step, self._pending = self._pending, step
@@ -319,7 +317,8 @@ class CommProfiler(L.Callback):
             # the window's last step (CUDA): read now, one wait for the GPU per window
             self._record(trainer.global_rank, *self._pending)
             self._pending = None
-        if self._since_log and (len(self._since_log) >= self.every_n_steps or window_ended):
+        unlogged = self._stats.unlogged_steps
+        if unlogged and (unlogged >= self.every_n_steps or window_ended):
             self._log(trainer, pl_module)
         if (following != "off") != self._timing_on and not _fit_ends_here(trainer):
             self._switch(trainer, on=following != "off")
@@ -341,70 +340,14 @@ class CommProfiler(L.Callback):
             step_ms=clock.elapsed_ms(start, marks["end"]),
             buckets=buckets,
         )
-        breakdown = step_breakdown(timeline)
-        self._steps.append(breakdown)
-        self._step_numbers.append(step)
-        self._since_log.append(breakdown)
-        if len(self._timelines) < self.timeline_steps:
-            self._timelines.append(timeline)
-        layout = tuple(b.bytes for b in buckets)
-        backward_start = timeline.forward_end_ms
-        for bucket in buckets:
-            key = (hash(layout), bucket.index)
-            if key not in self._bucket_times:  # a new layout (DDP rebuilt): fresh statistics
-                self._bucket_times[key] = deque(maxlen=self.history)
-                self._bucket_params[key] = bucket.num_params
-            self._bucket_times[key].append((bucket.launch_ms - backward_start, bucket.done_ms - backward_start))
-        self._layout = layout
+        self._stats.add(timeline)
 
     # ------------------------------------------------------------------ gather and log
 
-    def _gather(self, trainer: L.Trainer, local: Any) -> list[Any]:
-        """Every rank's ``local``; a collective that every rank enters (never rank-zero-only)."""
-        if trainer.world_size == 1 or not dist.is_available() or not dist.is_initialized():
-            return [local]
-        gathered: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(gathered, local)
-        return gathered
-
-    def _local_medians(self, steps: list[StepBreakdown]) -> dict[str, float]:
-        fields = ("step_ms", "forward_ms", "backward_compute_ms", "comm_ms", "exposed_comm_ms", "optimizer_ms")
-        medians = {name: _median([getattr(s, name) for s in steps]) for name in fields}
-        medians["overlap_ratio"] = _median([s.overlap_ratio for s in steps])
-        medians["bytes"] = _median([s.bytes for s in steps])
-        medians["wire_bytes"] = _median([s.wire_bytes for s in steps])
-        medians["compute_ms"] = _median([s.forward_ms + s.backward_compute_ms for s in steps])
-        return medians
-
-    def _combine(self, per_rank: list[dict[str, float]], world_size: int) -> dict[str, float]:
-        """Slowest rank for times, and bandwidth from the slowest rank's communication."""
-        slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-        metrics = {
-            "comm/step_ms": slowest["step_ms"],
-            "comm/forward_ms": slowest["forward_ms"],
-            "comm/backward_compute_ms": slowest["backward_compute_ms"],
-            "comm/comm_ms": slowest["comm_ms"],
-            "comm/exposed_ms": slowest["exposed_comm_ms"],
-            "comm/overlap_ratio": min(r["overlap_ratio"] for r in per_rank),
-            "comm/optimizer_ms": slowest["optimizer_ms"],
-            "comm/bytes_per_step": slowest["bytes"],
-            "comm/wire_bytes_per_step": slowest["wire_bytes"],
-            "comm/straggler_ms": slowest["compute_ms"] - min(r["compute_ms"] for r in per_rank),
-        }
-        algbw = slowest["wire_bytes"] / (slowest["comm_ms"] / 1e3) / _GB if slowest["comm_ms"] > 0 else 0.0
-        metrics["comm/algbw_gbps"] = algbw
-        metrics["comm/busbw_gbps"] = algbw * bus_factor("all_reduce", world_size)
-        if self._timer is not None and self._timer.wire_ratio is not None and slowest["wire_bytes"] > 0:
-            metrics["comm/compression_ratio"] = slowest["bytes"] / slowest["wire_bytes"]
-        if self.peak_busbw_gbps:
-            metrics["comm/busbw_fraction"] = metrics["comm/busbw_gbps"] / self.peak_busbw_gbps
-        return metrics
-
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        per_rank = self._gather(trainer, self._local_medians(self._since_log))
-        metrics = self._combine(per_rank, trainer.world_size)
-        self._straggler_ms.append(metrics["comm/straggler_ms"])
-        self._since_log = []
+        # a collective: every rank enters it (never rank-zero-only)
+        per_rank = gather_objects(self._stats.take_unlogged(), trainer.world_size)
+        metrics = self._stats.metrics(per_rank, world_size=trainer.world_size)
         # Identical on every rank (all gathered the same values): no further sync needed.
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 
@@ -420,110 +363,28 @@ class CommProfiler(L.Callback):
         if self._pending is not None:
             self._record(trainer.global_rank, *self._pending)
             self._pending = None
-        local = {
-            "medians": self._local_medians(list(self._steps)) if self._steps else None,
-            "steps": [(n, s.step_ms, s.comm_ms, s.exposed_comm_ms) for n, s in zip(self._step_numbers, self._steps)],
-            "buckets": self._local_buckets(),
-            "timelines": [t.as_dict() for t in self._timelines],
-        }
-        gathered = self._gather(trainer, local)
-        profiled = [g for g in gathered if g["medians"] is not None]
-        if not profiled:
+        gathered = gather_objects(self._stats.local_report(), trainer.world_size)
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        profile = self._stats.profile(
+            gathered,
+            world_size=trainer.world_size,
+            backend=backend,
+            device_type=trainer.strategy.root_device.type,
+            schedule=self.schedule.as_dict(),
+        )
+        if profile is None:
             rank_zero_warn(
                 f"CommProfiler: no step was profiled (warmup_steps={self.warmup_steps}, and DDP's first two steps "
                 "are always skipped). Train longer or lower warmup_steps."
             )
             return
-        profile = self._profile(trainer, gathered)
         self.summary, self.ranks = profile["summary"], profile["ranks"]
         if trainer.global_rank == 0:
-            self._report(trainer, profile, gathered)
-
-    def _local_buckets(self) -> list[dict[str, Any]]:
-        """Medians per bucket of the layout in force at the end (DDP may rebuild once):
-        launch and completion in ms from the start of backward, and duration."""
-        layout = self._layout
-        out = []
-        for index, nbytes in enumerate(layout):
-            key = (hash(layout), index)
-            times = list(self._bucket_times.get(key, ()))
-            out.append(
-                {
-                    "index": index,
-                    "bytes": nbytes,
-                    "num_params": self._bucket_params.get(key, 0),
-                    "launch_ms": _median([launch for launch, _ in times]),
-                    "done_ms": _median([done for _, done in times]),
-                    "duration_ms": _median([done - launch for launch, done in times]),
-                }
-            )
-        return out
-
-    def _profile(self, trainer: L.Trainer, gathered: list[dict[str, Any]]) -> dict[str, Any]:
-        world_size = trainer.world_size
-        per_rank = [g["medians"] for g in gathered if g["medians"] is not None]
-        metrics = self._combine(per_rank, world_size)
-        rank0_steps = gathered[0]["steps"]
-        factor = bus_factor("all_reduce", world_size)
-        buckets = []
-        for position, bucket in enumerate(gathered[0]["buckets"]):
-            # the slowest rank's medians: the collective finishes when its last rank does
-            ranks = [g["buckets"][position] for g in gathered if len(g["buckets"]) > position]
-            slowest = {key: max(r[key] for r in ranks) for key in ("launch_ms", "done_ms", "duration_ms")}
-            wire = bucket["bytes"] * (self._timer.wire_ratio or 1.0) if self._timer is not None else bucket["bytes"]
-            duration = slowest["duration_ms"]
-            algbw = wire / (duration / 1e3) / _GB if duration > 0 else 0.0
-            buckets.append({**bucket, **slowest, "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
-        straggler = _median(list(self._straggler_ms)) if self._straggler_ms else metrics["comm/straggler_ms"]
-        summary = {
-            "steps": len(rank0_steps),
-            "step_ms": {"median": metrics["comm/step_ms"], "p90": _p90([s[1] for s in rank0_steps])},
-            "forward_ms": metrics["comm/forward_ms"],
-            "backward_compute_ms": metrics["comm/backward_compute_ms"],
-            "comm_ms": metrics["comm/comm_ms"],
-            "exposed_comm_ms": metrics["comm/exposed_ms"],
-            "overlap_ratio": metrics["comm/overlap_ratio"],
-            "optimizer_ms": metrics["comm/optimizer_ms"],
-            "bytes_per_step": int(metrics["comm/bytes_per_step"]),
-            "wire_bytes_per_step": int(metrics["comm/wire_bytes_per_step"]),
-            "compression_ratio": metrics.get("comm/compression_ratio"),
-            "algbw_gbps": metrics["comm/algbw_gbps"],
-            "busbw_gbps": metrics["comm/busbw_gbps"],
-            "busbw_fraction": metrics.get("comm/busbw_fraction"),
-            "straggler_ms": straggler,
-            "measures_comm": self._measures_comm,
-            "schedule": self.schedule.as_dict(),
-        }
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-        return {
-            "world_size": world_size,
-            "backend": backend,
-            "device_type": trainer.strategy.root_device.type,
-            "summary": summary,
-            "ranks": [{"rank": rank, **medians} for rank, medians in enumerate(per_rank)],
-            "buckets": buckets,
-            "steps": [
-                {"step": n, "step_ms": step_ms, "comm_ms": comm_ms, "exposed_comm_ms": exposed}
-                for n, step_ms, comm_ms, exposed in rank0_steps
-            ],
-        }
-
-    def _report(self, trainer: L.Trainer, profile: dict[str, Any], gathered: list[dict[str, Any]]) -> None:
-        from lightning_mgpu.callbacks.comm_profiler import report as _comm_report
-
-        _comm_report.print_summary(profile)
-        timelines = [t for g in gathered for t in g["timelines"]]
-        if self.export_dir is not None:
-            self.export_dir.mkdir(parents=True, exist_ok=True)
-            (self.export_dir / "comm_profile.json").write_text(json.dumps(profile, indent=2))
-            _comm_report.write_buckets_csv(self.export_dir / "comm_buckets.csv", profile["buckets"])
-            _comm_report.write_chrome_trace(self.export_dir / "comm_trace.json", timelines)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _comm_report.write_timeline_png(self.export_dir / "comm_timeline.png", timelines)
-            rank_zero_info(f"CommProfiler: wrote comm_profile.json, comm_buckets.csv, comm_timeline.png, "
-                           f"comm_trace.json to {self.export_dir}")
-        _comm_report.log_to_wandb(trainer, profile, self.export_dir)
+            report.print_summary(profile)
+            if self.export_dir is not None:
+                report.write_all(self.export_dir, profile, CommStats.gathered_timelines(gathered))
+                rank_zero_info(f"CommProfiler: wrote {', '.join(report.EXPORTED_FILES)} to {self.export_dir}")
+            report.log_to_wandb(trainer, profile, self.export_dir)
 
     # ------------------------------------------------------------------ state
 

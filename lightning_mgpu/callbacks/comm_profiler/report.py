@@ -1,15 +1,17 @@
-"""CommProfiler's outputs: console summary, CSV, Chrome trace, timeline plot, W&B.
+"""CommProfiler's outputs: console summary, ``comm_profile.json``, CSV, Chrome trace, timeline plot, W&B.
 
 Kept apart from the callback so that matplotlib and wandb are imported only when used.
-Timelines are ``StepTimeline.as_dict()`` records from every rank.
+``profile`` is the ``comm_profile.json`` document (:meth:`.stats.CommStats.profile`); timelines
+are ``StepTimeline.as_dict()`` records from every rank.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 
@@ -39,10 +41,16 @@ def print_summary(profile: dict[str, Any]) -> None:
         ("  exposed (step waits)", f"{s['exposed_comm_ms']:.2f} ms ({100 * s['exposed_comm_ms'] / step:.0f}% of step)"),
         ("optimizer", f"{s['optimizer_ms']:.2f} ms"),
         ("gradient bytes", f"{s['bytes_per_step'] / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)"),
-        ("bytes on the wire", f"{s['wire_bytes_per_step'] / _MIB:.2f} MiB"
-         + (f" (compression {s['compression_ratio']:.1f}x)" if s.get("compression_ratio") else "")),
-        ("bus bandwidth", f"{s['busbw_gbps']:.3f} GB/s (algbw {s['algbw_gbps']:.3f})"
-         + (f", {100 * s['busbw_fraction']:.0f}% of this machine's peak" if s.get("busbw_fraction") else "")),
+        (
+            "bytes on the wire",
+            f"{s['wire_bytes_per_step'] / _MIB:.2f} MiB"
+            + (f" (compression {s['compression_ratio']:.1f}x)" if s.get("compression_ratio") else ""),
+        ),
+        (
+            "bus bandwidth",
+            f"{s['busbw_gbps']:.3f} GB/s (algbw {s['algbw_gbps']:.3f})"
+            + (f", {100 * s['busbw_fraction']:.0f}% of this machine's peak" if s.get("busbw_fraction") else ""),
+        ),
         ("straggler skew", f"{s['straggler_ms']:.2f} ms"),
     ]
     for name, value in rows:
@@ -54,9 +62,31 @@ def print_summary(profile: dict[str, Any]) -> None:
         for column in ("#", "MiB", "params", "launch ms", "done ms", "duration ms", "busbw GB/s"):
             buckets.add_column(column, justify="right")
         for b in profile["buckets"]:
-            buckets.add_row(str(b["index"]), f"{b['bytes'] / _MIB:.2f}", str(b["num_params"]), f"{b['launch_ms']:.2f}",
-                            f"{b['done_ms']:.2f}", f"{b['duration_ms']:.2f}", f"{b['busbw_gbps']:.3f}")
+            buckets.add_row(
+                str(b["index"]),
+                f"{b['bytes'] / _MIB:.2f}",
+                str(b["num_params"]),
+                f"{b['launch_ms']:.2f}",
+                f"{b['done_ms']:.2f}",
+                f"{b['duration_ms']:.2f}",
+                f"{b['busbw_gbps']:.3f}",
+            )
         console.print(buckets)
+
+
+EXPORTED_FILES = ("comm_profile.json", "comm_buckets.csv", "comm_timeline.png", "comm_trace.json")
+"""What :func:`write_all` writes into ``export_dir``."""
+
+
+def write_all(export_dir: Path, profile: dict[str, Any], timelines: list[dict[str, Any]]) -> None:
+    """Every file of :data:`EXPORTED_FILES` into ``export_dir`` (created if missing)."""
+    export_dir.mkdir(parents=True, exist_ok=True)
+    (export_dir / "comm_profile.json").write_text(json.dumps(profile, indent=2))
+    write_buckets_csv(export_dir / "comm_buckets.csv", profile["buckets"])
+    write_chrome_trace(export_dir / "comm_trace.json", timelines)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # matplotlib's font and layout chatter
+        write_timeline_png(export_dir / "comm_timeline.png", timelines)
 
 
 BUCKET_COLUMNS = ["index", "bytes", "num_params", "launch_ms", "done_ms", "duration_ms", "algbw_gbps", "busbw_gbps"]
@@ -108,16 +138,42 @@ def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "communication"}})
     for t in timelines:
         base_us = (t["start_ns"] - origin) / 1e3
-        events.append({"name": f"step {t['step']}", "ph": "X", "pid": t["rank"], "tid": 0, "ts": base_us,
-                       "dur": t["step_ms"] * 1e3, "cat": "step"})
+        events.append(
+            {
+                "name": f"step {t['step']}",
+                "ph": "X",
+                "pid": t["rank"],
+                "tid": 0,
+                "ts": base_us,
+                "dur": t["step_ms"] * 1e3,
+                "cat": "step",
+            }
+        )
         for name, start, end in _phases(t):
-            events.append({"name": name, "ph": "X", "pid": t["rank"], "tid": 0, "ts": base_us + start * 1e3,
-                           "dur": max(0.0, end - start) * 1e3, "cat": "compute"})
+            events.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "pid": t["rank"],
+                    "tid": 0,
+                    "ts": base_us + start * 1e3,
+                    "dur": max(0.0, end - start) * 1e3,
+                    "cat": "compute",
+                }
+            )
         for b in t["buckets"]:
-            events.append({"name": f"bucket {b['index']}", "ph": "X", "pid": t["rank"], "tid": 1,
-                           "ts": base_us + b["launch_ms"] * 1e3, "dur": (b["done_ms"] - b["launch_ms"]) * 1e3,
-                           "cat": "comm", "args": {"bytes": b["bytes"], "wire_bytes": b["wire_bytes"],
-                                                   "num_params": b["num_params"]}})
+            events.append(
+                {
+                    "name": f"bucket {b['index']}",
+                    "ph": "X",
+                    "pid": t["rank"],
+                    "tid": 1,
+                    "ts": base_us + b["launch_ms"] * 1e3,
+                    "dur": (b["done_ms"] - b["launch_ms"]) * 1e3,
+                    "cat": "comm",
+                    "args": {"bytes": b["bytes"], "wire_bytes": b["wire_bytes"], "num_params": b["num_params"]},
+                }
+            )
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
@@ -127,6 +183,7 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     ranks = sorted({t["rank"] for t in timelines})
     fig, axes = plt.subplots(
@@ -142,17 +199,28 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
                 axis.broken_barh([(base + start, max(0.0, end - start))], (10, 8), facecolors=colors[name])
             for b in t["buckets"]:
                 lane = 0 if b["index"] % 2 == 0 else -9
-                axis.broken_barh([(base + b["launch_ms"], b["done_ms"] - b["launch_ms"])], (lane, 8),
-                                 facecolors="#DD8452", edgecolors="black", linewidth=0.4)
+                axis.broken_barh(
+                    [(base + b["launch_ms"], b["done_ms"] - b["launch_ms"])],
+                    (lane, 8),
+                    facecolors="#DD8452",
+                    edgecolors="black",
+                    linewidth=0.4,
+                )
                 axis.text(base + b["launch_ms"], lane + 4, f"b{b['index']}", va="center", fontsize=7)
         axis.set_yticks([14, 0, -5])
         axis.set_yticklabels(["compute", "comm", ""])
         axis.set_ylabel(f"rank {rank}")
         axis.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms since the first profiled step began")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*colors.values(), "#DD8452"]]
-    fig.legend(handles, [*colors.keys(), "bucket all-reduce (launch -> done)"], loc="lower center", ncol=5,
-               fontsize=8, frameon=False)
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in [*colors.values(), "#DD8452"]]
+    fig.legend(
+        handles,
+        [*colors.keys(), "bucket all-reduce (launch -> done)"],
+        loc="lower center",
+        ncol=5,
+        fontsize=8,
+        frameon=False,
+    )
     fig.suptitle("Where each step's time goes, per rank: compute lane above, gradient buckets below")
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=110)
@@ -168,8 +236,8 @@ def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Option
         return
     import wandb  # only imported when a WandbLogger is in use
 
-    columns = BUCKET_COLUMNS
-    table = wandb.Table(columns=columns, data=[[b[c] for c in columns] for b in profile["buckets"]])
+    columns: list[Union[str, int]] = list(BUCKET_COLUMNS)  # wandb's annotation allows int names too
+    table = wandb.Table(columns=columns, data=[[b[c] for c in BUCKET_COLUMNS] for b in profile["buckets"]])
     payload: dict[str, Any] = {"comm/buckets": table}
     image = export_dir / "comm_timeline.png" if export_dir is not None else None
     if image is not None and image.exists():

@@ -67,4 +67,8 @@ class ProfileSchedule:
 
     def as_dict(self) -> dict[str, Optional[int]]:
         """The ``summary["schedule"]`` entry of ``comm_profile.json``."""
-        return {"warmup_steps": self.warmup_steps, "profile_steps": self.profile_steps, "profile_every": self.profile_every}
+        return {
+            "warmup_steps": self.warmup_steps,
+            "profile_steps": self.profile_steps,
+            "profile_every": self.profile_every,
+        }

@@ -1,0 +1,303 @@
+"""CommProfiler's arithmetic without a Trainer: medians, the slowest-rank combination, bandwidth,
+the per-bucket table, the comm_profile.json document, and the metric keys it logs."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import pytest
+
+from lightning_mgpu import CommProfiler
+from lightning_mgpu.callbacks.comm_profiler.metrics import METRICS, OPTIONAL_METRICS, metrics_table
+from lightning_mgpu.callbacks.comm_profiler.stats import (
+    CommStats,
+    combine_buckets,
+    combine_ranks,
+    median,
+    p90,
+    rank_medians,
+)
+from lightning_mgpu.comm.timing import BucketInterval, StepTimeline, step_breakdown
+
+# Two buckets of one step, in ms from the step's start: forward ends at 2, backward compute
+# at 10; bucket 0 runs 4 -> 8, bucket 1 runs 9 -> 12, so the span is 8 ms, 2 ms exposed.
+BUCKETS = ((0, 4.0, 8.0, 1000), (1, 9.0, 12.0, 3000))
+
+
+def timeline(
+    step: int,
+    rank: int = 0,
+    *,
+    shift: float = 0.0,
+    buckets: tuple[tuple[int, float, float, int], ...] = BUCKETS,
+    wire_ratio: float = 1.0,
+    step_ms: float = 14.0,
+) -> StepTimeline:
+    """One step; ``shift`` delays everything after the forward (a slower rank's backward)."""
+    return StepTimeline(
+        step=step,
+        rank=rank,
+        start_ns=step * 1_000_000_000,
+        forward_end_ms=2.0,
+        compute_end_ms=10.0 + shift,
+        backward_end_ms=12.0 + shift,
+        optimizer_start_ms=12.5 + shift,
+        step_ms=step_ms + shift,
+        buckets=tuple(
+            BucketInterval(
+                index=index,
+                bytes=nbytes,
+                wire_bytes=int(nbytes * wire_ratio),
+                num_params=index + 1,
+                launch_ms=launch + shift,
+                done_ms=done + shift,
+            )
+            for index, launch, done, nbytes in buckets
+        ),
+    )
+
+
+def medians(**values: float) -> dict[str, float]:
+    base = {
+        "step_ms": 14.0,
+        "forward_ms": 2.0,
+        "backward_compute_ms": 8.0,
+        "comm_ms": 8.0,
+        "exposed_comm_ms": 2.0,
+        "optimizer_ms": 1.5,
+        "overlap_ratio": 0.75,
+        "bytes": 4000.0,
+        "wire_bytes": 4000.0,
+        "compute_ms": 10.0,
+    }
+    return {**base, **values}
+
+
+# ---------------------------------------------------------------------------- the metric keys
+
+
+def test_the_docstring_table_is_rendered_from_metrics() -> None:
+    doc = inspect.cleandoc(CommProfiler.__doc__ or "")
+    assert metrics_table() in doc, (
+        "CommProfiler's docstring table differs from METRICS; paste this in its place:\n" + metrics_table()
+    )
+
+
+def test_every_key_is_namespaced_and_explained() -> None:
+    assert all(key.startswith("comm/") and meaning.strip() for key, meaning in METRICS.items())
+    assert OPTIONAL_METRICS <= set(METRICS)
+
+
+@pytest.mark.parametrize(("wire_ratio", "peak"), [(1.0, 10.0), (0.5, None), (None, 10.0), (None, None)])
+def test_exactly_the_documented_keys_are_logged(wire_ratio: Optional[float], peak: Optional[float]) -> None:
+    metrics = combine_ranks([medians()], world_size=2, wire_ratio=wire_ratio, peak_busbw_gbps=peak)
+    expected = set(METRICS) - OPTIONAL_METRICS
+    expected |= {"comm/compression_ratio"} if wire_ratio is not None else set()
+    expected |= {"comm/busbw_fraction"} if peak is not None else set()
+    assert set(metrics) == expected
+
+
+# ---------------------------------------------------------------------------- pure functions
+
+
+def test_median_and_p90_of_nothing_are_zero() -> None:
+    assert median([]) == 0.0 and p90([]) == 0.0
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0]) == 1.5
+    assert p90([float(v) for v in range(1, 11)]) == 9.0  # nearest rank: the 9th of 10
+    assert p90([float(v) for v in range(1, 12)]) == 10.0
+    assert p90([5.0]) == 5.0
+
+
+def test_rank_medians_of_steps() -> None:
+    steps = [step_breakdown(timeline(n, step_ms=ms)) for n, ms in ((1, 14.0), (2, 20.0), (3, 15.0))]
+    figures = rank_medians(steps)
+    assert figures == pytest.approx(medians(step_ms=15.0, optimizer_ms=2.5))  # step end - optimizer start
+
+
+def test_ranks_combine_as_the_slowest_and_bandwidth_comes_from_its_span() -> None:
+    fast = medians()
+    slow = medians(step_ms=20.0, backward_compute_ms=11.0, comm_ms=10.0, overlap_ratio=0.6, compute_ms=13.0)
+    metrics = combine_ranks([fast, slow], world_size=4, wire_ratio=0.5, peak_busbw_gbps=None)
+    assert metrics["comm/step_ms"] == 20.0 and metrics["comm/backward_compute_ms"] == 11.0
+    assert metrics["comm/comm_ms"] == 10.0 and metrics["comm/overlap_ratio"] == 0.6  # the least overlap
+    assert metrics["comm/straggler_ms"] == pytest.approx(3.0)  # 13 - 10: how long the others wait
+    assert metrics["comm/algbw_gbps"] == pytest.approx(4000 / 10e-3 / 1e9)
+    assert metrics["comm/busbw_gbps"] == pytest.approx(metrics["comm/algbw_gbps"] * 2 * 3 / 4)
+
+
+def test_compression_ratio_and_the_fraction_of_the_machines_peak() -> None:
+    fp16 = medians(wire_bytes=2000.0)
+    metrics = combine_ranks([fp16], world_size=2, wire_ratio=0.5, peak_busbw_gbps=0.002)
+    assert metrics["comm/compression_ratio"] == 2.0
+    assert metrics["comm/busbw_fraction"] == pytest.approx(metrics["comm/busbw_gbps"] / 0.002)
+    # no bucket timed: no ratio to report, and no bandwidth from a zero span
+    idle = medians(comm_ms=0.0, bytes=0.0, wire_bytes=0.0)
+    metrics = combine_ranks([idle], world_size=2, wire_ratio=1.0)
+    assert "comm/compression_ratio" not in metrics and metrics["comm/algbw_gbps"] == 0.0
+
+
+def test_one_rank_has_no_bus_bandwidth_and_no_straggler() -> None:
+    metrics = combine_ranks([medians()], world_size=1, wire_ratio=1.0)
+    assert metrics["comm/algbw_gbps"] > 0 and metrics["comm/busbw_gbps"] == 0.0  # 2(n-1)/n = 0
+    assert metrics["comm/straggler_ms"] == 0.0
+
+
+def test_buckets_take_each_buckets_slowest_rank_and_the_wire_bytes() -> None:
+    rank0 = [
+        {"index": 0, "bytes": 1000, "num_params": 1, "launch_ms": 2.0, "done_ms": 6.0, "duration_ms": 4.0},
+        {"index": 1, "bytes": 3000, "num_params": 2, "launch_ms": 7.0, "done_ms": 10.0, "duration_ms": 3.0},
+    ]
+    rank1 = [
+        {"index": 0, "bytes": 1000, "num_params": 1, "launch_ms": 3.0, "done_ms": 5.0, "duration_ms": 2.0},
+    ]  # a rank that saw fewer buckets (DDP rebuilt on it only): rank 0's layout is the table
+    table = combine_buckets([rank0, rank1], world_size=2, wire_ratio=0.5)
+    assert [(b["index"], b["bytes"], b["num_params"]) for b in table] == [(0, 1000, 1), (1, 3000, 2)]
+    assert (table[0]["launch_ms"], table[0]["done_ms"], table[0]["duration_ms"]) == (3.0, 6.0, 4.0)
+    assert table[0]["algbw_gbps"] == pytest.approx(500 / 4e-3 / 1e9)  # half the bytes on the wire
+    assert table[1]["busbw_gbps"] == pytest.approx(table[1]["algbw_gbps"])  # 2(n-1)/n = 1 for n = 2
+    unknown = combine_buckets([rank0], world_size=2, wire_ratio=None)  # PowerSGD: count the bytes
+    assert unknown[0]["algbw_gbps"] == pytest.approx(1000 / 4e-3 / 1e9)
+    zero = combine_buckets([[{**rank0[0], "duration_ms": 0.0}]], world_size=2, wire_ratio=1.0)
+    assert zero[0]["algbw_gbps"] == 0.0 == zero[0]["busbw_gbps"]
+
+
+# ---------------------------------------------------------------------------- CommStats
+
+
+def test_buckets_are_timed_from_the_start_of_backward() -> None:
+    stats = CommStats()
+    for n in range(3):
+        stats.add(timeline(n))
+    assert stats.local_buckets() == [
+        {"index": 0, "bytes": 1000, "num_params": 1, "launch_ms": 2.0, "done_ms": 6.0, "duration_ms": 4.0},
+        {"index": 1, "bytes": 3000, "num_params": 2, "launch_ms": 7.0, "done_ms": 10.0, "duration_ms": 3.0},
+    ]
+
+
+def test_a_new_bucket_layout_starts_fresh_statistics() -> None:
+    stats = CommStats()
+    stats.add(timeline(1, buckets=((0, 3.0, 11.0, 4000),)))  # DDP's initial layout
+    stats.add(timeline(2))
+    stats.add(timeline(3, buckets=((0, 5.0, 7.0, 1000), (1, 9.0, 12.0, 3000))))
+    buckets = stats.local_buckets()
+    assert [b["bytes"] for b in buckets] == [1000, 3000]  # the layout in force at the end
+    assert buckets[0]["launch_ms"] == pytest.approx(2.5)  # median of 2 and 3: steps 2 and 3 only
+
+
+def test_memory_is_bounded_by_history_and_timeline_steps() -> None:
+    stats = CommStats(history=3, timeline_steps=2)
+    for n in range(1, 8):
+        stats.add(timeline(n))
+    assert stats.profiled_steps == 3 and stats.step_numbers == [5, 6, 7]
+    assert [t.step for t in stats.kept_timelines] == [1, 2]  # the first ones, whole
+    assert stats.unlogged_steps == 7
+
+
+def test_logging_takes_the_steps_since_the_last_log_and_keeps_the_straggler_figure() -> None:
+    stats, other = CommStats(), CommStats()
+    for n in (1, 2):
+        stats.add(timeline(n))
+        other.add(timeline(n, rank=1, shift=3.0))
+    per_rank = [stats.take_unlogged(), other.take_unlogged()]
+    assert stats.unlogged_steps == 0 and stats.profiled_steps == 2
+    metrics = stats.metrics(per_rank, world_size=2)
+    assert metrics["comm/straggler_ms"] == pytest.approx(3.0)
+    assert metrics["comm/step_ms"] == pytest.approx(17.0)
+    assert stats.take_unlogged() == rank_medians([])  # nothing new: zeros
+
+
+def two_rank_profile() -> dict[str, Any]:
+    ranks = [CommStats(wire_ratio=1.0, peak_busbw_gbps=0.002), CommStats(wire_ratio=1.0, peak_busbw_gbps=0.002)]
+    for n in range(4, 9):
+        ranks[0].add(timeline(n, step_ms=14.0 + n))
+        ranks[1].add(timeline(n, rank=1, shift=1.0))
+    gathered = [stats.local_report() for stats in ranks]
+    schedule = {"warmup_steps": 3, "profile_steps": 20, "profile_every": None}
+    profile = ranks[0].profile(gathered, world_size=2, backend="gloo", device_type="cpu", schedule=schedule)
+    assert profile is not None
+    assert CommStats.gathered_timelines(gathered)[0]["rank"] == 0
+    assert len(CommStats.gathered_timelines(gathered)) == 2 * 4  # timeline_steps=4 per rank
+    return profile
+
+
+def test_the_profile_document_keeps_the_design_schema() -> None:
+    profile = two_rank_profile()
+    assert list(profile) == ["world_size", "backend", "device_type", "summary", "ranks", "buckets", "steps"]
+    assert (profile["world_size"], profile["backend"], profile["device_type"]) == (2, "gloo", "cpu")
+    summary = profile["summary"]
+    assert list(summary) == [
+        "steps",
+        "step_ms",
+        "forward_ms",
+        "backward_compute_ms",
+        "comm_ms",
+        "exposed_comm_ms",
+        "overlap_ratio",
+        "optimizer_ms",
+        "bytes_per_step",
+        "wire_bytes_per_step",
+        "compression_ratio",
+        "algbw_gbps",
+        "busbw_gbps",
+        "busbw_fraction",
+        "straggler_ms",
+        "measures_comm",
+        "schedule",
+    ]
+    assert summary["steps"] == 5 and summary["step_ms"]["median"] == pytest.approx(20.0)  # rank 0: 18..22
+    assert summary["step_ms"]["p90"] == pytest.approx(22.0)  # rank 0's steps
+    assert summary["bytes_per_step"] == 4000 and isinstance(summary["bytes_per_step"], int)
+    assert summary["compression_ratio"] == 1.0 and summary["busbw_fraction"] == pytest.approx(
+        summary["busbw_gbps"] / 0.002
+    )
+    assert summary["straggler_ms"] == pytest.approx(1.0)  # nothing logged: the end-of-fit figure
+    assert summary["measures_comm"] is True
+    assert summary["schedule"] == {"warmup_steps": 3, "profile_steps": 20, "profile_every": None}
+    assert [r["rank"] for r in profile["ranks"]] == [0, 1]
+    assert profile["ranks"][1]["compute_ms"] == pytest.approx(11.0)
+    assert [b["index"] for b in profile["buckets"]] == [0, 1]
+    assert set(profile["buckets"][0]) == {
+        "index",
+        "bytes",
+        "num_params",
+        "launch_ms",
+        "done_ms",
+        "duration_ms",
+        "algbw_gbps",
+        "busbw_gbps",
+    }
+    assert profile["steps"][0] == {"step": 4, "step_ms": 18.0, "comm_ms": 8.0, "exposed_comm_ms": 2.0}
+    assert [s["step"] for s in profile["steps"]] == [4, 5, 6, 7, 8]
+
+
+def test_the_summarys_straggler_is_the_median_of_the_logged_figures() -> None:
+    ranks = [CommStats(), CommStats()]
+    ranks[0].add(timeline(1))
+    ranks[1].add(timeline(1, rank=1, shift=3.0))  # rank 1 straggles in the first logged window
+    per_rank = [stats.take_unlogged() for stats in ranks]
+    assert [stats.metrics(per_rank, world_size=2)["comm/straggler_ms"] for stats in ranks] == pytest.approx([3.0] * 2)
+    for n in range(2, 6):  # then keeps up; not logged again before the end
+        ranks[0].add(timeline(n))
+        ranks[1].add(timeline(n, rank=1))
+    gathered = [stats.local_report() for stats in ranks]
+    profile = ranks[0].profile(gathered, world_size=2, backend="gloo", device_type="cpu", schedule={})
+    assert profile is not None
+    assert profile["summary"]["straggler_ms"] == pytest.approx(3.0)  # what was logged, not the end's 0
+    assert profile["ranks"][1]["compute_ms"] == profile["ranks"][0]["compute_ms"]
+
+
+def test_no_profiled_step_on_any_rank_gives_no_profile() -> None:
+    empty = [CommStats().local_report(), CommStats().local_report()]
+    assert CommStats().profile(empty, world_size=2, backend="gloo", device_type="cpu", schedule={}) is None
+
+
+def test_without_a_timed_hook_the_profile_reports_step_timings_only() -> None:
+    stats = CommStats(measures_comm=False, wire_ratio=None)
+    for n in range(3):
+        stats.add(timeline(n, buckets=()))
+    profile = stats.profile([stats.local_report()], world_size=1, backend="none", device_type="cpu", schedule={})
+    assert profile is not None
+    summary = profile["summary"]
+    assert summary["measures_comm"] is False and summary["comm_ms"] == 0.0 and summary["compression_ratio"] is None
+    assert summary["backward_compute_ms"] == pytest.approx(10.0) and profile["buckets"] == []
