@@ -14,7 +14,8 @@ environment (torchrun, SLURM or none), ``MASTER_ADDR``/``MASTER_PORT``, ``/dev/s
 open-file limit and the distributed-related environment variables (values that look like
 secrets are masked: API keys, tokens, passwords).
 
-* :mod:`~lightning_mgpu.envcheck.checks`: :class:`Check` and the single-process checks;
+* :mod:`~lightning_mgpu.envcheck.checks`: :class:`Check` and the machine checks;
+* :mod:`~lightning_mgpu.envcheck.variables`: the shell's variables (launcher, master, secrets masked);
 * :mod:`~lightning_mgpu.envcheck.smoke`: the multi-process all_reduce check;
 * :mod:`~lightning_mgpu.envcheck.smoke_worker`: one rank of it, run as ``python -m``.
 
@@ -33,18 +34,20 @@ from lightning_mgpu.envcheck.checks import (
     Check,
     check_backends,
     check_devices,
-    check_environment,
-    check_master,
     check_open_files,
     check_shm,
     check_versions,
+    parse_visible_devices,
+)
+from lightning_mgpu.envcheck.smoke import SMOKE_BYTES, SMOKE_TIMEOUT_S, check_smoke, run_allreduce_smoke
+from lightning_mgpu.envcheck.variables import (
+    check_environment,
+    check_master,
     detect_launcher,
     looks_secret,
     mask,
-    parse_visible_devices,
     relevant_environment,
 )
-from lightning_mgpu.envcheck.smoke import SMOKE_BYTES, SMOKE_TIMEOUT_S, check_smoke, run_allreduce_smoke
 
 
 def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = SMOKE_TIMEOUT_S) -> list[Check]:

@@ -15,7 +15,8 @@ import sys
 import time
 from typing import Any
 
-from lightning_mgpu.envcheck.checks import LAUNCH_VARS, Check
+from lightning_mgpu.envcheck.checks import Check
+from lightning_mgpu.envcheck.variables import LAUNCH_VARS
 
 SMOKE_TIMEOUT_S = 20.0
 SMOKE_BYTES = 4 << 20  # all_reduce 4 MiB of float32
