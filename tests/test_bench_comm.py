@@ -323,14 +323,14 @@ def test_a_dead_worker_stops_the_run_and_is_named(tmp_path: Path) -> None:
     results = {line.split("|")[0]: line.split("|") for line in proc.stdout.splitlines() if "|" in line}
     assert set(results) == {"exit_on_rank_1", "raise_on_rank_0"}, proc.stdout + proc.stderr
 
-    _, message, details, seconds = results["exit_on_rank_1"]
+    # Stopped because rank 1 died, not by the 100 s deadline nor after rank 0's 120 s sleep: either of
+    # those would outlast this test's 90 s ceiling (no wall-clock assertion needed).
+    _, message, details, _ = results["exit_on_rank_1"]
     assert message.startswith("rank 1 (pid ") and "exited with code 3 without a Python error" in message
-    assert float(seconds) < 60  # not the 100 s deadline nor rank 0's 120 s sleep: stopped when rank 1 died
 
-    _, message, details, seconds = results["raise_on_rank_0"]
+    _, message, details, _ = results["raise_on_rank_0"]
     assert message.startswith("rank 0 (pid ") and message.endswith("failed: RuntimeError: boom on rank 0")
     assert "boom on rank 0" in details
-    assert float(seconds) < 60
 
 
 def test_help_states_the_defaults_the_sweep_uses(capsys: pytest.CaptureFixture[str]) -> None:

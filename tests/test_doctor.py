@@ -130,8 +130,8 @@ def test_fingerprint_tells_batches_apart_and_gives_no_verdict_on_opaque_objects(
     assert probes.fingerprint((x, {"b": 1, "a": "s"})) == probes.fingerprint((x.clone(), {"a": "s", "b": 1}))
     assert probes.fingerprint(x) != probes.fingerprint(x + 1)
     assert probes.fingerprint(x) != probes.fingerprint(x.reshape(4, 3))  # shape counts
-    assert probes.fingerprint(x.bfloat16()) is not None
-    assert probes.fingerprint(torch.empty(0)) is not None
+    assert probes.fingerprint(x.bfloat16()) not in (None, probes.fingerprint(x))  # the dtype counts too
+    assert probes.fingerprint(torch.empty(0)) not in (None, probes.fingerprint(torch.empty(0, 2)))
     assert probes.fingerprint([object(), object()]) is None
     big = torch.zeros(1 << 20)
     changed = big.clone()
@@ -243,14 +243,16 @@ def test_parameter_use_never_always_or_dynamic() -> None:
 
 
 def test_batchnorm_and_devices_and_dataparallel() -> None:
-    assert checks.check_batchnorm(["bn"], 8, 16) is not None
+    small = checks.check_batchnorm(["bn"], 8, 16)
+    assert small is not None and small.rule == "batchnorm-without-sync" and "batch of 8 (< 16)" in small.seen
     assert checks.check_batchnorm(["bn"], 16, 16) is None and checks.check_batchnorm([], 2, 16) is None
     node = {"node": "n1", "type": "cuda", "used": 4, "cuda_visible": 8}
     finding = checks.check_unused_devices([node] * 4 + [{**node, "node": "n2", "used": 8}] * 8)
     assert finding is not None and finding.seen == "n1: 8 GPUs visible, the run uses 4"
     assert checks.check_unused_devices([{"node": "n", "type": "cpu", "used": 2, "cuda_visible": 0}] * 2) is None
     assert checks.check_dataparallel([]) is None
-    assert checks.check_dataparallel(["DataParallel at 'net'"]) is not None
+    wrapped = checks.check_dataparallel(["DataParallel at 'net'"])
+    assert wrapped is not None and wrapped.rule == "dataparallel-wrapped" and "DataParallel at 'net'" in wrapped.seen
 
 
 # ----------------------------------------------------------------------------- samplers and the augmentation probe

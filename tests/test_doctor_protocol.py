@@ -88,7 +88,9 @@ def test_a_snapshot_of_shared_batches_and_a_repeated_order_fires_both_rules_in_o
 def test_an_unknown_sampler_order_gives_no_verdict_on_the_epoch_order() -> None:
     unknown = {**SHUFFLING, "order_unknown": True}
     assert checks.check_epoch_order(["a", "b"], ["a", "b"], [unknown, unknown], 1) is None
-    assert checks.check_epoch_order(["a", "b"], ["a", "b"], [SHUFFLING, SHUFFLING], 1) is not None
+    repeated = checks.check_epoch_order(["a", "b"], ["a", "b"], [SHUFFLING, SHUFFLING], 1)
+    assert repeated is not None and repeated.rule == "sampler-epoch-not-set"
+    assert repeated.seen.startswith("epoch 1 starts with the same batch as epoch 0 on ranks 0")
 
 
 def test_local_findings_come_first_merged_then_the_checks_in_their_order() -> None:
