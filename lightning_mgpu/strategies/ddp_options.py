@@ -29,6 +29,8 @@ MAX_SIZE_MB = float(2**40)
 """Largest bucket size accepted, in MiB (1 EiB): DDP counts bucket bytes in 64-bit integers."""
 DEFAULT_FIRST_BUCKET_CAP_MB = DDP_DEFAULT_FIRST_BUCKET_BYTES / MIB
 """torch's first-bucket size (1 MiB), kept by this strategy whatever ``bucket_cap_mb`` is."""
+DEFAULT_POWERSGD_RANK = 1
+DEFAULT_POWERSGD_START_ITER = 10
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
@@ -54,6 +56,8 @@ BOOL_DDP_KWARGS = (
 __all__ = [
     "DDP_DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_FIRST_BUCKET_CAP_MB",
+    "DEFAULT_POWERSGD_RANK",
+    "DEFAULT_POWERSGD_START_ITER",
     "bucket_kwargs",
     "check_backend",
     "check_ddp_kwargs",
@@ -178,7 +182,11 @@ def check_options(
             rounds=tune_rounds,
         )
     else:
-        given = {"tune_steps": (tune_steps, None), "tune_candidates": (tune_candidates, None), "tune_rounds": (tune_rounds, 2)}
+        given = {
+            "tune_steps": (tune_steps, None),
+            "tune_candidates": (tune_candidates, None),
+            "tune_rounds": (tune_rounds, 2),
+        }
         for name, (value, default) in given.items():
             if value is not default and (default is None or value != default):
                 raise ValueError(
@@ -201,6 +209,16 @@ def check_options(
     start_iter = check_int(
         "powersgd_start_iter", powersgd_start_iter, minimum=2, why=" (DDP rebuilds its buckets during the first step)"
     )
+    if compression != "powersgd":  # accepted and ignored, they would look like they did something
+        for name, value, default in (
+            ("powersgd_rank", rank, DEFAULT_POWERSGD_RANK),
+            ("powersgd_start_iter", start_iter, DEFAULT_POWERSGD_START_ITER),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"{name}={value!r} applies only to compression='powersgd' (got compression={compression!r}); "
+                    f"pass TunedDDPStrategy(compression='powersgd', {name}=...) or leave {name} out."
+                )
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):

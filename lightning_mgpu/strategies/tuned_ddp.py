@@ -58,6 +58,8 @@ from lightning_mgpu.strategies.ddp_layout import BucketInfo, read_bucket_layout,
 from lightning_mgpu.strategies.ddp_options import (
     DDP_DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
+    DEFAULT_POWERSGD_RANK,
+    DEFAULT_POWERSGD_START_ITER,
     MIB,
     SUPPORTS_INIT_SYNC,
     bucket_kwargs,
@@ -99,9 +101,10 @@ class TunedDDPStrategy(DDPStrategyBase):
             for the wire, half the bytes), or ``"powersgd"`` (low-rank compression with
             error feedback). Registered on CPU/gloo as well as CUDA/NCCL.
         powersgd_rank: Matrix approximation rank for PowerSGD (higher: more accurate,
-            more bytes).
+            more bytes). Only with ``compression="powersgd"`` (refused otherwise).
         powersgd_start_iter: Number of optimizer steps of plain all-reduce before PowerSGD
-            takes over (at least 2: DDP rebuilds its buckets on the first step).
+            takes over (at least 2: DDP rebuilds its buckets on the first step). Only with
+            ``compression="powersgd"`` (refused otherwise).
         timeout: How long a collective (and the start-up rendezvous) may wait for the other
             ranks before it fails, a ``datetime.timedelta`` (default: torch's 30 minutes). A
             rank whose process ends (an exception, ``SIGKILL``, the OOM killer) makes the
@@ -142,8 +145,8 @@ class TunedDDPStrategy(DDPStrategyBase):
         bucket_cap_mb: Union[None, float, Literal["auto"]] = None,
         first_bucket_cap_mb: Optional[float] = None,
         compression: Optional[Literal["fp16", "bf16", "powersgd"]] = None,
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 10,
+        powersgd_rank: int = DEFAULT_POWERSGD_RANK,
+        powersgd_start_iter: int = DEFAULT_POWERSGD_START_ITER,
         *,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
