@@ -13,10 +13,10 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from lightning_mgpu.cli import bench_comm, doctor, plan, strategies, tune
+from lightning_mgpu.cli import bench_comm, doctor, plan, strategies, tune, whatif
 
 # In the order ``--help`` lists them.
-COMMANDS = (strategies, doctor, bench_comm, tune, plan)
+COMMANDS = (strategies, doctor, bench_comm, tune, plan, whatif)
 
 
 def build_parser() -> argparse.ArgumentParser:

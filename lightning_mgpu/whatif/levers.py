@@ -1,0 +1,220 @@
+"""Which change would help most: the levers of one scenario, ranked by predicted step time.
+
+:func:`rank_levers` replays the profile once per lever (fp16/bf16 compression, PowerSGD at a
+few ranks, every bucket size of the tuner's grid, a faster link, twice the nodes) and ranks
+them by how much of the step they save. :func:`what_would_help` is the short block
+``CommProfiler`` prints at the end of a fit: the levers on the system as profiled.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional, Sequence
+
+from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
+from lightning_mgpu.whatif.compression import NO_COSTS, CompressionCosts
+from lightning_mgpu.whatif.links import Link, link_from_profile
+from lightning_mgpu.whatif.model import Prediction, Scenario, System, predict
+from lightning_mgpu.whatif.records import ProfiledRun, load_profile
+
+POWERSGD_RANKS = (1, 4)
+MIN_SAVING_PCT = 0.5
+"""Bucket sizes saving less than this are reported as "no size helps"."""
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One change and its predicted effect on the step (relative to the scenario it was ranked for)."""
+
+    name: str
+    change: Mapping[str, Any]
+    """The scenario fields it changes (e.g. ``{"compression": "fp16"}``)."""
+    step_ms: float
+    base_step_ms: float
+    lossy: bool = False
+    """Changes what the model learns from a step (PowerSGD's low-rank approximation)."""
+    kind: str = "step"
+    """``"step"``: same ranks, faster step; ``"scale"``: more ranks (compare throughput)."""
+    throughput_gain: Optional[float] = None
+    """``kind == "scale"``: samples per second relative to the base."""
+    note: str = ""
+
+    @property
+    def saving_pct(self) -> float:
+        """Share of the base step saved, in percent (negative: slower)."""
+        return 100.0 * (self.base_step_ms - self.step_ms) / self.base_step_ms if self.base_step_ms > 0 else 0.0
+
+    def sentence(self) -> str:
+        arrow = f"{self.base_step_ms:.1f} -> {self.step_ms:.1f} ms/step"
+        if self.kind == "scale":
+            gain = self.throughput_gain or 0.0
+            verb = "costs" if self.saving_pct < 0 else "saves"
+            return f"{self.name} {verb} {abs(self.saving_pct):.0f}% per step ({arrow}), throughput x{gain:.2f}"
+        verb = "saves" if self.saving_pct >= 0 else "costs"
+        text = f"{self.name} {verb} {abs(self.saving_pct):.0f}% ({arrow})"
+        if self.lossy:
+            text += " (lossy)"
+        return text + (f"; {self.note}" if self.note else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "change": dict(self.change),
+            "step_ms": self.step_ms,
+            "saving_pct": self.saving_pct,
+            "lossy": self.lossy,
+            "kind": self.kind,
+            "throughput_gain": self.throughput_gain,
+            "sentence": self.sentence(),
+        }
+
+
+def rank_levers(
+    run: ProfiledRun,
+    scenario: Scenario,
+    *,
+    bucket_caps_mb: Sequence[float] = DEFAULT_GRID_MB,
+    powersgd_ranks: Sequence[int] = POWERSGD_RANKS,
+    link_factor: float = 10.0,
+) -> list[Lever]:
+    """The levers of ``scenario``, best first (step-time levers, then scale-out)."""
+    base = predict(run, scenario)
+    levers: list[Lever] = []
+
+    def lever(name: str, lossy: bool = False, note: str = "", **change: Any) -> Prediction:
+        prediction = predict(run, scenario.with_changes(**change))
+        levers.append(Lever(name, change, prediction.step_ms, base.step_ms, lossy=lossy, note=note))
+        return prediction
+
+    if scenario.system.world_size > 1:
+        if scenario.compression not in ("fp16", "bf16"):
+            lever("fp16/bf16 compression", compression="fp16")
+        if run.has_parameters:
+            for rank in powersgd_ranks:
+                if scenario.compression != "powersgd" or scenario.powersgd_rank != rank:
+                    note = "" if scenario.costs is not NO_COSTS else "its compute not measured"
+                    lever(f"PowerSGD rank {rank}", lossy=True, note=note, compression="powersgd", powersgd_rank=rank)
+        if scenario.compression is not None:
+            lever("no compression", compression=None)
+        best = _best_bucket_cap(run, scenario, bucket_caps_mb)
+        if best is not None:
+            cap, prediction = best
+            levers.append(Lever(f"bucket {cap:g} MiB", {"bucket_cap_mb": cap}, prediction.step_ms, base.step_ms))
+        faster = _scaled_link(scenario.system, link_factor)
+        if faster is not None:
+            lever(f"a {link_factor:g}x faster link", system=faster)
+    levers.sort(key=lambda item: -item.saving_pct)
+    doubled = _doubled(scenario)
+    if doubled is not None:
+        prediction = predict(run, doubled)
+        name = "a second node" if scenario.system.nodes == 1 else f"{2 * scenario.system.nodes} nodes"
+        gain = prediction.speedup / base.speedup if base.speedup > 0 else 0.0
+        levers.append(
+            Lever(
+                name,
+                {"nodes": doubled.system.nodes},
+                prediction.step_ms,
+                base.step_ms,
+                kind="scale",
+                throughput_gain=gain,
+            )
+        )
+    return levers
+
+
+def _best_bucket_cap(run: ProfiledRun, scenario: Scenario, caps: Sequence[float]) -> Optional[tuple[float, Prediction]]:
+    best: Optional[tuple[float, Prediction]] = None
+    for cap in caps:
+        if scenario.bucket_cap_mb is not None and float(cap) == float(scenario.bucket_cap_mb):
+            continue
+        prediction = predict(run, scenario.with_changes(bucket_cap_mb=float(cap)))
+        if best is None or prediction.step_ms < best[1].step_ms:
+            best = (float(cap), prediction)
+    return best
+
+
+def _scaled_link(system: System, factor: float) -> Optional[System]:
+    link = system.links[0]
+    if link.busbw_gbps == float("inf"):
+        return None
+    faster = Link(
+        name=f"{link.name} x{factor:g}",
+        busbw_gbps=link.busbw_gbps * factor,
+        latency_us=link.latency_us,
+        includes_host=link.includes_host,
+        curve=tuple((size, busbw * factor) for size, busbw in link.curve),
+        measured_world_size=link.measured_world_size,
+        nominal=link.nominal,
+        source=link.source,
+    )
+    if system.nodes > 1:
+        return replace(system, inter=faster)
+    return replace(system, intra=faster) if system.intra is not None else replace(system, inter=faster)
+
+
+def _doubled(scenario: Scenario) -> Optional[Scenario]:
+    system = scenario.system
+    if system.world_size == 1 and system.inter.name == "as profiled":
+        return None
+    return scenario.with_changes(system=replace(system, nodes=2 * system.nodes))
+
+
+# ------------------------------------------------------------------ for CommProfiler
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The "what would help" block: its lines and the levers behind them."""
+
+    title: str
+    levers: tuple[Lever, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def lines(self) -> list[str]:
+        return [self.title] + [f"  {lever.sentence()}" for lever in self.levers] + [f"  ({n})" for n in self.notes]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "levers": [lever.as_dict() for lever in self.levers], "notes": list(self.notes)}
+
+
+def what_would_help(
+    profile: Mapping[str, Any],
+    *,
+    link: Optional[Link] = None,
+    nodes: Optional[int] = None,
+    costs: CompressionCosts = NO_COSTS,
+    top: int = 4,
+) -> Advice:
+    """The levers on the profiled system (or on ``link`` / ``nodes``), best ``top`` first.
+
+    ``profile`` is the ``comm_profile.json`` document. Never raises for a profile that cannot be
+    replayed: the block then says why in one line (the profiler prints it as is).
+    """
+    try:
+        run = load_profile(profile)
+    except ValueError as error:
+        return Advice("what would help: nothing to replay", (), (str(error),))
+    as_profiled = link_from_profile(run)
+    chosen = link or as_profiled
+    if chosen is None:
+        return Advice(
+            "what would help: one rank was profiled; name a link to predict more ranks",
+            (),
+            ("lightning-mgpu whatif comm_profile.json --world-size 2 --link 10gbe",),
+        )
+    system = System(nodes=nodes or run.world_size, inter=chosen)
+    scenario = Scenario(system=system, costs=costs)
+    levers = rank_levers(run, scenario)
+    step_levers = [lever for lever in levers if lever.kind == "step"][:top]
+    scale = [lever for lever in levers if lever.kind == "scale"]
+    notes = list(run.notes)
+    if not run.has_parameters:
+        notes.append("PowerSGD not predicted: the profile lists no gradient shapes")
+    title = f"what would help ({system.describe()}, replayed from this profile):"
+    return Advice(title, tuple(step_levers + scale), tuple(notes))
+
+
+__all__ = ["POWERSGD_RANKS", "Advice", "Lever", "rank_levers", "what_would_help"]

@@ -1,0 +1,275 @@
+"""Links the replay model sends buckets over: named presets with their sources, measured ones.
+
+A :class:`Link` is what one all-reduce needs to know about the wire: the *bus bandwidth* it
+sustains (nccl-tests' busbw, GB/s = 10^9 B/s: for a network link, the payload rate in each
+direction; for NVLink / PCIe, what nccl-tests reports) and the latency of one ring step.
+
+Three ways to get one:
+
+* :data:`PRESETS` (``--link 10gbe``): figures from vendors' specifications and nccl-tests
+  reports; each preset names its source (``docs/whatif.md`` lists them with links);
+* :func:`link_from_gbps` (``--link-gbps 2.5``): a payload rate in Gbit/s, as ``iperf3`` or
+  the netlab's socket test report it;
+* :func:`link_from_bench_comm` (``--link-bench FILE``): a ``lightning-mgpu bench-comm --json``
+  result measured on the link itself: its whole busbw-by-size curve, host costs included;
+* :func:`link_from_profile`: the link as the profile saw it (each bucket's service time), the
+  default when no link is named.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from lightning_mgpu.whatif.records import ProfiledRun
+
+GBIT = 1e9 / 8
+"""Bytes per second in one Gbit/s."""
+TCP_EFFICIENCY = 1448 / 1538
+"""Payload share of a full-size Ethernet frame carrying TCP with timestamps (MTU 1500: 1448 payload
+bytes of 1538 on the wire with preamble, header, FCS and inter-frame gap): 94.1%, the rate
+``iperf3`` reaches on an idle 1/10 GbE link."""
+TCP_STEP_LATENCY_US = 50.0
+"""Assumed latency of one ring step over kernel TCP (gloo, NCCL's socket transport); an order of
+magnitude, not a measurement: measure the link (``--link-bench``) when small buckets matter."""
+
+
+def bus_factor(world_size: int) -> float:
+    """nccl-tests' all_reduce factor ``2(n-1)/n`` (0 for one rank)."""
+    return 2 * (world_size - 1) / world_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of the interconnect, as one all-reduce sees it."""
+
+    name: str
+    busbw_gbps: float
+    """Bus bandwidth in GB/s (10^9 B/s), large messages. ``math.inf``: costs nothing (loopback)."""
+    latency_us: float = 0.0
+    """Latency of one ring step (a ring all-reduce over n ranks takes 2(n-1) of them)."""
+    includes_host: bool = False
+    """Measured end to end (bench-comm, or the profile): the host's own per-byte cost is in it."""
+    curve: tuple[tuple[int, float], ...] = ()
+    """Measured (bytes, busbw GB/s) points, increasing in size; :meth:`busbw_at` interpolates them."""
+    measured_world_size: int = 0
+    """Ranks the curve was measured with (its small-message busbw holds 2(n-1) steps of latency)."""
+    nominal: str = ""
+    """The rate as sold (``"10 Gbit/s"``), for tables."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        if not self.busbw_gbps > 0:  # NaN too
+            raise ValueError(f"link {self.name!r}: busbw_gbps must be > 0, got {self.busbw_gbps!r}")
+        if not (self.latency_us >= 0 and math.isfinite(self.latency_us)):
+            raise ValueError(f"link {self.name!r}: latency_us must be a finite number >= 0, got {self.latency_us!r}")
+
+    def busbw_at(self, nbytes: float) -> float:
+        """Bus bandwidth (GB/s) for one all-reduce of ``nbytes``: the measured curve, interpolated
+        in log(size) and held flat beyond its ends, or :attr:`busbw_gbps`."""
+        if not self.curve:
+            return self.busbw_gbps
+        sizes = [size for size, _ in self.curve]
+        if nbytes <= sizes[0]:
+            return self.curve[0][1]
+        if nbytes >= sizes[-1]:
+            return self.curve[-1][1]
+        i = bisect.bisect_right(sizes, nbytes)
+        (s0, b0), (s1, b1) = self.curve[i - 1], self.curve[i]
+        w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return b0 + w * (b1 - b0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "busbw_gbps": None if math.isinf(self.busbw_gbps) else self.busbw_gbps,
+            "latency_us": self.latency_us,
+            "includes_host": self.includes_host,
+            "measured": bool(self.curve),
+            "nominal": self.nominal,
+            "source": self.source,
+        }
+
+
+def _ethernet(gbit: float, name: str) -> Link:
+    return Link(
+        name=name,
+        busbw_gbps=gbit * TCP_EFFICIENCY * GBIT / 1e9,
+        latency_us=TCP_STEP_LATENCY_US,
+        nominal=f"{gbit:g} Gbit/s",
+        source=f"IEEE 802.3 {gbit:g} Gbit/s line rate x {TCP_EFFICIENCY:.3f} TCP payload share "
+        "(1448 of 1538 bytes per frame); 50 us per ring step assumed",
+    )
+
+
+PRESETS: dict[str, Link] = {
+    link.name: link
+    for link in (
+        Link(
+            name="loopback",
+            busbw_gbps=math.inf,
+            nominal="one machine",
+            source="no wire: only the host's own cost (the profile's) remains",
+        ),
+        _ethernet(1, "1gbe"),
+        _ethernet(10, "10gbe"),
+        _ethernet(25, "25gbe"),
+        Link(
+            name="100gbe",
+            busbw_gbps=12.0,
+            latency_us=10.0,
+            nominal="100 Gbit/s",
+            source="nccl-tests busbw 12 GB/s per 100G NIC (NCCL maintainer, NVIDIA/nccl-tests#119); "
+            "a kernel-TCP transport (gloo) reaches less",
+        ),
+        Link(
+            name="ib-hdr",
+            busbw_gbps=24.0,
+            latency_us=10.0,
+            nominal="200 Gbit/s InfiniBand HDR",
+            source="nccl-tests busbw 24 GB/s per 200G HDR NIC (NVIDIA/nccl-tests#119, NVIDIA/nccl#1048); "
+            "~19 us for a 2-rank 8-byte all_reduce (NVIDIA/nccl-tests#150): ~10 us per ring step",
+        ),
+        Link(
+            name="pcie4-x16",
+            busbw_gbps=24.0,
+            latency_us=5.0,
+            nominal="PCIe 4.0 x16, 31.5 GB/s per direction",
+            source="PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction; "
+            "~80% after packet overhead (the ratio NCCL's maintainers give for NVLink, NVIDIA/nccl-tests#149) "
+            "-> 24 GB/s, assumed; latency assumed",
+        ),
+        Link(
+            name="nvlink3",
+            busbw_gbps=230.0,
+            latency_us=5.0,
+            nominal="NVLink 3 (A100 SXM), 300 GB/s per direction",
+            source="nccl-tests all_reduce busbw ~230 GB/s on 8x A100 SXM (NVIDIA/nccl-tests#149, "
+            "NVIDIA/nccl#1048: 232.5 GB/s); ~10 us for a 2-rank 8-byte all_reduce (NVIDIA/nccl-tests#331)",
+        ),
+        Link(
+            name="nvlink4",
+            busbw_gbps=370.0,
+            latency_us=5.0,
+            nominal="NVLink 4 (H100 SXM), 450 GB/s per direction",
+            source="ring all_reduce busbw ~370 GB/s on 8x H100 SXM, ~480 with NVLink SHARP "
+            "(NCCL maintainer, NVIDIA/nccl-tests#212); latency as NVLink 3, assumed",
+        ),
+    )
+}
+"""Named links (``--link NAME``); :func:`resolve_link` also takes ``NAME`` case-insensitively."""
+
+
+def link_from_gbps(gbps: float, *, latency_us: float = TCP_STEP_LATENCY_US, name: Optional[str] = None) -> Link:
+    """A link carrying ``gbps`` Gbit/s of payload in each direction (what iperf3 reports)."""
+    if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not (gbps > 0 and math.isfinite(gbps)):
+        raise ValueError(f"link rate must be a number of Gbit/s > 0, got {gbps!r}")
+    return Link(
+        name=name or f"{gbps:g} Gbit/s",
+        busbw_gbps=gbps * GBIT / 1e9,
+        latency_us=latency_us,
+        nominal=f"{gbps:g} Gbit/s payload",
+        source="given rate (payload, each direction)",
+    )
+
+
+def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Link:
+    """The link a ``lightning-mgpu bench-comm --json`` result measured: busbw by size, host included."""
+    where = "bench-comm result" if isinstance(report, Mapping) else str(report)
+    if not isinstance(report, Mapping):
+        try:
+            report = json.loads(Path(report).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"{where}: cannot read a bench-comm JSON result ({error})") from None
+    assert isinstance(report, Mapping)
+    world_size = int(report.get("world_size", 0))
+    rows = [row for row in report.get("rows", []) if row.get("busbw_gbps", 0) > 0]
+    if world_size < 2 or not rows:
+        raise ValueError(
+            f"{where}: needs a bench-comm run with --nproc >= 2 (busbw is 0 for one process by definition); "
+            "run `lightning-mgpu bench-comm --json FILE` across the link"
+        )
+    curve = tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in rows))
+    latency = float(report.get("latency_us", 0.0)) / (2 * (world_size - 1))
+    return Link(
+        name=f"measured: {Path(where).name}",
+        busbw_gbps=max(b for _, b in curve),
+        latency_us=latency,
+        includes_host=True,
+        curve=curve,
+        measured_world_size=world_size,
+        nominal=f"{world_size} ranks, {report.get('backend', '?')}",
+        source=f"lightning-mgpu bench-comm: {where}",
+    )
+
+
+def service_times(run: ProfiledRun) -> list[float]:
+    """Each recorded bucket's time on the link when buckets take turns (ms): from the later of its
+    launch and the previous bucket's completion, to its completion."""
+    out, previous_done = [], 0.0
+    for bucket in sorted(run.buckets, key=lambda b: b.index):
+        out.append(max(0.0, bucket.done_ms - max(bucket.launch_ms, previous_done)))
+        previous_done = max(previous_done, bucket.done_ms)
+    return out
+
+
+def profiled_busbw_gbps(run: ProfiledRun) -> Optional[float]:
+    """Bus bandwidth the profiled buckets achieved on the link they took turns on (GB/s); None
+    when it cannot be known (one rank, or no time measured)."""
+    if run.world_size < 2 or not run.buckets:
+        return None
+    busy_s = sum(service_times(run)) / 1e3
+    wire = sum(b.bytes for b in run.buckets) * (run.wire_ratio if run.wire_ratio is not None else 1.0)
+    if busy_s <= 0 or wire <= 0:
+        return None
+    return bus_factor(run.world_size) * wire / busy_s / 1e9
+
+
+def link_from_profile(run: ProfiledRun) -> Optional[Link]:
+    """The link as profiled: the busbw its buckets achieved, host costs included (None: one rank)."""
+    busbw = profiled_busbw_gbps(run)
+    if busbw is None:
+        return None
+    return Link(
+        name="as profiled",
+        busbw_gbps=busbw,
+        includes_host=True,
+        nominal=f"{run.world_size} ranks, {run.backend}",
+        source=f"the profile's bucket service times ({run.source})",
+    )
+
+
+def resolve_link(name: str) -> Link:
+    """A preset by name (case-insensitive); ValueError listing the presets otherwise."""
+    key = str(name).strip().lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown link {name!r}; presets: {', '.join(PRESETS)} (or give --link-gbps X)")
+    return PRESETS[key]
+
+
+def link_names() -> Sequence[str]:
+    return tuple(PRESETS)
+
+
+__all__ = [
+    "GBIT",
+    "PRESETS",
+    "TCP_EFFICIENCY",
+    "Link",
+    "bus_factor",
+    "link_from_bench_comm",
+    "link_from_gbps",
+    "link_from_profile",
+    "link_names",
+    "profiled_busbw_gbps",
+    "resolve_link",
+    "service_times",
+]

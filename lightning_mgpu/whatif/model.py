@@ -1,0 +1,410 @@
+"""The replay model: one profiled step, replayed on another system.
+
+From a :class:`~lightning_mgpu.whatif.records.ProfiledRun` the backward timeline is rebuilt
+(when each gradient, hence each bucket, becomes ready, in ms from the start of backward), the
+buckets are laid out as DDP would lay them out for the scenario's bucket size, and each
+bucket's all-reduce is simulated on the target :class:`System`:
+
+* cost of one all-reduce of ``S`` bytes over ``n`` ranks (ring): ``alpha * 2(n-1) +
+  S * 2(n-1)/n / busbw`` (tree: ``alpha * 2 ceil(log2 n)``, same bandwidth term). Two levels
+  (``nodes x devices_per_node``): ranks of a node sit next to each other in the ring, so every
+  byte crosses both levels once and the slower one sets the pace: ``busbw = min(intra,
+  inter)``, ``alpha`` the larger;
+* on CPU (gloo) the host moves every byte itself: for links not measured end to end, the
+  host's own per-byte cost (the profile's achieved busbw) adds to the wire's;
+* buckets take turns on the link in DDP's order; a bucket starts when it is ready and the link
+  is free; compression work (:mod:`~lightning_mgpu.whatif.compression`) is placed where its
+  hook does it (the autograd thread delays the rest of backward);
+* the step is ``forward + backward compute + exposed communication + optimizer + other``,
+  where exposed is what runs past the end of backward compute.
+
+What the model ignores (and ``docs/whatif.md`` discusses with numbers): contention between
+compute and communication for the same CPU cores or memory bandwidth (on loopback the profile's
+compute already carries it); stragglers beyond the profiled slowest rank; collectives running
+concurrently (gloo has two threads; the model lets one bucket use the link at a time, which
+gives the same end time when the link is the bottleneck); congestion from other jobs; the
+steps before PowerSGD starts; network topology beyond two levels; and the data loader.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+from lightning_mgpu.tuning.layout import assign_buckets, cap_bytes
+from lightning_mgpu.whatif.compression import (
+    NO_COSTS,
+    BucketPlan,
+    CompressionCosts,
+    check_compression,
+    plan_bucket,
+)
+from lightning_mgpu.whatif.links import Link, bus_factor
+from lightning_mgpu.whatif.records import Gradient, ProfiledRun
+
+DEFAULT_FIRST_BUCKET_MB = 1.0
+"""DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
+ALGORITHMS = ("ring", "tree")
+
+
+@dataclass(frozen=True, kw_only=True)
+class System:
+    """Where the step is replayed: ``nodes x devices_per_node`` ranks and their links."""
+
+    nodes: int = 1
+    devices_per_node: int = 1
+    inter: Link
+    """Between nodes (per node); with one node and one level, simply the link."""
+    intra: Optional[Link] = None
+    """Between the devices of a node (needed when ``devices_per_node > 1`` and ``nodes > 1``)."""
+    algorithm: str = "ring"
+    host_busbw_gbps: Optional[float] = None
+    """CPU/gloo: what the host itself sustains (GB/s busbw); in series with links that do not include it."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"System: {name} must be an integer >= 1, got {value!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"System: algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.host_busbw_gbps is not None and not self.host_busbw_gbps > 0:
+            raise ValueError(f"System: host_busbw_gbps must be > 0 or None, got {self.host_busbw_gbps!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """The levels every byte of a ring all-reduce crosses."""
+        if self.nodes == 1:
+            return (self.intra or self.inter,)
+        if self.devices_per_node == 1 or self.intra is None:
+            return (self.inter,)
+        return (self.inter, self.intra)
+
+    def steps(self) -> int:
+        n = self.world_size
+        if n == 1:
+            return 0
+        return 2 * (n - 1) if self.algorithm == "ring" else 2 * math.ceil(math.log2(n))
+
+    def allreduce_ms(self, nbytes: float) -> float:
+        """Time of one all-reduce of ``nbytes`` (per rank) on this system, in ms."""
+        n = self.world_size
+        if n == 1:
+            return 0.0
+        factor = bus_factor(n)
+        seconds = 0.0
+        for link in self.links:
+            latency_steps = self.steps()
+            if link.curve and link.measured_world_size:
+                # the measured small-message busbw already holds its own steps' latency
+                latency_steps = max(0, latency_steps - 2 * (link.measured_world_size - 1))
+            busbw = link.busbw_at(nbytes)
+            wire = 0.0 if math.isinf(busbw) else factor * nbytes / (busbw * 1e9)
+            seconds = max(seconds, wire + link.latency_us * 1e-6 * latency_steps)
+        if self.host_busbw_gbps and not all(link.includes_host for link in self.links):
+            seconds += factor * nbytes / (self.host_busbw_gbps * 1e9)
+        return seconds * 1e3
+
+    def describe(self) -> str:
+        if self.nodes > 1 and self.devices_per_node > 1:
+            intra = self.intra.name if self.intra is not None else self.inter.name
+            return f"{self.nodes} nodes x {self.devices_per_node} ({self.inter.name} between, {intra} within)"
+        return f"{self.world_size} rank(s) over {self.links[0].name}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "inter": self.inter.as_dict(),
+            "intra": self.intra.as_dict() if self.intra is not None else None,
+            "algorithm": self.algorithm,
+            "host_busbw_gbps": self.host_busbw_gbps,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """What to change relative to the profiled run."""
+
+    system: System
+    bucket_cap_mb: Optional[float] = None
+    """None: the recorded layout. A size: DDP's assignment rule re-run on the gradients."""
+    first_bucket_cap_mb: Optional[float] = None
+    """None: DDP's 1 MiB (capped at ``bucket_cap_mb``)."""
+    compression: Optional[str] = None
+    powersgd_rank: int = 1
+    compute_scale: float = 1.0
+    """Multiplies forward, backward and optimizer time (0.25: a device four times faster)."""
+    costs: CompressionCosts = NO_COSTS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", check_compression(self.compression))
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0 or not math.isfinite(value)):
+                raise ValueError(f"Scenario: {name} must be a size in MiB > 0 or None, got {value!r}")
+        if not self.compute_scale > 0 or not math.isfinite(self.compute_scale):
+            raise ValueError(f"Scenario: compute_scale must be > 0, got {self.compute_scale!r}")
+        if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
+            raise ValueError(f"Scenario: powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
+
+    def label(self, *, with_system: bool = True) -> str:
+        """``"2 rank(s) over 1gbe, buckets 8 MiB, fp16"`` (without the system: only the options)."""
+        parts = [self.system.describe()] if with_system else [f"over {self.system.links[0].name}"]
+        if self.bucket_cap_mb is not None:
+            parts.append(f"buckets {self.bucket_cap_mb:g} MiB")
+        if self.compression == "powersgd":
+            parts.append(f"powersgd rank {self.powersgd_rank}")
+        elif self.compression:
+            parts.append(self.compression)
+        if self.compute_scale != 1.0:
+            parts.append(f"compute x{self.compute_scale:g}")
+        return ", ".join(parts)
+
+    def with_changes(self, **changes: Any) -> Scenario:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class PredictedBucket:
+    bytes: int
+    wire_bytes: int
+    ready_ms: float
+    """Its last gradient ready (ms from the start of backward, compression work included)."""
+    start_ms: float
+    done_ms: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One scenario's predicted step (ms; medians of the profile replayed)."""
+
+    scenario: Scenario
+    step_ms: float
+    comm_ms: float
+    """First bucket launched -> last bucket done (the profiler's ``comm_ms``)."""
+    exposed_comm_ms: float
+    forward_ms: float
+    backward_compute_ms: float
+    optimizer_ms: float
+    other_ms: float
+    single_device_step_ms: float
+    """The same step on one device: no communication, no compression."""
+    buckets: tuple[PredictedBucket, ...]
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.scenario.system.world_size
+
+    @property
+    def speedup(self) -> float:
+        """Throughput over one device: ``n * T1 / Tn`` (samples per second, per-rank batch fixed)."""
+        return self.world_size * self.single_device_step_ms / self.step_ms if self.step_ms > 0 else 0.0
+
+    @property
+    def efficiency(self) -> float:
+        """Scaling efficiency, ``speedup / n``."""
+        return self.single_device_step_ms / self.step_ms if self.step_ms > 0 else 0.0
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.wire_bytes for b in self.buckets)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step_ms": self.step_ms,
+            "comm_ms": self.comm_ms,
+            "exposed_comm_ms": self.exposed_comm_ms,
+            "speedup": self.speedup,
+            "efficiency": self.efficiency,
+            "world_size": self.world_size,
+            "forward_ms": self.forward_ms,
+            "backward_compute_ms": self.backward_compute_ms,
+            "optimizer_ms": self.optimizer_ms,
+            "other_ms": self.other_ms,
+            "single_device_step_ms": self.single_device_step_ms,
+            "wire_bytes_per_step": self.wire_bytes,
+            "buckets": [
+                {
+                    "bytes": b.bytes,
+                    "wire_bytes": b.wire_bytes,
+                    "ready_ms": b.ready_ms,
+                    "start_ms": b.start_ms,
+                    "done_ms": b.done_ms,
+                }
+                for b in self.buckets
+            ],
+        }
+
+
+# ------------------------------------------------------------------------ the backward timeline
+
+
+def gradient_timeline(run: ProfiledRun) -> list[tuple[Gradient, float]]:
+    """Every gradient in DDP's order with the time it became ready (ms from the start of backward).
+
+    A bucket launches when its last gradient is ready, so that gradient's time is the bucket's
+    launch; the others are placed between the previous bucket's launch and this one in
+    proportion to their bytes (backward computes gradients at a rate roughly proportional to
+    their size). Without recorded gradients each bucket is split into ``num_params`` equal ones.
+    """
+    buckets = sorted(run.buckets, key=lambda b: b.index)
+    by_bucket: dict[int, list[Gradient]] = {}
+    if run.parameters:
+        for gradient in run.parameters:
+            by_bucket.setdefault(gradient.bucket, []).append(gradient)
+    out: list[tuple[Gradient, float]] = []
+    previous = 0.0
+    for position, bucket in enumerate(buckets):
+        gradients = by_bucket.get(position) or _equal_split(bucket.bytes, bucket.num_params, position)
+        total = sum(g.bytes for g in gradients) or 1
+        span = max(0.0, bucket.launch_ms - previous)
+        filled = 0
+        for gradient in gradients:
+            filled += gradient.bytes
+            out.append((gradient, previous + span * filled / total))
+        previous = max(previous, bucket.launch_ms)
+    return out
+
+
+def _equal_split(nbytes: int, count: int, bucket: int) -> list[Gradient]:
+    elements = max(1, nbytes // 4)
+    count = max(1, min(count, elements))
+    base, extra = divmod(elements, count)
+    return [Gradient(shape=(base + (1 if i < extra else 0),), bucket=bucket) for i in range(count)]
+
+
+def layout(run: ProfiledRun, scenario: Scenario) -> list[tuple[int, float, list[Gradient]]]:
+    """The buckets of the scenario: (bytes, ready ms, gradients) in launch order."""
+    timeline = gradient_timeline(run)
+    if scenario.bucket_cap_mb is None:
+        groups: dict[int, list[tuple[Gradient, float]]] = {}
+        for gradient, ready in timeline:
+            groups.setdefault(gradient.bucket, []).append((gradient, ready))
+        buckets = sorted(run.buckets, key=lambda b: b.index)
+        out = []
+        for position, bucket in enumerate(buckets):
+            members = groups.get(position, [])
+            out.append((bucket.bytes, bucket.launch_ms, [g for g, _ in members]))
+        return out
+    cap = scenario.bucket_cap_mb
+    first = min(scenario.first_bucket_cap_mb or DEFAULT_FIRST_BUCKET_MB, cap)
+    positions = assign_buckets([g.bytes for g, _ in timeline], [cap_bytes(first), cap_bytes(cap)])
+    out = []
+    launch = 0.0
+    for assigned in positions:
+        members = [timeline[p] for p in assigned]
+        launch = max(launch, max(ready for _, ready in members))  # DDP launches buckets in order
+        out.append((sum(g.bytes for g, _ in members), launch, [g for g, _ in members]))
+    return out
+
+
+# ------------------------------------------------------------------------ the simulation
+
+
+def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
+    """Replay ``run`` on ``scenario`` (see the module docstring)."""
+    system = scenario.system
+    scale = scenario.compute_scale
+    assumptions = list(run.notes)
+    forward = run.forward_ms * scale
+    backward = run.backward_compute_ms * scale
+    optimizer = run.optimizer_ms * scale
+    other = run.other_ms
+    single = forward + backward + optimizer + other
+    if run.compression is not None and run.compression != scenario.compression:
+        assumptions.append(
+            f"profiled with {run.compression}: its hook's work on the autograd thread stays in the backward times"
+        )
+    if system.world_size == 1:
+        return Prediction(
+            scenario, single, 0.0, 0.0, forward, backward, optimizer, other, single, (), tuple(assumptions)
+        )
+    if scenario.bucket_cap_mb is not None and not run.has_parameters:
+        assumptions.append("re-bucketed from equal splits of the recorded buckets (the profile lists no gradients)")
+    same_hook = run.compression is not None and run.compression == scenario.compression
+    buckets = layout(run, scenario)
+    plans: list[BucketPlan] = [
+        plan_bucket(
+            nbytes,
+            gradients if run.has_parameters else [],
+            compression=scenario.compression,
+            powersgd_rank=scenario.powersgd_rank,
+            costs=scenario.costs,
+            pre_in_profile=same_hook,
+        )
+        for nbytes, _, gradients in buckets
+    ]
+    delay = 0.0  # autograd-thread work of hooks so far: it pushes the rest of backward later
+    link_free = 0.0
+    predicted: list[PredictedBucket] = []
+    first_launch: Optional[float] = None
+    last_ready = 0.0
+    for (nbytes, ready, _), plan in zip(buckets, plans):
+        last_ready = max(last_ready, ready * scale)
+        pre = plan.pre_ms * scale
+        hook_at = ready * scale + delay
+        delay += pre
+        first_launch = hook_at if first_launch is None else first_launch
+        start = max(hook_at + pre, link_free)
+        clock = start
+        for kind, amount in plan.segments:
+            clock += system.allreduce_ms(amount) if kind == "allreduce" else amount * scale
+        link_free = clock
+        predicted.append(PredictedBucket(nbytes, plan.wire_bytes, hook_at, start, clock))
+    compute_end = max(backward, last_ready) + delay
+    last_done = max((b.done_ms for b in predicted), default=0.0)
+    exposed = max(0.0, last_done - compute_end)
+    comm = last_done - (first_launch or 0.0)
+    step = forward + compute_end + exposed + optimizer + other
+    if scenario.compression in ("fp16", "bf16", "powersgd") and scenario.costs is NO_COSTS:
+        assumptions.append(f"{scenario.compression}'s compute not measured: counted as 0")
+    return Prediction(
+        scenario=scenario,
+        step_ms=step,
+        comm_ms=comm,
+        exposed_comm_ms=exposed,
+        forward_ms=forward,
+        backward_compute_ms=compute_end,
+        optimizer_ms=optimizer,
+        other_ms=other,
+        single_device_step_ms=single,
+        buckets=tuple(predicted),
+        assumptions=tuple(dict.fromkeys(assumptions)),
+    )
+
+
+def sweep_world_sizes(run: ProfiledRun, scenario: Scenario, world_sizes: Sequence[int]) -> list[Prediction]:
+    """The scenario at each world size: ``n`` nodes of ``devices_per_node`` ranks each when the
+    scenario has one device per node, else ``n / devices_per_node`` nodes (``n`` a multiple)."""
+    out = []
+    per_node = scenario.system.devices_per_node
+    for n in world_sizes:
+        if n % per_node:
+            raise ValueError(f"world size {n} is not a multiple of {per_node} devices per node")
+        system = replace(scenario.system, nodes=n // per_node)
+        out.append(predict(run, scenario.with_changes(system=system)))
+    return out
+
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_FIRST_BUCKET_MB",
+    "PredictedBucket",
+    "Prediction",
+    "Scenario",
+    "System",
+    "gradient_timeline",
+    "layout",
+    "predict",
+    "sweep_world_sizes",
+]

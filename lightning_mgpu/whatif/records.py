@@ -1,0 +1,321 @@
+"""What the replay model reads from a ``comm_profile.json``: one profiled step, as plain records.
+
+:func:`load_profile` turns the document (schema in DESIGN.md and ``docs/comm_profiler.md``)
+into a :class:`ProfiledRun`: the step's phases (forward, backward compute, optimizer and the
+rest), each bucket's bytes and when DDP launched it (ms from the start of backward), and, when
+known, the gradients DDP put into each bucket (shape and element size, in the order DDP walks
+them). The gradients are what re-bucketing and PowerSGD need; a profile without them still
+predicts world size, link and fp16/bf16 for the layout it recorded.
+
+Where the gradients come from, first found wins:
+
+1. ``parameters=`` given by the caller (``lightning-mgpu whatif --params FILE``), a list of
+   ``{"shape": [...], "dtype": "float32", "bucket": int}`` in DDP's order (``bucket``
+   optional: then the list is cut into the recorded buckets by their byte counts);
+2. each bucket's ``"params"`` entry in the profile: ``[{"shape": [...], "dtype": ...}, ...]``
+   (the field the profiler records for the replay model, when it does);
+3. nothing: :attr:`ProfiledRun.parameters` is empty and :attr:`ProfiledRun.has_parameters`
+   False; re-bucketing then splits each recorded bucket into ``num_params`` equal gradients
+   (an approximation :mod:`~lightning_mgpu.whatif.model` states in its assumptions).
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "double": 8,
+}
+"""Bytes per element of the gradient dtypes DDP buckets (``torch.`` prefix accepted)."""
+
+
+class ProfileError(ValueError):
+    """A profile (or parameter list) the replay model cannot use; the message says how to fix it."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``"float32"`` / ``"torch.float16"`` / ...; ProfileError for others."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ProfileError(f"unknown gradient dtype {dtype!r}; expected one of {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gradient:
+    """One parameter's gradient as DDP buckets it."""
+
+    shape: tuple[int, ...]
+    """The parameter's shape (PowerSGD compresses ``shape[0] x prod(shape[1:])``)."""
+    element_bytes: int = 4
+    """Bytes per element (4 for float32)."""
+    bucket: int = 0
+    """The recorded bucket it was in (its position in launch order)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape else 1
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.element_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """One recorded gradient bucket (slowest rank's medians, ms from the start of backward)."""
+
+    index: int
+    bytes: int
+    num_params: int
+    launch_ms: float
+    """When DDP launched its all-reduce: its last gradient was ready (and every earlier bucket launched)."""
+    done_ms: float
+    """When its all-reduce (the hook's future) completed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfiledRun:
+    """One profiled training step: the compute a rank does and the buckets it sends."""
+
+    world_size: int
+    backend: str
+    device_type: str
+    step_ms: float
+    forward_ms: float
+    backward_compute_ms: float
+    """From the end of forward until autograd finished the backward graph."""
+    optimizer_ms: float
+    exposed_comm_ms: float
+    comm_ms: float
+    buckets: tuple[Bucket, ...]
+    parameters: tuple[Gradient, ...] = ()
+    compression: Optional[str] = None
+    """The compression in force when profiled (None: none, or not recorded)."""
+    wire_ratio: Optional[float] = 1.0
+    """Bytes on the wire per gradient byte when profiled (0.5 for fp16/bf16; None: unknown)."""
+    source: str = "<dict>"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """What was assumed while reading (missing optional fields)."""
+
+    @property
+    def has_parameters(self) -> bool:
+        """True when every gradient's shape is known (re-bucketing and PowerSGD are exact)."""
+        return bool(self.parameters)
+
+    @property
+    def other_ms(self) -> float:
+        """What a step spends outside forward, backward compute, exposed communication and the
+        optimizer (zero_grad, hooks, DDP's finalize); kept as profiled, never below 0."""
+        known = self.forward_ms + self.backward_compute_ms + self.exposed_comm_ms + self.optimizer_ms
+        return max(0.0, self.step_ms - known)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(b.bytes for b in self.buckets)
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def _number(mapping: Mapping[str, Any], key: str, where: str) -> float:
+    value = mapping.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ProfileError(f"{where}: {key!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _gradients_from_buckets(raw_buckets: Sequence[Mapping[str, Any]], where: str) -> tuple[Gradient, ...]:
+    """The per-bucket ``"params"`` entries, flattened in launch order (empty if any bucket lacks them)."""
+    gradients: list[Gradient] = []
+    for position, bucket in enumerate(raw_buckets):
+        params = bucket.get("params")
+        if not params:
+            return ()
+        for param in params:
+            gradients.append(_gradient(param, bucket=position, where=f"{where}: buckets[{position}].params"))
+    return tuple(gradients)
+
+
+def _gradient(param: Any, *, bucket: int, where: str) -> Gradient:
+    if not isinstance(param, Mapping) or "shape" not in param:
+        raise ProfileError(f"{where}: each parameter must be an object with a 'shape', got {param!r:.80}")
+    shape = param["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ProfileError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r:.80}")
+    return Gradient(
+        shape=tuple(int(d) for d in shape),
+        element_bytes=dtype_bytes(param.get("dtype", "float32")),
+        bucket=int(param.get("bucket", bucket)),
+    )
+
+
+def assign_to_buckets(parameters: Sequence[Mapping[str, Any]], buckets: Sequence[Bucket]) -> tuple[Gradient, ...]:
+    """Gradients in DDP's order, each given its recorded bucket.
+
+    An entry's own ``"bucket"`` wins; otherwise the list is cut into the recorded buckets by
+    their byte counts (it must then add up to each bucket exactly: ProfileError says where not).
+    """
+    if parameters and all("bucket" in p for p in parameters):
+        return tuple(_gradient(p, bucket=int(p["bucket"]), where="parameters") for p in parameters)
+    gradients = [_gradient(p, bucket=0, where="parameters") for p in parameters]
+    out: list[Gradient] = []
+    position, filled = 0, 0
+    for gradient in gradients:
+        if position >= len(buckets):
+            raise ProfileError(
+                f"parameters: {len(gradients)} gradients hold more bytes than the profile's {len(buckets)} "
+                f"bucket(s) ({sum(b.bytes for b in buckets)} bytes); give each entry its 'bucket' or list only "
+                "the parameters that require gradients, in DDP's order"
+            )
+        out.append(Gradient(shape=gradient.shape, element_bytes=gradient.element_bytes, bucket=position))
+        filled += gradient.bytes
+        if filled == buckets[position].bytes:
+            position, filled = position + 1, 0
+        elif filled > buckets[position].bytes:
+            raise ProfileError(
+                f"parameters: the gradients do not line up with bucket {position} ({buckets[position].bytes} bytes "
+                f"recorded, {filled} reached); list them in the order DDP walks them (reverse order of "
+                "model.parameters() unless DDP rebuilt its buckets) or give each entry its 'bucket'"
+            )
+    if position != len(buckets):
+        raise ProfileError(
+            f"parameters: {sum(g.bytes for g in out)} bytes of gradients, the profile's buckets hold "
+            f"{sum(b.bytes for b in buckets)}; the list must cover every parameter that has a gradient"
+        )
+    return tuple(out)
+
+
+def load_profile(
+    profile: Union[str, os.PathLike[str], Mapping[str, Any]],
+    *,
+    parameters: Optional[Sequence[Mapping[str, Any]]] = None,
+) -> ProfiledRun:
+    """Read a ``comm_profile.json`` (path or the parsed document) into a :class:`ProfiledRun`.
+
+    ``parameters``: the gradients in DDP's order, when the profile does not hold them (see the
+    module docstring). Raises :class:`ProfileError` naming the field that is missing or wrong.
+    """
+    if isinstance(profile, Mapping):
+        document, where = profile, "profile"
+    else:
+        where = str(profile)
+        try:
+            document = json.loads(Path(profile).read_text())
+        except OSError as error:
+            raise ProfileError(f"{where}: cannot read it ({error.strerror or error})") from None
+        except json.JSONDecodeError as error:
+            raise ProfileError(
+                f"{where}: not JSON ({error}); pass a comm_profile.json written by CommProfiler"
+            ) from None
+    if not isinstance(document, Mapping) or not isinstance(document.get("summary"), Mapping):
+        raise ProfileError(
+            f"{where}: no 'summary' object; this is not a comm_profile.json "
+            "(CommProfiler(export_dir=DIR) writes DIR/comm_profile.json)"
+        )
+    summary = document["summary"]
+    notes: list[str] = []
+    world_size = document.get("world_size")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ProfileError(f"{where}: 'world_size' must be an integer >= 1, got {world_size!r}")
+    step = summary.get("step_ms")
+    step_ms = _number(step, "median", f"{where}: summary.step_ms") if isinstance(step, Mapping) else None
+    if step_ms is None:
+        raise ProfileError(f"{where}: summary.step_ms must be {{'median': ..., 'p90': ...}}, got {step!r:.80}")
+    raw_buckets = document.get("buckets") or []
+    if not isinstance(raw_buckets, list):
+        raise ProfileError(f"{where}: 'buckets' must be a list, got {type(raw_buckets).__name__}")
+    buckets = tuple(
+        Bucket(
+            index=int(b.get("index", i)),
+            bytes=int(_number(b, "bytes", f"{where}: buckets[{i}]")),
+            num_params=max(1, int(b.get("num_params") or 1)),
+            launch_ms=_number(b, "launch_ms", f"{where}: buckets[{i}]"),
+            done_ms=_number(b, "done_ms", f"{where}: buckets[{i}]"),
+        )
+        for i, b in enumerate(raw_buckets)
+    )
+    if not buckets and not parameters:
+        raise ProfileError(
+            f"{where}: no gradient buckets were recorded (a strategy that is not ddp_tuned, or no hook in DDP); "
+            "profile with strategy='ddp_tuned' (any world size, 1 included), or give the parameters (--params)"
+        )
+    optimizer_ms = summary.get("optimizer_ms")
+    if optimizer_ms is None:
+        notes.append("the profile has no optimizer_ms: counted in 'other'")
+    compression = summary.get("compression", document.get("compression"))
+    ratio = summary.get("compression_ratio")
+    wire_ratio: Optional[float] = 1.0 / float(ratio) if isinstance(ratio, (int, float)) and ratio > 0 else 1.0
+    if compression is None and isinstance(ratio, (int, float)) and ratio > 1.5:
+        compression = "fp16"  # a casting hook: fp16 or bf16 cost the same for the model
+        notes.append("the profile was taken with a casting compression (fp16 or bf16)")
+    if summary.get("measures_comm") is False:
+        notes.append("the profile did not time communication (no CommHookHost strategy)")
+    if parameters:
+        gradients = assign_to_buckets(parameters, buckets)
+    else:
+        gradients = _gradients_from_buckets(raw_buckets, where)
+    if not gradients:
+        notes.append(
+            "the profile does not list the gradients in each bucket: re-bucketing splits each recorded bucket "
+            "into equal gradients, and PowerSGD cannot be predicted"
+        )
+    return ProfiledRun(
+        world_size=world_size,
+        backend=str(document.get("backend", "unknown")),
+        device_type=str(document.get("device_type", "cpu")),
+        step_ms=step_ms,
+        forward_ms=_number(summary, "forward_ms", f"{where}: summary"),
+        backward_compute_ms=_number(summary, "backward_compute_ms", f"{where}: summary"),
+        optimizer_ms=float(optimizer_ms or 0.0),
+        exposed_comm_ms=float(summary.get("exposed_comm_ms") or 0.0),
+        comm_ms=float(summary.get("comm_ms") or 0.0),
+        buckets=buckets,
+        parameters=gradients,
+        compression=str(compression) if compression else None,
+        wire_ratio=wire_ratio,
+        source=where,
+        notes=tuple(notes),
+    )
+
+
+def load_parameters(path: Union[str, os.PathLike[str]]) -> list[dict[str, Any]]:
+    """A ``--params`` file: a JSON list of ``{"shape": [...], "dtype": ..., "bucket": int}``
+    (or an object with such a list under ``"parameters"``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ProfileError(f"{path}: cannot read a parameter list ({error})") from None
+    if isinstance(data, Mapping):
+        data = data.get("parameters")
+    if not isinstance(data, list) or not data:
+        raise ProfileError(
+            f"{path}: expected a non-empty JSON list of {{'shape': [...], 'dtype': 'float32'}} in DDP's order"
+        )
+    return data
+
+
+__all__ = [
+    "DTYPE_BYTES",
+    "Bucket",
+    "Gradient",
+    "ProfileError",
+    "ProfiledRun",
+    "assign_to_buckets",
+    "dtype_bytes",
+    "load_parameters",
+    "load_profile",
+]
