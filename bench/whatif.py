@@ -1,0 +1,367 @@
+"""Does ``lightning-mgpu whatif`` predict real step times? Predicted against measured, on the network lab.
+
+Three models (bench/buckets.py's ``mlp``, ``cnn``, ``char_lm``), 2 ranks, gloo on CPU. Every
+prediction is made from a profile taken *before* the runs it predicts, and compared with the
+median step time those runs measured (``on_train_batch_start`` -> ``on_train_batch_end`` on
+rank 0, after a warm-up; median over the run, then over rounds):
+
+1. **from a loopback profile**: one ``CommProfiler`` run per model on one machine's loopback
+   (``torch.distributed.run --standalone``, default buckets), then, on the two-node lab
+   (``bench/netlab_lib.py``: namespaces + veth + tbf) at each rate of ``--rates``, the
+   default buckets, each size of ``--caps``, fp16 and PowerSGD: predicted with the *achieved*
+   rate the lab measured by a raw TCP transfer (``--link-gbps``), and the host's own cost
+   taken from the profile;
+2. **from a profile at 1 Gbit/s**: one profiled run with default buckets on the lab's 1 Gbit/s
+   link predicts the bucket sizes and compressions at that rate (the link as that profile saw it);
+3. **from a 1-rank profile plus bench-comm**: a one-rank profile and an all-reduce sweep over
+   the lab's link at each rate predict the 2-rank default run.
+
+Compression compute (fp16 casts, PowerSGD's matrix products) is measured on this machine with
+one thread, as each rank trains (:func:`lightning_mgpu.whatif.measure.measure_costs`).
+
+Targets (issue 15), per validation: median absolute error <= 10%, worst <= 20%.
+
+    python -m bench.whatif                # full validation (needs root, ip, tc; ~1-2 h; a quiet machine)
+    python -m bench.whatif --quick        # smoke run: mlp, 1 Gbit/s, a few steps
+    python -m bench.whatif --models mlp --rates 1,10 --rounds 2
+
+Writes ``--out`` (bench/results/whatif.json) and the figure next to it (whatif.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from bench import launcher, netlab_lib
+from bench.common import apply_quick, machine_facts, write_json
+from bench.whatif_report import plot, print_report, summarize_errors
+
+MODULE = "bench.whatif_worker"
+MODELS = ("mlp", "cnn", "char_lm")
+RATES = (0.1, 1.0, 2.5, 10.0)
+CAPS = (4.0, 64.0)
+PROFILE_RATE = 1.0
+WARMUP = 5
+PROFILE_STEPS = 20
+# Timed steps per run, fewer where each step takes seconds: the 8M MLP sends 33 MiB per step.
+STEPS = {0.1: 6, 1.0: 12, 2.5: 16, 10.0: 20}
+QUICK = {
+    "models": ["mlp"],
+    "rates": [1.0],
+    "caps": [4.0],
+    "rounds": 1,
+    "warmup": 3,
+    "steps": 3,
+    "profile_steps": 4,
+    "sweep_max_mib": 4,
+}
+LAUNCH_TIMEOUT_S = 7200
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "whatif.json"
+
+
+def configs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The configurations measured at every rate: default buckets, each cap, fp16, PowerSGD."""
+    out: list[dict[str, Any]] = [{"name": "default", "bucket_cap_mb": None, "compression": None}]
+    out += [{"name": f"{cap:g} MiB", "bucket_cap_mb": cap, "compression": None} for cap in args.caps]
+    out.append({"name": "fp16", "bucket_cap_mb": None, "compression": "fp16"})
+    out.append(
+        {
+            "name": f"powersgd r{args.powersgd_rank}",
+            "bucket_cap_mb": None,
+            "compression": "powersgd",
+            "powersgd_rank": args.powersgd_rank,
+        }
+    )
+    return out
+
+
+def fit_item(
+    model: str, config: dict[str, Any], *, steps: int, warmup: int, profile_dir: Optional[Path] = None
+) -> dict[str, Any]:
+    return {
+        "kind": "fit",
+        "model": model,
+        "config": config["name"],
+        "bucket_cap_mb": config.get("bucket_cap_mb"),
+        "compression": config.get("compression"),
+        "powersgd_rank": config.get("powersgd_rank", 1),
+        "steps": steps,
+        "warmup": warmup,
+        "profile_dir": str(profile_dir) if profile_dir else None,
+    }
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+def on_loopback(plan: list[dict[str, Any]], *, nproc: int, label: str, scratch: Path) -> list[dict[str, Any]]:
+    plan_file = scratch / f"{label}_plan.json"
+    plan_file.write_text(json.dumps(plan))
+    finished = launcher.launch(
+        MODULE,
+        ["--worker-plan", str(plan_file)],
+        nproc=nproc,
+        threads=1,
+        report=scratch / f"{label}.json",
+        label=label,
+        timeout=LAUNCH_TIMEOUT_S,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    print(finished.stdout.rstrip(), flush=True)
+    results: list[dict[str, Any]] = finished.report
+    return results
+
+
+def on_lab(lab: netlab_lib.Lab, plan: list[dict[str, Any]], *, label: str, scratch: Path) -> list[dict[str, Any]]:
+    plan_file, out = scratch / f"{label}_plan.json", scratch / f"{label}.json"
+    plan_file.write_text(json.dumps(plan))
+    runs = netlab_lib.launch_torchrun(
+        lab,
+        ["-m", MODULE, "--worker-plan", str(plan_file), "--worker-out", str(out)],
+        timeout=LAUNCH_TIMEOUT_S,
+        threads=1,
+        log_dir=scratch / f"{label}_logs",
+    )
+    netlab_lib.check_runs(runs, label)
+    print("\n".join(line for line in runs[0].output.splitlines() if "ms/step" in line), flush=True)
+    results: list[dict[str, Any]] = json.loads(out.read_text())
+    return results
+
+
+# ----------------------------------------------------------------------------- predictions
+
+
+def predict_step(
+    profile: dict[str, Any],
+    gradients: Optional[list[dict[str, Any]]],
+    config: dict[str, Any],
+    *,
+    link: Any,
+    host_from_profile: bool,
+    costs: Any,
+) -> dict[str, Any]:
+    """One prediction: the profile replayed at 2 ranks over ``link`` with ``config``."""
+    from lightning_mgpu.whatif import Scenario, System, load_profile, predict
+    from lightning_mgpu.whatif.links import profiled_busbw_gbps
+
+    run = load_profile(profile, parameters=gradients)
+    host = profiled_busbw_gbps(run) if host_from_profile else None
+    scenario = Scenario(
+        system=System(nodes=2, inter=link, host_busbw_gbps=host),
+        bucket_cap_mb=config.get("bucket_cap_mb"),
+        compression=config.get("compression"),
+        powersgd_rank=int(config.get("powersgd_rank", 1)),
+        costs=costs,
+    )
+    prediction = predict(run, scenario)
+    return {
+        "predicted_ms": prediction.step_ms,
+        "predicted_exposed_ms": prediction.exposed_comm_ms,
+        "predicted_bytes": [b.bytes for b in prediction.buckets],
+        "assumptions": list(prediction.assumptions),
+    }
+
+
+def row(
+    model: str,
+    rate: float,
+    achieved: float,
+    config: dict[str, Any],
+    predicted: dict[str, Any],
+    measured: list[dict[str, Any]],
+) -> dict[str, Any]:
+    medians = [m["median_ms"] for m in measured]
+    measured_ms = statistics.median(medians)
+    built = {tuple(m.get("built_bytes") or ()) for m in measured}
+    return {
+        "model": model,
+        "rate_gbps": rate,
+        "achieved_gbps": achieved,
+        "config": config["name"],
+        **predicted,
+        "measured_ms": measured_ms,
+        "measured_per_round_ms": medians,
+        "error_pct": 100.0 * (predicted["predicted_ms"] - measured_ms) / measured_ms,
+        "layout_matches": built == {tuple(predicted["predicted_bytes"])},
+        "final_loss": statistics.median(m["losses"][-1] for m in measured if m["losses"]),
+    }
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_mgpu.whatif import link_from_bench_comm, link_from_gbps, link_from_profile, load_profile
+    from lightning_mgpu.whatif.measure import measure_costs
+
+    reason = netlab_lib.lab_unavailable()
+    if reason is not None:
+        raise SystemExit(f"bench.whatif needs the network lab: {reason}")
+    scratch = Path(tempfile.mkdtemp(prefix="whatif_"))
+    cfgs = configs(args)
+    print(f"profiling on loopback (2 ranks and 1 rank): {', '.join(args.models)}", flush=True)
+    plan2 = [
+        fit_item(m, cfgs[0], steps=args.profile_steps, warmup=args.warmup, profile_dir=scratch / f"loop2_{m}")
+        for m in args.models
+    ]
+    plan1 = [
+        fit_item(m, cfgs[0], steps=args.profile_steps, warmup=args.warmup, profile_dir=scratch / f"loop1_{m}")
+        for m in args.models
+    ]
+    profiles2 = {r["model"]: r for r in on_loopback(plan2, nproc=2, label="profile_2ranks", scratch=scratch)}
+    profiles1 = {r["model"]: r for r in on_loopback(plan1, nproc=1, label="profile_1rank", scratch=scratch)}
+    costs = {}
+    for model in args.models:
+        run0 = load_profile(profiles2[model]["profile"], parameters=profiles2[model]["gradients"])
+        costs[model] = measure_costs(run0.parameters, powersgd_ranks=(args.powersgd_rank,), threads=1)
+
+    measured: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    links: dict[float, dict[str, Any]] = {}
+    profiles_at: dict[str, dict[str, Any]] = {}
+    sweeps: dict[float, dict[str, Any]] = {}
+    netlab_lib.handle_signals()
+    with netlab_lib.Lab(nodes=2, gbps=args.rates[0]) as lab:
+        for rate in args.rates:
+            lab.set_rates(rate)
+            probe = lab.measure_link(0, 1, seconds=args.probe_seconds)
+            links[rate] = {"configured_gbps": rate, **probe.as_dict()}
+            print(f"\nlink {rate:g} Gbit/s: achieved {probe.gbps:.3f} Gbit/s (raw TCP)", flush=True)
+            if not args.skip_bench_comm:
+                sweep_max = min(args.sweep_max_mib, max(1, int(32 * rate))) * 1024 * 1024
+                item = {"kind": "allreduce", "min_bytes": 4096, "max_bytes": sweep_max, "iters": 5, "warmup": 1}
+                sweeps[rate] = on_lab(lab, [item], label=f"allreduce_{rate:g}", scratch=scratch)[0]
+            steps = args.steps if args.steps is not None else STEPS.get(rate, 12)
+            for round_index in range(args.rounds):
+                plan = []
+                for model in args.models:
+                    shift = round_index % len(cfgs)
+                    for config in cfgs[shift:] + cfgs[:shift]:
+                        plan.append(fit_item(model, config, steps=steps, warmup=args.warmup))
+                    if round_index == 0 and rate == PROFILE_RATE:
+                        plan.append(
+                            fit_item(
+                                model,
+                                cfgs[0],
+                                steps=args.profile_steps,
+                                warmup=args.warmup,
+                                profile_dir=scratch / f"lab_{model}",
+                            )
+                        )
+                for result in on_lab(lab, plan, label=f"rate_{rate:g}_round{round_index}", scratch=scratch):
+                    if result.get("profile_dir"):
+                        profiles_at[result["model"]] = result
+                    else:
+                        measured.setdefault((result["model"], rate, result["config"]), []).append(result)
+
+    validations: dict[str, list[dict[str, Any]]] = {
+        "loopback_profile": [],
+        "profile_at_1gbps": [],
+        "one_rank_plus_bench_comm": [],
+    }
+    for rate in args.rates:
+        achieved = float(links[rate]["gbps"])
+        for model in args.models:
+            base = profiles2[model]
+            for config in cfgs:
+                runs = measured.get((model, rate, config["name"]))
+                if not runs:
+                    continue
+                link = link_from_gbps(achieved)
+                p = predict_step(
+                    base["profile"], base["gradients"], config, link=link, host_from_profile=True, costs=costs[model]
+                )
+                validations["loopback_profile"].append(row(model, rate, achieved, config, p, runs))
+                if rate == PROFILE_RATE and model in profiles_at:
+                    at = profiles_at[model]
+                    as_seen = link_from_profile(load_profile(at["profile"]))
+                    p = predict_step(
+                        at["profile"],
+                        at["gradients"],
+                        config,
+                        link=as_seen,
+                        host_from_profile=False,
+                        costs=costs[model],
+                    )
+                    validations["profile_at_1gbps"].append(row(model, rate, achieved, config, p, runs))
+                if config["name"] == "default" and rate in sweeps:
+                    one = profiles1[model]
+                    p = predict_step(
+                        one["profile"],
+                        one["gradients"],
+                        config,
+                        link=link_from_bench_comm(sweeps[rate]),
+                        host_from_profile=False,
+                        costs=costs[model],
+                    )
+                    validations["one_rank_plus_bench_comm"].append(row(model, rate, achieved, config, p, runs))
+    return {
+        "machine": machine_facts(backend="gloo", world_size=2, device_type="cpu", threads_per_rank=1),
+        "settings": {
+            "models": list(args.models),
+            "rates_gbps": list(args.rates),
+            "configs": [c["name"] for c in cfgs],
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "steps": args.steps if args.steps is not None else {str(r): STEPS.get(r, 12) for r in args.rates},
+            "profile_steps": args.profile_steps,
+            "quick": args.quick,
+        },
+        "links": {f"{rate:g}": value for rate, value in links.items()},
+        "profiles": {m: profiles2[m]["profile"]["summary"] for m in args.models},
+        "compression_costs": {m: c.as_dict() for m, c in costs.items()},
+        "bench_comm": {f"{rate:g}": sweep for rate, sweep in sweeps.items()},
+        "validations": validations,
+        "summary": {name: summarize_errors(rows) for name, rows in validations.items()},
+    }
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    def floats(text: str) -> list[float]:
+        return [float(part) for part in text.split(",") if part.strip()]
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", type=lambda t: [m for m in t.split(",") if m], default=list(MODELS))
+    parser.add_argument("--rates", type=floats, default=list(RATES), help="lab link rates, Gbit/s")
+    parser.add_argument(
+        "--caps", type=floats, default=list(CAPS), help="bucket sizes measured besides the default (MiB)"
+    )
+    parser.add_argument("--powersgd-rank", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every configuration (rotated order)")
+    parser.add_argument("--warmup", type=int, default=WARMUP)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: by rate)")
+    parser.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
+    parser.add_argument("--probe-seconds", type=float, default=2.0, help="raw TCP transfer measuring each rate")
+    parser.add_argument("--sweep-max-mib", type=int, default=32, help="largest all-reduce of the bench-comm sweep")
+    parser.add_argument("--skip-bench-comm", action="store_true", help="no 1-rank + bench-comm validation")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+    )
+    args = parser.parse_args(argv)
+    apply_quick(args, argv, QUICK)
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    report = run(args)
+    out = args.out if not args.quick or args.out != DEFAULT_OUT else args.out.with_name("whatif_quick.json")
+    print_report(report)
+    path = write_json(out, report)
+    figure = plot(report, path.with_suffix(".png"))
+    print(f"\nwrote {path} and {figure}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
