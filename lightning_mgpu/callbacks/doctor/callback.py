@@ -179,7 +179,9 @@ class DistributedDoctor(L.Callback):
             self._cannot_check("dataloader-starving", "the train loader's fetches cannot be timed")
         in_window = self.ledger.batches_seen < self._use_window
         wanted = self.enabled("unused-parameters") or self.enabled("find-unused-wasted")
-        self.parameter_watch.attach(trainer.strategy.model, pl_module, count_use=in_window and wanted)
+        model = trainer.strategy.model
+        assert model is not None  # fit has wrapped the module by on_train_start
+        self.parameter_watch.attach(model, pl_module, count_use=in_window and wanted)
         if self._setup_info.augment.get("workers", 0) > 0:
             # Lightning made the first epoch's iterator (its workers' base seed drawn) before this hook,
             # and the LightningModule's on_train_start (where a rank may reseed) runs after it.

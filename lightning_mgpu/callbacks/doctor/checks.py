@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from lightning_mgpu.callbacks.doctor.findings import Finding, merge_local, name_list, rank_list
-from lightning_mgpu.callbacks.doctor.protocol import Snapshot
+from lightning_mgpu.callbacks.doctor.protocol import Snapshot, Timing
 from lightning_mgpu.callbacks.doctor.rules import RULES
 
 __all__ = [
@@ -255,7 +255,7 @@ def check_random_state(augment: Sequence[Mapping[str, Any]], states: Sequence[Op
 
 
 def check_data_wait(
-    timings: Sequence[Mapping[str, float]], threshold: float, loaders: Sequence[Mapping[str, Any]], min_batches: int = 4
+    timings: Sequence[Timing], threshold: float, loaders: Sequence[Mapping[str, Any]], min_batches: int = 4
 ) -> Optional[Finding]:
     """``timings[r]``: {"fetch_s", "iteration_s", "batches"} since the last check."""
     shares = []

@@ -89,7 +89,7 @@ class ParameterWatch:
             # Local use, whatever other ranks did: .grad alone would show the all-reduced result.
             self._counts = [0] * len(self._params)
             for index, param in enumerate(self._params):
-                self._hooks.append(param.register_post_accumulate_grad_hook(lambda _p, i=index: self._used_now.add(i)))
+                self._hooks.append(param.register_post_accumulate_grad_hook(lambda _p, i=index: self._used_now.add(i)))  # type: ignore[no-untyped-call]
 
     @property
     def counting(self) -> bool:

@@ -85,7 +85,7 @@ def observe_setup(trainer: L.Trainer, pl_module: L.LightningModule) -> SetupInfo
     )
 
 
-def train_loader(trainer: L.Trainer) -> Optional[DataLoader]:
+def train_loader(trainer: L.Trainer) -> Optional[DataLoader[Any]]:
     """The first ``DataLoader`` among the fit's train loaders (as Lightning uses them: samplers replaced)."""
 
     def walk(item: Any) -> Iterator[Any]:
@@ -118,7 +118,7 @@ def batchnorm_layers(pl_module: nn.Module) -> list[str]:
     ]
 
 
-def describe_loader(loader: Optional[DataLoader], trainer: L.Trainer) -> LoaderInfo:
+def describe_loader(loader: Optional[DataLoader[Any]], trainer: L.Trainer) -> LoaderInfo:
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -131,7 +131,7 @@ def describe_loader(loader: Optional[DataLoader], trainer: L.Trainer) -> LoaderI
     }
 
 
-def describe_sampler(loader: DataLoader, trainer: Any) -> SamplerInfo:
+def describe_sampler(loader: DataLoader[Any], trainer: Any) -> SamplerInfo:
     """Where the order comes from: the effective sampler, a DistributedSampler found in it, fixed order or not."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, BatchSampler) and getattr(batch_sampler, "sampler", None) is not None:
@@ -141,7 +141,7 @@ def describe_sampler(loader: DataLoader, trainer: Any) -> SamplerInfo:
     elif batch_sampler is not None:
         effective, path = batch_sampler, "loader.batch_sampler"
     else:
-        effective, path = getattr(loader, "sampler", None), "loader.sampler"
+        effective, path = getattr(loader, "sampler", None), "loader.sampler"  # type: ignore[assignment]
 
     # The user's own sampler classes may keep a DistributedSampler in any attribute: look one level in.
     candidates: list[tuple[str, Any]] = [(path, effective)]
@@ -177,7 +177,7 @@ def describe_sampler(loader: DataLoader, trainer: Any) -> SamplerInfo:
     return info
 
 
-def probe_augmentation(loader: DataLoader) -> AugmentInfo:
+def probe_augmentation(loader: DataLoader[Any]) -> AugmentInfo:
     """Does reading a sample draw random numbers from the global generators?
 
     With ``num_workers=0``: ``dataset[0]`` three times, under seeds (1, 1, 2), with the global
@@ -200,7 +200,7 @@ def probe_augmentation(loader: DataLoader) -> AugmentInfo:
         for _ in range(4):  # Subset / ConcatDataset-like wrappers
             for attribute in ("transform", "transforms", "augment", "augmentation", "augmentations"):
                 if getattr(inner, attribute, None) is not None:
-                    info.update(augments=True, how=f"the dataset has .{attribute}")
+                    info["augments"], info["how"] = True, f"the dataset has .{attribute}"
                     return info
             inner = getattr(inner, "dataset", None)
             if inner is None:
@@ -220,7 +220,7 @@ def probe_augmentation(loader: DataLoader) -> AugmentInfo:
         except Exception:  # noqa: BLE001 - a dataset that cannot be read out of its loader: no verdict
             return info
     if None not in samples and samples[0] == samples[1] != samples[2]:
-        info.update(augments=True, how="dataset[0] changes with the global random seed")
+        info["augments"], info["how"] = True, "dataset[0] changes with the global random seed"
     return info
 
 
@@ -264,14 +264,14 @@ def random_state_digest() -> str:
         import numpy
 
         state = numpy.random.get_state()
-        digest.update(state[1].tobytes() + repr(state[2:]).encode())
+        digest.update(state[1].tobytes() + repr(state[2:]).encode())  # type: ignore[index]  # a tuple at run time
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
         pass
     digest.update(repr(random.getstate()).encode())
     return digest.hexdigest()
 
 
-def worker_seed_source_digest(loader: DataLoader) -> str:
+def worker_seed_source_digest(loader: DataLoader[Any]) -> str:
     """A hash of the generator the loader's workers' base seed is drawn from: the loader's own, else torch's
     global CPU generator.
 
