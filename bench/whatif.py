@@ -147,13 +147,12 @@ def predict_step(
     costs: Any,
 ) -> dict[str, Any]:
     """One prediction: the profile replayed at 2 ranks over ``link`` with ``config``."""
-    from lightning_mgpu.whatif import Scenario, System, load_profile, predict
-    from lightning_mgpu.whatif.links import profiled_busbw_gbps
+    from lightning_mgpu.whatif import Scenario, System, link_from_profile, load_profile, predict
 
     run = load_profile(profile, parameters=gradients)
-    host = profiled_busbw_gbps(run) if host_from_profile else None
+    host = link_from_profile(run) if host_from_profile else None
     scenario = Scenario(
-        system=System(nodes=2, inter=link, host_busbw_gbps=host),
+        system=System(nodes=2, inter=link, host=host),
         bucket_cap_mb=config.get("bucket_cap_mb"),
         compression=config.get("compression"),
         powersgd_rank=int(config.get("powersgd_rank", 1)),

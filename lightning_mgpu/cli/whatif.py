@@ -186,7 +186,7 @@ def _costs(args: argparse.Namespace, run: ProfiledRun) -> tuple[CompressionCosts
 def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ProfiledRun, Scenario, dict[str, Any]]:
     """The profile, the scenario the flags describe, and the inputs echoed in the report."""
     from lightning_mgpu.whatif import PRESETS, Scenario, System, link_from_profile, load_profile
-    from lightning_mgpu.whatif.links import profiled_busbw_gbps
+    from lightning_mgpu.whatif import Link
     from lightning_mgpu.whatif.records import load_parameters
 
     parameters = load_parameters(args.params) if args.params else None
@@ -207,16 +207,17 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         parser.error(f"--world-size {args.world_size} must be multiples of --devices-per-node {per_node}")
     first_world = args.world_size[0] if args.world_size else None
     nodes = args.nodes or (first_world // per_node if first_world else max(1, run.world_size // per_node))
-    host: Optional[float] = None
+    host: Optional[Link] = None
     if run.device_type == "cpu" and not args.no_host:
-        host = args.host_busbw_gbps or profiled_busbw_gbps(run)
+        given = args.host_busbw_gbps
+        host = Link(name="host", busbw_gbps=given, source="--host-busbw-gbps") if given else link_from_profile(run)
     system = System(
         nodes=nodes,
         devices_per_node=per_node,
         inter=inter,
         intra=intra,
         algorithm=args.algorithm,
-        host_busbw_gbps=host,
+        host=host,
     )
     costs, costs_source = _costs(args, run)
     scenario = Scenario(

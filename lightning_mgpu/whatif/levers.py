@@ -61,7 +61,7 @@ class Lever:
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "change": dict(self.change),
+            "change": {key: _plain(value) for key, value in self.change.items()},
             "step_ms": self.step_ms,
             "saving_pct": self.saving_pct,
             "lossy": self.lossy,
@@ -69,6 +69,12 @@ class Lever:
             "throughput_gain": self.throughput_gain,
             "sentence": self.sentence(),
         }
+
+
+def _plain(value: Any) -> Any:
+    """A lever's changed field as JSON (a System as its ``as_dict``)."""
+    as_dict = getattr(value, "as_dict", None)
+    return as_dict() if callable(as_dict) else value
 
 
 def rank_levers(
@@ -79,7 +85,11 @@ def rank_levers(
     powersgd_ranks: Sequence[int] = POWERSGD_RANKS,
     link_factor: float = 10.0,
 ) -> list[Lever]:
-    """The levers of ``scenario``, best first (step-time levers, then scale-out)."""
+    """The levers of ``scenario``, best first (step-time levers, then scale-out).
+
+    PowerSGD is ranked only when the gradients' shapes are known; ``powersgd_ranks=()`` leaves
+    it out (e.g. when its compute was not measured and a block should not guess).
+    """
     base = predict(run, scenario)
     levers: list[Lever] = []
 
@@ -94,7 +104,7 @@ def rank_levers(
         if run.has_parameters:
             for rank in powersgd_ranks:
                 if scenario.compression != "powersgd" or scenario.powersgd_rank != rank:
-                    note = "" if scenario.costs is not NO_COSTS else "its compute not measured"
+                    note = "" if scenario.costs is not NO_COSTS else "its compute not measured (counted as 0)"
                     lever(f"PowerSGD rank {rank}", lossy=True, note=note, compression="powersgd", powersgd_rank=rank)
         if scenario.compression is not None:
             lever("no compression", compression=None)
@@ -109,7 +119,8 @@ def rank_levers(
     doubled = _doubled(scenario)
     if doubled is not None:
         prediction = predict(run, doubled)
-        name = "a second node" if scenario.system.nodes == 1 else f"{2 * scenario.system.nodes} nodes"
+        nodes = scenario.system.nodes
+        name = "a second node" if nodes == 1 else f"{2 * nodes} nodes instead of {nodes}"
         gain = prediction.speedup / base.speedup if base.speedup > 0 else 0.0
         levers.append(
             Lever(
@@ -207,12 +218,15 @@ def what_would_help(
         )
     system = System(nodes=nodes or run.world_size, inter=chosen)
     scenario = Scenario(system=system, costs=costs)
-    levers = rank_levers(run, scenario)
+    measured = costs is not NO_COSTS
+    levers = rank_levers(run, scenario, powersgd_ranks=POWERSGD_RANKS if measured else ())
     step_levers = [lever for lever in levers if lever.kind == "step"][:top]
     scale = [lever for lever in levers if lever.kind == "scale"]
     notes = list(run.notes)
     if not run.has_parameters:
         notes.append("PowerSGD not predicted: the profile lists no gradient shapes")
+    elif not measured:
+        notes.append("PowerSGD not predicted here (its compute is not measured): lightning-mgpu whatif PROFILE")
     title = f"what would help ({system.describe()}, replayed from this profile):"
     return Advice(title, tuple(step_levers + scale), tuple(notes))
 

@@ -221,26 +221,51 @@ def service_times(run: ProfiledRun) -> list[float]:
     return out
 
 
-def profiled_busbw_gbps(run: ProfiledRun) -> Optional[float]:
-    """Bus bandwidth the profiled buckets achieved on the link they took turns on (GB/s); None
-    when it cannot be known (one rank, or no time measured)."""
+def profiled_cost(run: ProfiledRun) -> Optional[tuple[float, float]]:
+    """``(overhead_ms, busbw_gbps)`` fitted to the profiled buckets' service times: each bucket
+    took ``overhead + bytes * 2(n-1)/n / busbw`` (least squares over the buckets; with one bucket,
+    or sizes that do not tell the two apart, no overhead and the aggregate busbw). None when it
+    cannot be known (one rank, or no time measured)."""
     if run.world_size < 2 or not run.buckets:
         return None
-    busy_s = sum(service_times(run)) / 1e3
-    wire = sum(b.bytes for b in run.buckets) * (run.wire_ratio if run.wire_ratio is not None else 1.0)
-    if busy_s <= 0 or wire <= 0:
+    ratio = run.wire_ratio if run.wire_ratio is not None else 1.0
+    factor = bus_factor(run.world_size)
+    times = service_times(run)
+    sizes = [b.bytes * ratio * factor for b in sorted(run.buckets, key=lambda b: b.index)]
+    if sum(times) <= 0 or sum(sizes) <= 0:
         return None
-    return bus_factor(run.world_size) * wire / busy_s / 1e9
+    aggregate = (0.0, sum(sizes) / (sum(times) / 1e3) / 1e9)
+    if len(sizes) < 2:
+        return aggregate
+    mean_s, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
+    spread = sum((x - mean_s) ** 2 for x in sizes)
+    if spread <= 0:
+        return aggregate
+    slope = sum((x - mean_s) * (t - mean_t) for x, t in zip(sizes, times)) / spread  # ms per byte
+    overhead = mean_t - slope * mean_s
+    if slope <= 0 or overhead < 0:
+        return aggregate
+    return (overhead, 1.0 / slope / 1e6)
+
+
+def profiled_busbw_gbps(run: ProfiledRun) -> Optional[float]:
+    """The bus bandwidth of :func:`profiled_cost` (GB/s), None when it cannot be known."""
+    cost = profiled_cost(run)
+    return None if cost is None else cost[1]
 
 
 def link_from_profile(run: ProfiledRun) -> Optional[Link]:
-    """The link as profiled: the busbw its buckets achieved, host costs included (None: one rank)."""
-    busbw = profiled_busbw_gbps(run)
-    if busbw is None:
+    """The link as profiled, host costs included (None: one rank): each all-reduce costs the
+    :func:`profiled_cost` overhead (spread over the profiled world size's ring steps) plus its
+    bytes at the fitted busbw."""
+    cost = profiled_cost(run)
+    if cost is None:
         return None
+    overhead_ms, busbw = cost
     return Link(
         name="as profiled",
         busbw_gbps=busbw,
+        latency_us=overhead_ms * 1e3 / (2 * (run.world_size - 1)),
         includes_host=True,
         nominal=f"{run.world_size} ranks, {run.backend}",
         source=f"the profile's bucket service times ({run.source})",
@@ -270,6 +295,7 @@ __all__ = [
     "link_from_profile",
     "link_names",
     "profiled_busbw_gbps",
+    "profiled_cost",
     "resolve_link",
     "service_times",
 ]

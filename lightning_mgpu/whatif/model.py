@@ -11,7 +11,8 @@ bucket's all-reduce is simulated on the target :class:`System`:
   byte crosses both levels once and the slower one sets the pace: ``busbw = min(intra,
   inter)``, ``alpha`` the larger;
 * on CPU (gloo) the host moves every byte itself: for links not measured end to end, the
-  host's own per-byte cost (the profile's achieved busbw) adds to the wire's;
+  host's own cost (fitted to the profile's buckets: a per-all-reduce overhead and a busbw)
+  adds to the wire's;
 * buckets take turns on the link in DDP's order; a bucket starts when it is ready and the link
   is free; compression work (:mod:`~lightning_mgpu.whatif.compression`) is placed where its
   hook does it (the autograd thread delays the rest of backward);
@@ -61,8 +62,9 @@ class System:
     intra: Optional[Link] = None
     """Between the devices of a node (needed when ``devices_per_node > 1`` and ``nodes > 1``)."""
     algorithm: str = "ring"
-    host_busbw_gbps: Optional[float] = None
-    """CPU/gloo: what the host itself sustains (GB/s busbw); in series with links that do not include it."""
+    host: Optional[Link] = None
+    """CPU/gloo: the host's own cost of an all-reduce (the profile's, on loopback), in series with
+    links that do not include it (presets, given rates)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -71,8 +73,6 @@ class System:
                 raise ValueError(f"System: {name} must be an integer >= 1, got {value!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"System: algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
-        if self.host_busbw_gbps is not None and not self.host_busbw_gbps > 0:
-            raise ValueError(f"System: host_busbw_gbps must be > 0 or None, got {self.host_busbw_gbps!r}")
 
     @property
     def world_size(self) -> int:
@@ -98,19 +98,19 @@ class System:
         n = self.world_size
         if n == 1:
             return 0.0
-        factor = bus_factor(n)
-        seconds = 0.0
-        for link in self.links:
-            latency_steps = self.steps()
-            if link.curve and link.measured_world_size:
-                # the measured small-message busbw already holds its own steps' latency
-                latency_steps = max(0, latency_steps - 2 * (link.measured_world_size - 1))
-            busbw = link.busbw_at(nbytes)
-            wire = 0.0 if math.isinf(busbw) else factor * nbytes / (busbw * 1e9)
-            seconds = max(seconds, wire + link.latency_us * 1e-6 * latency_steps)
-        if self.host_busbw_gbps and not all(link.includes_host for link in self.links):
-            seconds += factor * nbytes / (self.host_busbw_gbps * 1e9)
+        seconds = max(self._link_seconds(link, nbytes) for link in self.links)
+        if self.host is not None and not all(link.includes_host for link in self.links):
+            seconds += self._link_seconds(self.host, nbytes)
         return seconds * 1e3
+
+    def _link_seconds(self, link: Link, nbytes: float) -> float:
+        steps = self.steps()
+        if link.curve and link.measured_world_size:
+            # the measured small-message busbw already holds its own steps' latency
+            steps = max(0, steps - 2 * (link.measured_world_size - 1))
+        busbw = link.busbw_at(nbytes)
+        wire = 0.0 if math.isinf(busbw) else bus_factor(self.world_size) * nbytes / (busbw * 1e9)
+        return wire + link.latency_us * 1e-6 * steps
 
     def describe(self) -> str:
         if self.nodes > 1 and self.devices_per_node > 1:
@@ -126,7 +126,7 @@ class System:
             "inter": self.inter.as_dict(),
             "intra": self.intra.as_dict() if self.intra is not None else None,
             "algorithm": self.algorithm,
-            "host_busbw_gbps": self.host_busbw_gbps,
+            "host": self.host.as_dict() if self.host is not None else None,
         }
 
 
