@@ -1,0 +1,166 @@
+"""``lightning-mgpu whatif`` in-process (flags, table, ``--json``, sweep PNG, errors), the compression
+costs measured with torch, and, in a fresh interpreter, that the command imports no torch when it
+does not measure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_mgpu.cli import main
+from lightning_mgpu.whatif import load_profile
+from lightning_mgpu.whatif.compression import plan_bucket
+from lightning_mgpu.whatif.measure import measure_costs
+from lightning_mgpu.whatif.records import Gradient
+from tests.test_whatif import MLP_BUCKETS, mlp_profile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> Path:
+    path = tmp_path / "comm_profile.json"
+    path.write_text(json.dumps(mlp_profile()))
+    return path
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["whatif", *argv, "--json", "--costs", "none"]) == 0
+    document: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return document
+
+
+def test_json_has_the_predicted_step_inputs_and_levers(profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, str(profile), "--world-size", "2", "--link-gbps", "1")
+    predicted = document["predicted"]
+    assert {"step_ms", "comm_ms", "exposed_comm_ms", "speedup", "efficiency"} <= set(predicted)
+    assert (
+        predicted["world_size"] == 2 and predicted["step_ms"] > 55.0
+    )  # 33 MiB over 1 Gbit/s: far slower than loopback
+    assert predicted["efficiency"] == pytest.approx(predicted["speedup"] / 2)
+    inputs = document["inputs"]
+    assert inputs["profile"]["world_size"] == 2 and inputs["system"]["inter"]["name"] == "1 Gbit/s"
+    assert inputs["system"]["host"]["name"] == "as profiled"  # CPU profile: the host's own cost is added
+    assert document["levers"] and all("sentence" in lever for lever in document["levers"])
+
+
+def test_flags_reach_the_scenario(profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = run_json(capsys, str(profile), "--link", "1gbe")["predicted"]
+    fp16 = run_json(capsys, str(profile), "--link", "1gbe", "--compression", "fp16")["predicted"]
+    assert fp16["wire_bytes_per_step"] == base["wire_bytes_per_step"] // 2 and fp16["step_ms"] < base["step_ms"]
+    small = run_json(capsys, str(profile), "--link", "1gbe", "--bucket-cap-mb", "4")["predicted"]
+    assert len(small["buckets"]) > len(base["buckets"])
+    faster = run_json(capsys, str(profile), "--link", "1gbe", "--compute-scale", "0.5")["predicted"]
+    assert faster["forward_ms"] == pytest.approx(base["forward_ms"] / 2)
+    no_host = run_json(capsys, str(profile), "--link", "1gbe", "--no-host")["predicted"]
+    assert no_host["comm_ms"] < base["comm_ms"]
+    nodes = run_json(capsys, str(profile), "--nodes", "2", "--devices-per-node", "4", "--link", "10gbe")
+    assert nodes["predicted"]["world_size"] == 8 and nodes["inputs"]["system"]["intra"]["name"] == "loopback"
+
+
+def test_sweep_prints_the_curve_and_writes_a_png(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "curve.png"
+    assert (
+        main(
+            [
+                "whatif",
+                str(profile),
+                "--world-size",
+                "1,2,4,8,16",
+                "--link",
+                "10gbe",
+                "--costs",
+                "none",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 1000 and f"wrote {png}" in out
+    assert "levers at 16 rank(s)" in out and "speed-up" in out
+    document = run_json(capsys, str(profile), "--world-size", "1,2,4", "--link", "10gbe", "--plot", str(png))
+    assert [p["world_size"] for p in document["sweep"]] == [1, 2, 4]
+    assert document["sweep"][0]["speedup"] == pytest.approx(1.0) and document["predicted"]["world_size"] == 4
+
+
+def test_list_links_names_every_preset_with_its_source(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["whatif", "--list-links", "--json"]) == 0
+    links = json.loads(capsys.readouterr().out)
+    assert {"1gbe", "10gbe", "25gbe", "100gbe", "ib-hdr", "pcie4-x16", "nvlink3", "nvlink4"} <= {
+        l["name"] for l in links
+    }
+    assert all(link["source"] for link in links)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-size", "0"], "expected an integer >= 1"),
+        (["--link", "1gbe", "--link-gbps", "1"], "not allowed with argument"),
+        (["--link-gbps", "-3"], "expected a number > 0"),
+        (["--world-size", "2", "--nodes", "2"], "not allowed with argument"),
+        (["--devices-per-node", "2"], "--devices-per-node needs --nodes N"),
+    ],
+)
+def test_bad_flags_get_one_error_line(
+    profile: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["whatif", str(profile), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_one_rank_profile_needs_a_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(mlp_profile(world_size=1)))
+    with pytest.raises(SystemExit):
+        main(["whatif", str(path), "--world-size", "2", "--costs", "none"])
+    assert "profiled on one rank, so it measured no link" in capsys.readouterr().err
+    document = run_json(capsys, str(path), "--world-size", "2", "--link", "10gbe")
+    assert document["predicted"]["world_size"] == 2
+
+
+def test_an_unreadable_profile_is_an_error_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "x.json"
+    path.write_text("[]")
+    assert main(["whatif", str(path), "--costs", "none"]) == 2
+    assert "no 'summary' object" in capsys.readouterr().err
+
+
+def test_measured_costs_cover_every_compressed_shape_and_feed_the_plan() -> None:
+    run = load_profile(mlp_profile())
+    costs = measure_costs(run.parameters, powersgd_ranks=(1,), threads=1, repeats=1)
+    assert costs.cast_ms_per_mib > 0 and costs.uncast_ms_per_mib > 0 and costs.gflops > 0
+    assert set(costs.matrices) == {"256,1024,1", "1024,2048,1", "2048,2048,1", "2048,1024,1"}
+    gradients = [Gradient(shape=tuple(s), bucket=1) for s in MLP_BUCKETS[1]]
+    plan = plan_bucket(sum(g.bytes for g in gradients), gradients, compression="powersgd", costs=costs)
+    assert plan.pre_ms > 0 and all(amount >= 0 for _, amount in plan.segments)
+    assert costs.as_dict()["matrices"]["2048,2048,1"] == list(costs.matrices["2048,2048,1"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_whatif_without_measuring_imports_no_torch(profile: Path) -> None:
+    code = (
+        "import sys\n"
+        "from lightning_mgpu.cli import main\n"
+        f"main(['whatif', {str(profile)!r}, '--link', '1gbe', '--costs', 'none', '--json'])\n"
+        "try:\n"
+        "    main(['whatif', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, sorted(sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout[: done.stdout.index("usage:")])["predicted"]["world_size"] == 2
