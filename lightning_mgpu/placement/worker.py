@@ -5,7 +5,8 @@
 stage's action list in that stage's thread. For each action the program calls
 ``receive(action)`` (a forward's input from the previous stage, a backward's output
 gradient from the next one; the first stage of the flow reads ``feed`` instead) and
-``send(action, value)`` (the other way; the last stage of the flow writes ``sink``).
+``send(action, value)`` (the other way; the last stage of the flow writes ``sink``); a ``W``
+action (zero-bubble's weight gradient) stays inside its stage and exchanges nothing.
 Values are addressed by (kind, micro-batch), so a stage waits for exactly the value its
 next action needs, whatever order the schedule gives.
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, Action, Schedule
+from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
 __all__ = ["PipelineError", "StageAborted", "StageWorkers", "autocast_on", "stage_context", "thread_modes"]
 
@@ -34,7 +35,7 @@ StageProgram = Callable[[int, list[Action], Receive, Send], None]
 """``program(stage, actions, receive, send)``: runs one stage's actions (in that stage's thread)."""
 Move = Callable[[Optional[torch.Tensor], torch.device], Optional[torch.Tensor]]
 
-_PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward"}
+_PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight backward"}
 
 
 class PipelineError(RuntimeError):
@@ -128,8 +129,8 @@ class StageWorkers:
                 raise
 
         threads = self._get_threads()
-        futures: list[Future] = [threads[j].submit(task, j) for j in range(k)]
-        errors = []
+        futures: list[Future[None]] = [threads[j].submit(task, j) for j in range(k)]
+        errors: list[tuple[int, BaseException]] = []
         for j, future in enumerate(futures):
             try:
                 future.result()
@@ -140,12 +141,12 @@ class StageWorkers:
         if errors:
             # Report the failure furthest upstream in the flow: forward flows 0 -> K-1, backward K-1 -> 0.
             backward_only = all(action.kind == BACKWARD for actions in schedule for action in actions)
-            j, exc = errors[-1] if backward_only else errors[0]
+            j, error = errors[-1] if backward_only else errors[0]
             failed = current[j]
             phase = _PHASE_NAMES.get(failed.kind, failed.kind) if failed is not None else "a stage"
             raise PipelineError(
-                f"pipeline stage {j} on {devices[j]} failed in {phase}: {type(exc).__name__}: {exc}"
-            ) from exc
+                f"pipeline stage {j} on {devices[j]} failed in {phase}: {type(error).__name__}: {error}"
+            ) from error
 
     def _get_threads(self) -> list[ThreadPoolExecutor]:
         if self._threads is None:

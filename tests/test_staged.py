@@ -1,0 +1,209 @@
+"""The staged pipeline (any nn.Module, split at named submodules, loss inside): exact against one process,
+for every schedule; tied weights; what it refuses. In-process: stage threads, no process group."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mgpu.placement import staged as staged_module
+from lightning_mgpu.placement.staged import StagedStep, StagedStepError, split_batch
+from lightning_mgpu.placement.worker import PipelineError
+from tests.scripts.split_models import ResidualCNN, tiny_gpt2
+
+SCHEDULES = ["gpipe", "1f1b", "zero_bubble"]
+
+
+def _run(model: nn.Module, points: list[str], step: Callable[..., torch.Tensor], *batch: Any, **options: Any) -> torch.Tensor:
+    engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), **options)
+    try:
+        loss = engine.run(step, model, *batch)
+        loss.backward()
+        assert engine.accumulate()
+    finally:
+        engine.close()
+    return loss
+
+
+def _assert_same_grads(got: nn.Module, want: nn.Module, atol: float = 1e-5) -> None:
+    pairs = list(zip(got.named_parameters(), want.named_parameters()))
+    assert pairs
+    for (name, a), (_, b) in pairs:
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=atol, msg=name)
+    assert any(p.grad.abs().max() > 1e-3 for p in want.parameters()), "gradients too small to compare"
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("points", "microbatches"), [(["transformer.h.2"], 4), (["transformer.h.1", "transformer.h.3"], 3)])
+def test_unmodified_gpt2_with_tied_embeddings_equals_the_full_batch(schedule: str, points: list[str], microbatches: int) -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    reference = tiny_gpt2()
+    model = copy.deepcopy(reference)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: one parameter, used by the first and last stage
+    ids = torch.randint(0, 64, (8, 12))
+    want = _lm_loss(reference, ids)
+    want.backward()
+    got = _run(model, points, _lm_loss, ids, schedule=schedule, microbatches=microbatches)
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    _assert_same_grads(model, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_residual_cnn_with_batchnorm_and_in_place_relu(schedule: str) -> None:
+    """BatchNorm in training normalises per micro-batch (in any micro-batched pipeline): the reference is one process
+    accumulating the same micro-batches; running statistics end equal too. In eval mode: the full batch itself."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+
+    def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    for training in (True, False):
+        torch.manual_seed(1)
+        reference = ResidualCNN().train(training)
+        model = copy.deepcopy(reference)
+        if training:
+            for xs, ys in zip(x.tensor_split(4), y.tensor_split(4)):
+                (loss_of(reference, xs, ys) / 4).backward()
+        else:
+            loss_of(reference, x, y).backward()
+        _run(model, ["blocks.1", "blocks.3"], loss_of, x, y, schedule=schedule, microbatches=4)
+        _assert_same_grads(model, reference)
+        for (name, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_uneven_micro_batches_weigh_by_their_share_and_each_accumulator_fires_once(schedule: str) -> None:
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(12, 12), nn.GELU())), nn.Linear(12, 1))
+    model = copy.deepcopy(reference)
+    hits: dict[int, int] = {}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: hits.__setitem__(id(q), hits.get(id(q), 0) + 1))
+    x, y = torch.randn(13, 12), torch.randn(13, 1)
+
+    def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    want = loss_of(reference, x, y)
+    want.backward()
+    got = _run(model, ["4", "8"], loss_of, x, y, schedule=schedule, microbatches=5)  # 3, 3, 3, 2, 2 samples
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    _assert_same_grads(model, reference)
+    assert set(hits.values()) == {1} and len(hits) == len(list(model.parameters()))
+
+
+def test_zero_bubble_defers_weight_gradients_to_w() -> None:
+    calls: list[tuple[int, int]] = []
+    original = staged_module.split_backward
+
+    def spy(*args: Any) -> Any:
+        leaf_grads, now, deferred = original(*args)
+        calls.append((len(now), sum(len(indices) for _, _, indices in deferred.groups)))
+        return leaf_grads, now, deferred
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(8, 8), nn.GELU())))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    reference(x).square().mean().backward()
+    staged_module.split_backward = spy
+    try:
+        _run(model, ["4"], lambda net, x: net(x).square().mean(), x, schedule="zero_bubble", microbatches=3)
+    finally:
+        staged_module.split_backward = original
+    # the last stage: both Linears' weight and bias wait for W, nothing is computed in B; the first stage sends nothing
+    assert (0, 4) in calls
+    _assert_same_grads(model, reference)
+
+
+def test_split_batch_cuts_every_tensor_and_keeps_the_rest() -> None:
+    batch = ({"ids": torch.arange(10).view(5, 2), "mask": torch.ones(5)}, 7, [torch.zeros(5, 1)])
+    pieces, sizes = split_batch(batch, 2)
+    assert sizes == [3, 2] and pieces[1][1] == 7
+    assert pieces[1][0]["ids"].tolist() == [[6, 7], [8, 9]] and pieces[0][2][0].shape == (3, 1)
+    with pytest.raises(StagedStepError, match=r"different first dimensions \[3, 5\]"):
+        split_batch((torch.zeros(5), torch.zeros(3)), 2)
+    with pytest.raises(StagedStepError, match="no tensor"):
+        split_batch((1, "a"), 2)
+
+
+class _Skip(nn.Module):
+    """A skip connection around its second block: not passed to the split point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(self.b(h)) + h
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.b(x)))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_what_cannot_be_staged_is_refused_before_any_gradient_lands(schedule: str) -> None:
+    x = torch.randn(4, 4)
+
+    def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return net(x).sum()
+
+    cases: list[tuple[nn.Module, list[str], str]] = [
+        (_Skip(), ["c"], "skip connection around"),  # h crosses into stage 1 outside c's arguments
+        (_Skip(), ["b", "c"], "skip connection around"),
+        (_Twice(), ["b"], "called exactly once per step"),
+        (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["1", "0"], "called exactly once per step"),
+    ]
+    for model, points, match in cases:
+        engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=2)
+        try:
+            with pytest.raises((StagedStepError, PipelineError), match=match):
+                engine.run(loss_of, model, x)
+            assert all(p.grad is None for p in model.parameters())
+        finally:
+            engine.close()
+    with pytest.raises(ValueError, match=r"split point 'nope' is not a submodule of Sequential"):
+        StagedStep(nn.Sequential(nn.Linear(2, 2)), ["nope"], ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"1 split point\(s\) make 2 stages, but 3 device"):
+        StagedStep(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"], ["cpu"] * 3)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        StagedStep(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"], ["cpu"] * 2, schedule="dualpipe")
+
+
+def test_a_failing_stage_is_named_nothing_hangs_and_the_engine_goes_on() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 1:
+                raise RuntimeError("bad micro-batch")
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 4))
+    engine = StagedStep(model, ["1"], ["cpu", "cpu"], schedule="1f1b", microbatches=3)
+    try:
+        with pytest.raises(PipelineError, match=r"stage 1 on cpu failed in forward: RuntimeError: bad micro-batch"):
+            engine.run(lambda net, x: net(x).sum(), model, torch.randn(5, 4))  # 2, 2, 1 samples
+        loss = engine.run(lambda net, x: net(x).sum(), model, torch.randn(6, 4))
+        loss.backward()
+        assert engine.accumulate()
+    finally:
+        engine.close()
