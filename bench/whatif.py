@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from bench import launcher, netlab_lib
+from bench.netlab_launch import check_runs, launch_torchrun
 from bench.common import apply_quick, machine_facts, write_json
 from bench.whatif_report import plot, print_report, summarize_errors
 
@@ -47,7 +48,7 @@ MODELS = ("mlp", "cnn", "char_lm")
 RATES = (0.1, 1.0, 2.5, 10.0)
 CAPS = (4.0, 64.0)
 PROFILE_RATE = 1.0
-WARMUP = 5
+WARMUP = 8  # PowerSGD starts at step 2 and settles a few steps later (allocations, first Q)
 PROFILE_STEPS = 20
 # Timed steps per run, fewer where each step takes seconds: the 8M MLP sends 33 MiB per step.
 STEPS = {0.1: 6, 1.0: 12, 2.5: 16, 10.0: 20}
@@ -121,14 +122,14 @@ def on_loopback(plan: list[dict[str, Any]], *, nproc: int, label: str, scratch: 
 def on_lab(lab: netlab_lib.Lab, plan: list[dict[str, Any]], *, label: str, scratch: Path) -> list[dict[str, Any]]:
     plan_file, out = scratch / f"{label}_plan.json", scratch / f"{label}.json"
     plan_file.write_text(json.dumps(plan))
-    runs = netlab_lib.launch_torchrun(
+    runs = launch_torchrun(
         lab,
         ["-m", MODULE, "--worker-plan", str(plan_file), "--worker-out", str(out)],
         timeout=LAUNCH_TIMEOUT_S,
         threads=1,
         log_dir=scratch / f"{label}_logs",
     )
-    netlab_lib.check_runs(runs, label)
+    check_runs(runs, label)
     print("\n".join(line for line in runs[0].output.splitlines() if "ms/step" in line), flush=True)
     results: list[dict[str, Any]] = json.loads(out.read_text())
     return results

@@ -339,6 +339,30 @@ def test_compute_scale_scales_compute_and_hook_work_delays_backward() -> None:
     assert p.buckets[1].ready_ms == pytest.approx(6.0 + cast)  # delayed by the first bucket's cast
 
 
+def test_hook_work_after_the_all_reduce_pushes_backward_back_while_backward_runs() -> None:
+    run = load_profile(simple_profile())
+    fast = Link(name="fast", busbw_gbps=1000.0)  # 1e6 bytes: ~0 ms on the wire (half of them with fp16)
+    costs = CompressionCosts(uncast_ms_per_mib=1.0)  # the copy back, on the communication side
+    copy = 1e6 / MIB
+    shared = predict(run, Scenario(system=System(nodes=2, inter=fast), compression="fp16", costs=costs))
+    # bucket 0's copy (at ~2 ms) runs while backward does (until 8 ms), and so does bucket 1's (~6 ms)
+    assert shared.backward_compute_ms == pytest.approx(8.0 + 2 * copy, abs=1e-3)
+    apart = predict(
+        run, Scenario(system=System(nodes=2, inter=fast), compression="fp16", costs=costs, shared_compute=False)
+    )
+    assert apart.backward_compute_ms == pytest.approx(8.0)
+    assert shared.step_ms > apart.step_ms
+
+
+def test_gloos_slower_16_bit_sum_is_added_to_fp16_and_bf16_buckets() -> None:
+    costs = CompressionCosts(gloo_ms_per_mib={"float32": 1.0, "float16": 3.0, "bfloat16": 2.0})
+    assert costs.reduction_extra_ms_per_mib("fp16") == 2.0 and costs.reduction_extra_ms_per_mib("bf16") == 1.0
+    assert costs.reduction_extra_ms_per_mib("powersgd") == 0.0
+    fp16 = plan_bucket(4 * MIB, [], compression="fp16", costs=costs)
+    assert fp16.segments[-1] == ("compute", pytest.approx(2.0 * 2))  # 2 MiB on the wire, 2 ms each beyond float32
+    assert CompressionCosts.from_dict(costs.as_dict()) == costs
+
+
 def test_predicting_the_profiled_system_gives_back_the_profiled_step() -> None:
     run = load_profile(mlp_profile())
     link = link_from_profile(run)
@@ -391,7 +415,11 @@ def test_levers_are_ranked_and_compression_helps_on_a_slow_link() -> None:
     assert "fp16/bf16 compression" in names and "PowerSGD rank 1" in names
     fp16 = next(lever for lever in levers if lever.name == "fp16/bf16 compression")
     assert fp16.saving_pct > 20 and "saves" in fp16.sentence()
-    assert levers[-1].kind == "scale" and levers[-1].name == "4 nodes instead of 2" and levers[-1].throughput_gain is not None
+    assert (
+        levers[-1].kind == "scale"
+        and levers[-1].name == "4 nodes instead of 2"
+        and levers[-1].throughput_gain is not None
+    )
     assert next(lever for lever in levers if lever.name.startswith("PowerSGD")).lossy
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from lightning_mgpu.whatif.compression import MIB, CompressionCosts, powersgd_matrices
 from lightning_mgpu.whatif.records import Gradient
@@ -71,6 +71,60 @@ def _matrix_phases(
     return (first, second, third)
 
 
+def measure_gloo_allreduce(
+    dtypes: Sequence[str] = ("float32", "float16", "bfloat16"), *, mib: int = PROBE_MIB, repeats: int = 3
+) -> dict[str, float]:
+    """ms per MiB on the wire of a 2-rank gloo all-reduce on this machine's loopback, per dtype.
+
+    Two ranks in this process (two threads, each with its own ``ProcessGroupGloo`` on an
+    in-memory store): gloo's own TCP transport and reduction, without starting a process.
+    On CPU gloo sums float16 element by element through float conversions, slower per byte
+    than float32: the replay model adds the difference to fp16/bf16 buckets.
+    """
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    return {name: _gloo_ms(store, name, mib=mib, repeats=repeats) / mib for name in dtypes}
+
+
+def _gloo_ms(store: Any, name: str, *, mib: int, repeats: int) -> float:
+    """The slower rank's median ms for one 2-rank all-reduce of ``mib`` MiB of ``name`` elements."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dtype = getattr(torch, name)
+    elements = mib * MIB // torch.tensor([], dtype=dtype).element_size()
+    times: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def rank(index: int) -> None:
+        try:
+            prefixed = dist.PrefixStore(f"whatif-{name}", store)
+            group: Any = dist.ProcessGroupGloo(prefixed, index, 2, timedelta(seconds=60))
+            buffer = torch.ones(elements, dtype=dtype)
+            group.allreduce([buffer]).wait()  # connections, warm-up
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                group.allreduce([buffer]).wait()
+                samples.append((time.perf_counter() - start) * 1e3)
+            times[index] = float(statistics.median(samples))
+        except BaseException as error:  # reported below, in the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    if errors or len(times) != 2:
+        raise RuntimeError(f"measuring gloo's {name} all-reduce failed: {errors[0] if errors else 'timed out'}")
+    return max(times.values())
+
+
 def measure_costs(
     gradients: Sequence[Gradient],
     *,
@@ -79,11 +133,13 @@ def measure_costs(
     threads: Optional[int] = None,
     repeats: int = 5,
     world_size: int = 2,
+    gloo_dtypes: bool = True,
 ) -> CompressionCosts:
     """Time the compression work for these gradients' shapes at each PowerSGD rank.
 
     ``threads``: torch's intra-op threads while measuring (a training rank's
     ``OMP_NUM_THREADS``); restored afterwards. Medians of ``repeats`` runs after one warm-up.
+    On CPU also gloo's all-reduce per dtype (:func:`measure_gloo_allreduce`; ``gloo_dtypes=False``: not).
     """
     import torch
 
@@ -126,6 +182,7 @@ def measure_costs(
                 flops += 6.0 * n * m * r
                 seconds += sum(phases) / 1e3
         gflops = flops / seconds / 1e9 if seconds > 0 else 0.0
+        gloo = measure_gloo_allreduce(repeats=max(1, repeats // 2 + 1)) if dev.type == "cpu" and gloo_dtypes else {}
     finally:
         torch.set_num_threads(previous_threads)
     return CompressionCosts(
@@ -135,10 +192,11 @@ def measure_costs(
         feedback_post_ms_per_mib=post_ms,
         matrices=matrices,
         gflops=gflops,
+        gloo_ms_per_mib=gloo,
         device_type=dev.type,
         threads=threads if threads is not None else previous_threads,
         source=f"measured on this machine ({dev.type}, {threads or previous_threads} thread(s), median of {repeats})",
     )
 
 
-__all__ = ["PROBE_MIB", "measure_costs"]
+__all__ = ["PROBE_MIB", "measure_costs", "measure_gloo_allreduce"]

@@ -144,6 +144,10 @@ class Scenario:
     compute_scale: float = 1.0
     """Multiplies forward, backward and optimizer time (0.25: a device four times faster)."""
     costs: CompressionCosts = NO_COSTS
+    shared_compute: bool = True
+    """Compression work in the hook's callbacks (PowerSGD's products, fp16's copy back) runs on the
+    cores (CPU) or the device (GPU stream) backward runs on: while backward still runs, it pushes
+    backward back by as long. False: it runs beside backward for free."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", check_compression(self.compression))
@@ -344,24 +348,30 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
         )
         for nbytes, _, gradients in buckets
     ]
-    delay = 0.0  # autograd-thread work of hooks so far: it pushes the rest of backward later
+    delay = 0.0  # hook work so far that backward had to wait for: it pushes the rest of backward later
     link_free = 0.0
     predicted: list[PredictedBucket] = []
     first_launch: Optional[float] = None
-    last_ready = 0.0
+    last_ready = max((ready * scale for _, ready, _ in buckets), default=0.0)
+    undelayed_end = max(backward, last_ready)
     for (nbytes, ready, _), plan in zip(buckets, plans):
-        last_ready = max(last_ready, ready * scale)
         pre = plan.pre_ms * scale
         hook_at = ready * scale + delay
-        delay += pre
+        delay += pre  # on the autograd thread itself
         first_launch = hook_at if first_launch is None else first_launch
         start = max(hook_at + pre, link_free)
         clock = start
         for kind, amount in plan.segments:
-            clock += system.allreduce_ms(amount) if kind == "allreduce" else amount * scale
+            if kind == "allreduce":
+                clock += system.allreduce_ms(amount)
+                continue
+            work = amount * scale
+            if scenario.shared_compute and clock < undelayed_end + delay:
+                delay += work  # the same cores / stream as backward, which is still running
+            clock += work
         link_free = clock
         predicted.append(PredictedBucket(nbytes, plan.wire_bytes, hook_at, start, clock))
-    compute_end = max(backward, last_ready) + delay
+    compute_end = undelayed_end + delay
     last_done = max((b.done_ms for b in predicted), default=0.0)
     exposed = max(0.0, last_done - compute_end)
     comm = last_done - (first_launch or 0.0)
