@@ -6,8 +6,9 @@ first (order matters; each step says why):
 1. the reduction itself: a compression hook (fp16/bf16/PowerSGD), the user's ``ddp_comm_hook``,
    or, when only a wrapper asked for a Python hook, :class:`PrescaledAllreduce` (DDP's averaging
    all-reduce with the 1/n moved onto the loss);
-2. PowerSGD's layout keeper (its memory follows parameters, not bucket numbers): innermost,
-   it must see buckets exactly as PowerSGD does;
+2. PowerSGD's complex-parameter views (each complex gradient handed over as its real view), then
+   its layout keeper (its memory follows parameters, not bucket numbers): innermost, they must
+   see buckets exactly as PowerSGD does;
 3. on gloo, PowerSGD finishes one bucket before the next starts (its chained all-reduces
    would otherwise interleave differently on each rank);
 4. the user's ``ddp_comm_wrapper``;
@@ -74,7 +75,9 @@ class HookChain:
     def has_pausable(self) -> bool:
         return any(pausable for _, pausable in self.wrappers)
 
-    def needs_python_hook(self, *, base_hook: Optional[Callable[..., Any]], user_wrapper: Optional[Callable[..., Any]]) -> bool:
+    def needs_python_hook(
+        self, *, base_hook: Optional[Callable[..., Any]], user_wrapper: Optional[Callable[..., Any]]
+    ) -> bool:
         """True when DDP runs a Python hook whatever the pausable wrappers do."""
         return base_hook is not None or user_wrapper is not None or any(not p for _, p in self.wrappers)
 
@@ -117,12 +120,15 @@ class HookChain:
             hook, state = default_hooks.allreduce_hook, None
         assert hook is not None
         hook_is_powersgd = hook in (powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
-        if hook is powerSGD_hook.powerSGD_hook and powersgd_memory.supports(state):
-            keeper = self.powersgd_keeper
-            if keeper is None or keeper.state is not state:
-                keeper = self.powersgd_keeper = powersgd_memory.PowerSGDLayoutKeeper(state, named_parameters())
-                on_new_powersgd_keeper(keeper)
-            hook = keeper.wrap(hook)
+        if hook is powerSGD_hook.powerSGD_hook:
+            # Innermost, the hook's per-parameter views: a complex gradient as its whole real view.
+            hook = powersgd_memory.complex_as_real(hook)
+            if powersgd_memory.supports(state):
+                keeper = self.powersgd_keeper
+                if keeper is None or keeper.state is not state:
+                    keeper = self.powersgd_keeper = powersgd_memory.PowerSGDLayoutKeeper(state, named_parameters())
+                    on_new_powersgd_keeper(keeper)
+                hook = keeper.wrap(hook)
         if hook_is_powersgd and backend == "gloo":
             hook = powersgd_memory.one_bucket_at_a_time(hook)
         if user_wrapper is not None:

@@ -22,6 +22,14 @@ A run with ``"auto"`` buckets therefore ends on the same parameters as one with 
 chosen size fixed, and the state can be checkpointed per parameter (:meth:`state_dict`)
 and resumed under any layout.
 
+A complex parameter occupies its real view in DDP's bucket (``torch.view_as_real``: twice
+``numel`` elements), but ``bucket.gradients()`` gives it a view of ``numel`` elements in the
+parameter's complex shape, so torch's hook compresses and all-reduces only the first half of
+it and leaves the rest un-averaged (silently, with more than one rank).
+:func:`complex_as_real` hands the hook each complex gradient as its real view, shape
+``(*shape, 2)``: PowerSGD then treats a complex parameter exactly as it treats a real
+parameter holding ``torch.view_as_real`` of it, and the keeper counts the same elements.
+
 No ``from __future__ import annotations`` here: DDP inspects the hook's annotations.
 """
 
@@ -52,6 +60,60 @@ def one_bucket_at_a_time(hook: CommHook) -> CommHook:
         future = hook(state, bucket)
         future.wait()
         return future
+
+    powerSGD_hook.__name__ = powerSGD_hook.__qualname__ = getattr(hook, "__name__", "powerSGD_hook")
+    return powerSGD_hook
+
+
+def real_view_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of ``param`` as DDP's bucket holds it: ``torch.view_as_real``'s for a complex one."""
+    return torch.Size((*param.shape, 2)) if param.is_complex() else param.shape
+
+
+class _RealViewBucket:
+    """A ``GradBucket`` whose complex gradients are given as their real views (see :func:`complex_as_real`)."""
+
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self._bucket = bucket
+        self._buffer = bucket.buffer()
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for param, view in zip(bucket.parameters(), bucket.gradients()):
+            shape = real_view_shape(param)
+            length = shape.numel()
+            # DDP lays the bucket out in parameter order, a complex parameter as 2 * numel reals
+            self._views.append(self._buffer[offset : offset + length].view(shape) if param.is_complex() else view)
+            offset += length
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._bucket.parameters()
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.set_buffer(tensor)
+
+
+def complex_as_real(hook: CommHook) -> CommHook:
+    """``hook`` (torch's ``powerSGD_hook``), given every complex gradient as its real view.
+
+    Buckets without a complex parameter go to ``hook`` unchanged.
+    """
+
+    def powerSGD_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if any(param.is_complex() for param in bucket.parameters()):
+            return hook(state, _RealViewBucket(bucket))  # type: ignore[arg-type]  # duck-typed: what the hook reads
+        return hook(state, bucket)
 
     powerSGD_hook.__name__ = powerSGD_hook.__qualname__ = getattr(hook, "__name__", "powerSGD_hook")
     return powerSGD_hook
@@ -92,8 +154,9 @@ class PowerSGDLayoutKeeper:
         self.state = state
         self.names = [name for name, _ in named_parameters]
         self._position = {id(param): index for index, (_, param) in enumerate(named_parameters)}
-        self._numel = [param.numel() for _, param in named_parameters]
-        self._matrix = [self._compressed_shape(param.shape) for _, param in named_parameters]
+        # counted as the bucket holds them: a complex parameter as its real view (complex_as_real)
+        self._numel = [real_view_shape(param).numel() for _, param in named_parameters]
+        self._matrix = [self._compressed_shape(real_view_shape(param)) for _, param in named_parameters]
         self._signatures: dict[int, tuple[int, ...]] = {}
         self._error: dict[int, torch.Tensor] = {}
         self._q: dict[int, torch.Tensor] = {}
@@ -252,7 +315,9 @@ class PowerSGDLayoutKeeper:
         rng = saved.get("rng")
         if rng is not None:
             keys = rng["keys"].numpy().astype(np.uint32)
-            state.rng.set_state(("MT19937", keys, int(rng["pos"]), int(rng["has_gauss"]), float(rng["cached_gaussian"])))
+            state.rng.set_state(
+                ("MT19937", keys, int(rng["pos"]), int(rng["has_gauss"]), float(rng["cached_gaussian"]))
+            )
         for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
             memory.clear()
         self._signatures.clear()
