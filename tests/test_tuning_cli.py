@@ -92,7 +92,10 @@ def test_sweep_prints_the_table_and_writes_json_and_plot(tmp_path: Path) -> None
     assert record["status"] == "done" and record["rounds"] == 2 and record["measure"] == 2
     candidates = record["candidates"]
     assert [c["cap_mb"] for c in candidates] == [25.0, 0.25, 1.0]
-    assert all(c["steps"] == 4 and c["step_ms"] > 0 and c["built_bytes"] == c["bucket_bytes"] for c in candidates)
+    # 2 rounds of 2 steps; more rounds for the default and the closest layouts when the decision is open (issue 14)
+    assert all(c["steps"] == 2 * len(c["round_ms"]) >= 4 and c["step_ms"] > 0 for c in candidates)
+    assert all(c["built_bytes"] == c["bucket_bytes"] for c in candidates)
+    assert record["outcome"] in ("faster", "not faster", "too noisy")
     assert sum(candidates[0]["bucket_bytes"]) == result["gradient_bytes"]
     assert record["chosen_mb"] in (25.0, 0.25, 1.0)
     png = (out / "tune.png").read_bytes()

@@ -1,13 +1,24 @@
-"""From timed steps to a bucket size: medians per candidate, the choice, and the table.
+"""From timed steps to a bucket size: medians per candidate, how sure we are, the choice, and the table.
 
 Input is one time per timed step, already the *slowest rank's* (the strategy takes the
 element-wise maximum over ranks: a DDP step ends when its slowest rank does). Each
 candidate's figure is the median of all its timed steps over every round, so one slow
 step (a hiccup of the machine) moves nothing.
 
-The choice is the candidate with the smallest median, except that DDP's default is kept
-unless another layout beats it by at least ``min_gain``: between layouts that measure
-the same, keep the one nobody has to explain.
+The choice (:func:`decide`) leaves DDP's default only for a layout that is faster **with
+confidence**: every other layout's steps are compared with the default's
+(:func:`~lightning_mgpu.tuning.statistics.ratio_interval`: the Hodges-Lehmann ratio and its
+distribution-free interval), and a layout qualifies when the whole interval lies below
+``1 - min_gain``. The confidence holds for all comparisons together (Bonferroni: with 3
+other layouts at 95%, each interval is a 98.3% one): a loaded machine that makes one of
+many layouts look lucky does not move the run off DDP's default. Three outcomes:
+
+* ``faster``: at least one layout qualifies; the one with the best estimate is chosen;
+* ``not faster``: every other layout is, with confidence, not ``min_gain`` faster: keep the default;
+* ``too noisy``: some layout *might* be ``min_gain`` faster but its interval straddles the
+  threshold. The tuner then measures the default and those contenders again, if its step
+  budget allows (:attr:`Verdict.contenders`), and decides again; when the budget is spent, it
+  keeps DDP's default and says the machine was too noisy to decide.
 
 Pure Python, no torch.
 """
@@ -15,10 +26,15 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from lightning_mgpu.tuning.layout import MIB, Candidate
+from lightning_mgpu.tuning.statistics import RatioInterval, ratio_interval, spread
+
+FASTER, NOT_FASTER, NOISY = "faster", "not faster", "too noisy"
+OUTCOMES = (FASTER, NOT_FASTER, NOISY)
+DEFAULT_CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,15 @@ class CandidateResult:
     """Median per round, for judging noise."""
     built_bytes: Optional[tuple[int, ...]] = None
     """Bucket sizes DDP actually built for this candidate (None: not read)."""
+    samples_ms: tuple[float, ...] = ()
+    """Every timed step (slowest rank's), in order; empty when only the medians are known."""
+    vs_default: Optional[RatioInterval] = None
+    """This candidate's step time over the default's, with its interval (None: the default itself, or not computed)."""
+
+    @property
+    def spread(self) -> float:
+        """Half the interquartile range of the timed steps over their median (0.04: +-4%)."""
+        return spread(self.samples_ms)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -39,18 +64,24 @@ class CandidateResult:
             "steps": self.steps,
             "round_ms": list(self.round_ms),
             "built_bytes": None if self.built_bytes is None else list(self.built_bytes),
+            "samples_ms": list(self.samples_ms),
+            "spread": self.spread,
+            "vs_default": None if self.vs_default is None else self.vs_default.as_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CandidateResult:
         candidate = Candidate.from_dict(data)
         built = data.get("built_bytes")
+        versus = data.get("vs_default")
         return cls(
             candidate=candidate,
             step_ms=float(data["step_ms"]),
             steps=int(data["steps"]),
             round_ms=tuple(float(ms) for ms in data["round_ms"]),
             built_bytes=None if built is None else tuple(int(b) for b in built),
+            samples_ms=tuple(float(ms) for ms in data.get("samples_ms", ())),
+            vs_default=None if versus is None else RatioInterval.from_dict(versus),
         )
 
 
@@ -73,29 +104,99 @@ def summarize(
                 steps=len(mine),
                 round_ms=tuple(float(statistics.median(ms for r2, ms in mine if r2 == r)) for r in rounds),
                 built_bytes=(built or {}).get(index),
+                samples_ms=tuple(ms for _, ms in mine),
             )
         )
     return results
 
 
-def choose(results: Sequence[CandidateResult], min_gain: float) -> int:
-    """Index of the chosen candidate (see the module docstring)."""
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`decide` concluded."""
+
+    chosen: int
+    """Index of the candidate to use (DDP's default unless another is faster with confidence)."""
+    outcome: str
+    """``faster``, ``not faster`` or ``too noisy`` (see the module docstring)."""
+    contenders: tuple[int, ...] = ()
+    """When too noisy: the default and every layout that might be faster, to measure again."""
+    results: tuple[CandidateResult, ...] = field(default_factory=tuple)
+    """The results, each non-default one with its interval against the default."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen, "outcome": self.outcome, "contenders": list(self.contenders)}
+
+
+def _against_default(result: CandidateResult, default: CandidateResult, confidence: float) -> RatioInterval:
+    if result.samples_ms and default.samples_ms:
+        return ratio_interval(result.samples_ms, default.samples_ms, confidence=confidence)
+    ratio = result.step_ms / default.step_ms  # medians only: no interval, the point estimate decides
+    return RatioInterval(ratio, ratio, ratio, confidence)
+
+
+def decide(results: Sequence[CandidateResult], *, min_gain: float, confidence: float = DEFAULT_CONFIDENCE) -> Verdict:
+    """The choice and how sure it is (see the module docstring).
+
+    Args:
+        results: one per candidate (:func:`summarize`); ``samples_ms`` give the intervals.
+        min_gain: leave the default only for a layout at least this much faster (0.02: 2%).
+        confidence: one-sided, for all comparisons together: the chance that a layout is
+            chosen while it is not ``min_gain`` faster stays below ``1 - confidence``.
+    """
     if not results:
         raise ValueError("no candidate to choose from")
-    best = min(range(len(results)), key=lambda i: (results[i].step_ms, i))
-    default = next((i for i, r in enumerate(results) if r.candidate.is_default), None)
-    if default is None or best == default:
-        return best
-    if results[best].step_ms <= results[default].step_ms * (1.0 - min_gain):
-        return best
-    return default
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be within (0, 1), e.g. 0.95, got {confidence!r}")
+    default_index = next((i for i, r in enumerate(results) if r.candidate.is_default), None)
+    if default_index is None:  # nothing to keep: the fastest median
+        best = min(range(len(results)), key=lambda i: (results[i].step_ms, i))
+        return Verdict(best, FASTER, (), tuple(results))
+    default = results[default_index]
+    others = [i for i in range(len(results)) if i != default_index]
+    # Bonferroni over the comparisons; a two-sided interval whose upper end is the one-sided bound.
+    two_sided = 1 - 2 * (1 - confidence) / max(1, len(others))
+    intervals = {i: _against_default(results[i], default, two_sided) for i in others}
+    annotated = tuple(_replace_interval(r, intervals[i]) if i in intervals else r for i, r in enumerate(results))
+    threshold = 1.0 - min_gain
+    faster = [i for i in others if intervals[i].high < threshold]
+    if faster:
+        best = min(faster, key=lambda i: (intervals[i].ratio, i))
+        return Verdict(best, FASTER, (), annotated)
+    maybe = sorted((i for i in others if intervals[i].low < threshold), key=lambda i: (intervals[i].ratio, i))
+    if not maybe:
+        return Verdict(default_index, NOT_FASTER, (), annotated)
+    return Verdict(default_index, NOISY, (default_index, *maybe), annotated)
+
+
+def _replace_interval(result: CandidateResult, interval: RatioInterval) -> CandidateResult:
+    return CandidateResult(
+        candidate=result.candidate,
+        step_ms=result.step_ms,
+        steps=result.steps,
+        round_ms=result.round_ms,
+        built_bytes=result.built_bytes,
+        samples_ms=result.samples_ms,
+        vs_default=interval,
+    )
+
+
+def choose(results: Sequence[CandidateResult], min_gain: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
+    """Index of the chosen candidate: :func:`decide`'s ``chosen``."""
+    return decide(results, min_gain=min_gain, confidence=confidence).chosen
 
 
 def gain_over_default(results: Sequence[CandidateResult], chosen: int) -> Optional[float]:
-    """How much faster the chosen layout measured than DDP's default (0.1: 10% less time)."""
+    """How much faster the chosen layout measured than DDP's default (0.1: 10% less time).
+
+    The Hodges-Lehmann ratio when the decision computed one (the figure its interval is about),
+    else the ratio of the medians.
+    """
     default = next((r for r in results if r.candidate.is_default), None)
     if default is None or default.step_ms <= 0:
         return None
+    interval = results[chosen].vs_default
+    if interval is not None and not results[chosen].candidate.is_default:
+        return 1.0 - interval.ratio
     return 1.0 - results[chosen].step_ms / default.step_ms
 
 
@@ -107,16 +208,49 @@ def _size(value: float) -> str:
     return f"{value:g}"
 
 
+def versus_default(result: CandidateResult, default: Optional[CandidateResult]) -> str:
+    """``-10.0% [-12.3, -7.5]``: step time against the default's, with the interval when known."""
+    if default is None or result.candidate.is_default or default.step_ms <= 0:
+        return "-"
+    interval = result.vs_default
+    if interval is None:
+        return f"{result.step_ms / default.step_ms - 1:+.1%}"
+    text = f"{interval.ratio - 1:+.1%}"
+    if interval.bounded and interval.low != interval.high:
+        text += f" [{(interval.low - 1) * 100:+.1f}, {(interval.high - 1) * 100:+.1f}]"
+    elif not interval.bounded:
+        text += " [too few steps]"
+    return text
+
+
+def noise_note(results: Sequence[CandidateResult], outcome: str, min_gain: float) -> str:
+    """One sentence for the table's foot: why DDP's default was kept, or nothing."""
+    if outcome != NOISY:
+        return ""
+    others = [r for r in results if not r.candidate.is_default and r.vs_default is not None]
+    best = min(others, key=lambda r: r.vs_default.ratio if r.vs_default is not None else 1.0, default=None)
+    noise = max((r.spread for r in results), default=0.0)
+    text = f"too noisy to decide: step times scatter by up to +-{noise:.0%}"
+    if best is not None and best.vs_default is not None:
+        text += (
+            f"; {best.candidate.cap_mb:g} MiB measured {best.vs_default.ratio - 1:+.1%}, but its interval does not "
+            f"rule out less than a {min_gain:.0%} gain"
+        )
+    return text + ". Kept DDP's default: run the tuning on a quieter machine, or with more tune_steps."
+
+
 def format_table(results: Sequence[CandidateResult], chosen: int) -> str:
     """The candidates as a plain-text table (for ``rank_zero_info``; logs have no colours)."""
     default = next((r for r in results if r.candidate.is_default), None)
-    header = ("", "bucket_cap_mb", "same layout", "buckets (MiB, launch order)", "step ms", "per round", "vs default")
+    header = (
+        "", "bucket_cap_mb", "same layout", "buckets (MiB, launch order)", "step ms", "spread", "per round",
+        "vs default [interval, %]",
+    )  # fmt: skip
     rows = [header]
     for index, result in enumerate(results):
         candidate = result.candidate
         others = [s for s in candidate.equivalent_mb if s != candidate.cap_mb]
         label = _size(candidate.cap_mb) + (" (DDP default)" if candidate.is_default else "")
-        versus = "-" if default is None or candidate.is_default else f"{result.step_ms / default.step_ms - 1:+.1%}"
         layout = result.built_bytes if result.built_bytes is not None else candidate.bucket_bytes
         rows.append(
             (
@@ -125,12 +259,13 @@ def format_table(results: Sequence[CandidateResult], chosen: int) -> str:
                 ", ".join(_size(s) for s in others) or "-",
                 _mib(layout),
                 f"{result.step_ms:.2f}",
+                f"+-{result.spread:.0%}" if result.samples_ms else "-",
                 " / ".join(f"{ms:.1f}" for ms in result.round_ms),
-                versus,
+                versus_default(result, default),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    right = {4, 5, 6}
+    right = {4, 5, 6, 7}
     lines = []
     for row in rows:
         cells = [cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row)]

@@ -15,6 +15,11 @@ with the candidate the next one starts with, the model is not re-wrapped: that v
 needs no unmeasured steps. The very first visit also absorbs the first steps of the fit
 (data loader, allocator and caches warming up) in ``initial_warmup`` more untimed steps.
 
+When the planned rounds leave the decision open (a layout *might* be faster, see
+:mod:`~lightning_mgpu.tuning.decision`), :func:`extension_visits` plans one more round of the
+default and those contenders only, in the alternating order the rounds had, and the tuner
+runs such rounds while ``extra_steps`` allows.
+
 Pure Python, no torch: tested on its own.
 """
 
@@ -77,6 +82,14 @@ class TuningSettings:
     """Tune only if the fit has at least this many times the tuning steps left."""
     min_gain: float = 0.02
     """Leave DDP's default only for a layout at least this much faster (0.02: 2%)."""
+    confidence: float = 0.95
+    """How sure the search must be, over all layouts together, that a layout is ``min_gain``
+    faster before it leaves DDP's default (see :mod:`~lightning_mgpu.tuning.decision`)."""
+    extra_steps: Optional[int] = None
+    """Most further steps for measuring the default and the contenders again when the planned
+    rounds leave the decision open. None: as many as the planned rounds took when ``steps``
+    is None, none when ``steps`` is given (it caps the whole search); 0: never. Never more
+    than leaves the fit ``min_run_multiple`` times longer than the search."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates_mb", check_candidates("tune_candidates", self.candidates_mb))
@@ -91,6 +104,10 @@ class TuningSettings:
             raise ValueError(f"min_run_multiple must be a number >= 1, got {self.min_run_multiple!r}")
         if not (isinstance(self.min_gain, (int, float)) and 0 <= self.min_gain < 1):
             raise ValueError(f"min_gain must be within [0, 1), got {self.min_gain!r}")
+        if not (isinstance(self.confidence, (int, float)) and 0.5 <= self.confidence < 1):
+            raise ValueError(f"confidence must be within [0.5, 1), e.g. 0.95, got {self.confidence!r}")
+        if self.extra_steps is not None:
+            _positive_int("extra_steps", self.extra_steps, 0)
 
 
 @dataclass(frozen=True)
@@ -171,3 +188,29 @@ def steps_needed(num_candidates: int, settings: TuningSettings) -> int:
     if num_candidates <= 1:
         return 0
     return sum(v.steps for v in _visits(num_candidates, settings, settings.min_measure))
+
+
+def extra_budget(settings: TuningSettings, plan: Plan, remaining_steps: Optional[float]) -> int:
+    """Steps the search may add to ``plan`` to settle an open decision (see ``TuningSettings.extra_steps``)."""
+    if settings.extra_steps is not None:
+        budget = settings.extra_steps
+    else:
+        budget = 0 if settings.steps is not None else plan.steps
+    if remaining_steps is not None:
+        budget = min(budget, int(remaining_steps / settings.min_run_multiple) - plan.steps)
+    return max(0, budget)
+
+
+def extension_visits(
+    contenders: Sequence[int], *, previous: int, round_index: int, settings: TuningSettings, measure: int
+) -> tuple[Visit, ...]:
+    """One more round over ``contenders``: ascending in even rounds, descending in odd ones (as the
+    planned rounds alternate), each visit re-wrapped unless it continues the previous candidate."""
+    ordered = sorted(set(contenders), reverse=round_index % 2 == 1)
+    visits = []
+    for candidate in ordered:
+        rewrap = candidate != previous
+        skip = DDP_UNTIMED_STEPS + settings.settle if rewrap else 0
+        visits.append(Visit(candidate=candidate, round=round_index, rewrap=rewrap, skip=skip, measure=measure))
+        previous = candidate
+    return tuple(visits)

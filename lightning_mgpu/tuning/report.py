@@ -9,26 +9,47 @@ from lightning_mgpu.tuning.layout import MIB
 
 
 def rows(record: dict[str, Any]) -> list[list[str]]:
-    """Table rows: size, same-layout sizes, buckets, median, rounds, vs default, chosen mark."""
-    candidates = [c for c in record.get("candidates", []) if "step_ms" in c]
-    default = next((c for c in candidates if c["is_default"]), None)
+    """Table rows: size, same-layout sizes, buckets, median, spread, rounds, vs default [interval], chosen mark."""
+    from lightning_mgpu.tuning.decision import CandidateResult, versus_default
+
+    results = [CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
+    default = next((r for r in results if r.candidate.is_default), None)
     out = []
-    for candidate in candidates:
-        others = [f"{s:g}" for s in candidate["equivalent_mb"] if s != candidate["cap_mb"]]
-        layout = candidate.get("built_bytes") or candidate["bucket_bytes"]
-        versus = "-" if default is None or candidate["is_default"] else f"{candidate['step_ms'] / default['step_ms'] - 1:+.1%}"
+    for result in results:
+        candidate = result.candidate
+        others = [f"{s:g}" for s in candidate.equivalent_mb if s != candidate.cap_mb]
+        layout = result.built_bytes or candidate.bucket_bytes
         out.append(
             [
-                f"{candidate['cap_mb']:g}" + (" (DDP default)" if candidate["is_default"] else ""),
+                f"{candidate.cap_mb:g}" + (" (DDP default)" if candidate.is_default else ""),
                 ", ".join(others) or "-",
                 ", ".join(f"{b / MIB:.2f}" for b in layout),
-                f"{candidate['step_ms']:.2f}",
-                " / ".join(f"{ms:.1f}" for ms in candidate["round_ms"]),
-                versus,
-                "*" if candidate["cap_mb"] == record.get("chosen_mb") else "",
+                f"{result.step_ms:.2f}",
+                f"+-{result.spread:.0%}" if result.samples_ms else "-",
+                " / ".join(f"{ms:.1f}" for ms in result.round_ms),
+                versus_default(result, default),
+                "*" if candidate.cap_mb == record.get("chosen_mb") else "",
             ]
         )
     return out
+
+
+def verdict(record: dict[str, Any]) -> str:
+    """How the choice was made: faster with confidence, not faster, or too noisy to decide (and why)."""
+    from lightning_mgpu.tuning.decision import NOISY, CandidateResult, noise_note
+
+    outcome = record.get("outcome")
+    extra = record.get("extra_rounds") or 0
+    more = f" after {extra} extra round(s) of the closest layouts" if extra else ""
+    confidence = f"{record.get('confidence', 0.95):.0%} confidence"
+    if outcome == NOISY:
+        results = [CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
+        return noise_note(results, NOISY, float(record.get("min_gain") or 0.02)) + more
+    if outcome == "faster":
+        return f"faster than DDP's default with {confidence}{more}"
+    if outcome == "not faster":
+        return f"no layout at least {float(record.get('min_gain') or 0.02):.0%} faster than DDP's default ({confidence}){more}"
+    return ""
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -36,12 +57,23 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     record = result["tuning"]
+    caption = "step ms: median over every timed step, slowest rank; spread: half the interquartile range; per round: the median of each round"
+    decided = verdict(record)
     table = Table(
         title=f"{result['target']}: bucket size -> step time ({result['world_size']} ranks, {result['backend']})",
-        caption="step ms: median over every timed step, slowest rank; per round: the median of each round",
+        caption=f"{caption}\n{decided}" if decided else caption,
     )
     for index, column in enumerate(
-        ("bucket_cap_mb", "same layout", "buckets (MiB, launch order)", "step ms", "per round", "vs default", "chosen")
+        (
+            "bucket_cap_mb",
+            "same layout",
+            "buckets (MiB, launch order)",
+            "step ms",
+            "spread",
+            "per round",
+            "vs default [interval, %]",
+            "chosen",
+        )  # fmt: skip
     ):
         table.add_column(column, justify="left" if index < 3 else "right")
     for row in rows(record):
@@ -67,9 +99,13 @@ def plot(result: dict[str, Any], path: Path, *, title: Optional[str] = None) -> 
         color = "tab:red" if candidate["cap_mb"] == record.get("chosen_mb") else "tab:blue"
         ax.plot([min(sizes), max(sizes)], [ms, ms], color=color, linewidth=3, solid_capstyle="round")
         ax.scatter([candidate["cap_mb"]], [ms], color=color, marker="D", s=36, zorder=3)
-        ax.scatter([candidate["cap_mb"]] * len(candidate["round_ms"]), candidate["round_ms"], color=color, s=12, alpha=0.5)
+        ax.scatter(
+            [candidate["cap_mb"]] * len(candidate["round_ms"]), candidate["round_ms"], color=color, s=12, alpha=0.5
+        )
         label = f"{candidate['cap_mb']:g}" + (" (default)" if candidate["is_default"] else "")
-        ax.annotate(label, (candidate["cap_mb"], ms), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+        ax.annotate(
+            label, (candidate["cap_mb"], ms), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bucket_cap_mb (MiB); a bar spans the sizes giving one layout")
     ax.set_ylabel("step time (ms): median (diamond), per round (dots)")

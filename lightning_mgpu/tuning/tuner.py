@@ -17,7 +17,12 @@ is half-accumulated there). ``step_end`` returns the size to re-wrap the model w
    tuner waits for the GPU, and only during tuning).
 4. **Decide** (end of the last visit): element-wise maximum of every rank's step times (the
    slowest rank sets a DDP step's time), the choice made on rank 0
-   (:mod:`~lightning_mgpu.tuning.decision`) and broadcast: every rank applies the same size.
+   (:mod:`~lightning_mgpu.tuning.decision`: DDP's default unless another layout is faster with
+   confidence) and broadcast: every rank applies the same size.
+5. **Measure more, if undecided**: when a layout might be faster but its interval straddles
+   the threshold, one more round of the default and those contenders, and decide again, while
+   the step budget lasts (:func:`~lightning_mgpu.tuning.plan.extra_budget`); then DDP's default,
+   and the summary says the machine was too noisy to decide.
 
 Communication goes through a small :class:`TunerComm`, so that the state machine can be
 tested in one process with a fake one.
@@ -30,9 +35,25 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from lightning_mgpu.tuning.decision import CandidateResult, choose, format_table, gain_over_default, summarize
+from lightning_mgpu.tuning.decision import (
+    NOISY,
+    CandidateResult,
+    decide,
+    format_table,
+    gain_over_default,
+    noise_note,
+    summarize,
+)
 from lightning_mgpu.tuning.layout import Candidate, candidates_from_ready_order
-from lightning_mgpu.tuning.plan import Plan, TuningSettings, Visit, make_plan, steps_needed
+from lightning_mgpu.tuning.plan import (
+    Plan,
+    TuningSettings,
+    Visit,
+    extension_visits,
+    extra_budget,
+    make_plan,
+    steps_needed,
+)
 
 # Where the search stands. "resumed": the size came from a checkpoint, no search this fit;
 # "unfinished": the fit ended before the search did (the size being measured stays).
@@ -131,6 +152,11 @@ class BucketTuner:
         self.results: list[CandidateResult] = []
         self.chosen_mb: Optional[float] = None
         self.gain: Optional[float] = None
+        self.outcome: Optional[str] = None
+        """The decision's outcome: ``faster``, ``not faster`` or ``too noisy`` (None before it)."""
+        self.extra_rounds = 0
+        """Rounds measured beyond the plan because the decision was open."""
+        self._extra_left = 0
         self.steps_taken = 0
         """Training steps spent in the search (the observing step included)."""
         self._params: list[torch.Tensor] = []
@@ -186,6 +212,8 @@ class BucketTuner:
         chosen = record.get("chosen_mb")
         self.chosen_mb = None if chosen is None else float(chosen)
         self.gain = record.get("gain_over_default")
+        self.outcome = record.get("outcome")
+        self.extra_rounds = int(record.get("extra_rounds") or 0)
         self.steps_taken = int(record.get("steps") or 0)
         self.results = [CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
         self.candidates = [r.candidate for r in self.results] or [
@@ -290,6 +318,7 @@ class BucketTuner:
             )
             return None
         self.plan, self.status = plan, MEASURING
+        self._extra_left = extra_budget(self.settings, plan, self._remaining)
         self._visit, self._in_visit = 0, 1  # the observing step was the first visit's first step
         return None
 
@@ -300,14 +329,37 @@ class BucketTuner:
         decision = None
         if self.comm.rank == 0:
             results = summarize(self.candidates, timed, self._built)
-            decision = {"chosen": choose(results, self.settings.min_gain), "results": [r.as_dict() for r in results]}
-        decision = self.comm.broadcast_object(decision)
+            verdict = decide(results, min_gain=self.settings.min_gain, confidence=self.settings.confidence)
+            decision = {**verdict.as_dict(), "results": [r.as_dict() for r in verdict.results]}
+        decision = self.comm.broadcast_object(decision)  # rank 0's, everywhere: every rank does the same next
+        self.results = [CandidateResult.from_dict(r) for r in decision["results"]]
+        self.outcome = str(decision["outcome"])
+        if self.outcome == NOISY and self._extend(decision["contenders"], current):
+            upcoming = self.plan.visits[self._visit] if self.plan is not None else None
+            return self.candidates[upcoming.candidate].cap_mb if upcoming is not None and upcoming.rewrap else None
         chosen = int(decision["chosen"])
-        self.results = [CandidateResult.from_dict(r) for r in decision["results"]]  # rank 0's, everywhere
         self.chosen_mb = self.candidates[chosen].cap_mb
         self.gain = gain_over_default(self.results, chosen)
         self.status = DONE
         return None if chosen == current else self.chosen_mb
+
+    def _extend(self, contenders: Sequence[int], current: int) -> bool:
+        """Append one more round over ``contenders`` to the plan if the budget allows it."""
+        assert self.plan is not None
+        visits = extension_visits(
+            contenders,
+            previous=current,
+            round_index=max(v.round for v in self.plan.visits) + 1,
+            settings=self.settings,
+            measure=self.plan.measure,
+        )
+        cost = sum(v.steps for v in visits)
+        if cost > self._extra_left:
+            return False
+        self._extra_left -= cost
+        self.plan = Plan(self.plan.visits + visits, self.plan.measure)
+        self.extra_rounds += 1
+        return True
 
     # ------------------------------------------------------------------ report
 
@@ -325,7 +377,9 @@ class BucketTuner:
     def summary(self) -> str:
         """One paragraph for ``rank_zero_info``: what was chosen, why, and the table."""
         if self.status == RESUMED:
-            return f"bucket_cap_mb={self.chosen_mb:g} restored from the checkpoint (tuned by an earlier run); not tuning."
+            return (
+                f"bucket_cap_mb={self.chosen_mb:g} restored from the checkpoint (tuned by an earlier run); not tuning."
+            )
         if self.status == SKIPPED:
             return f"not tuning the bucket size ({self.reason}); using DDP's default bucket_cap_mb={self.default_mb:g}."
         if self.status == DONE and not self.results:
@@ -335,25 +389,36 @@ class BucketTuner:
         assert self.plan is not None
         index = self.chosen_index
         chosen = self.results[index] if index is not None else None
+        confidence = f"{self.settings.confidence:.0%} confidence"
         if chosen is not None and chosen.candidate.is_default:
-            others = [r for r in self.results if not r.candidate.is_default]
-            best = min(others, key=lambda r: r.step_ms) if others else None
-            verdict = f"kept DDP's default {self.chosen_mb:g} MiB: no other layout was at least {self.settings.min_gain:.0%} faster"
-            if best is not None and chosen.step_ms > 0:
-                verdict += f" (best other: {best.candidate.cap_mb:g} MiB, {best.step_ms / chosen.step_ms - 1:+.1%})"
+            others = {r.candidate.cap_mb: _ratio(r, chosen) for r in self.results if not r.candidate.is_default}
+            if self.outcome == NOISY:
+                verdict = f"kept DDP's default {self.chosen_mb:g} MiB: the machine was too noisy to decide"
+            else:
+                verdict = (
+                    f"kept DDP's default {self.chosen_mb:g} MiB: no other layout was at least "
+                    f"{self.settings.min_gain:.0%} faster with {confidence}"
+                )
+            if others:
+                best = min(others, key=lambda cap: others[cap])
+                verdict += f" (best other: {best:g} MiB, {others[best] - 1:+.1%})"
         else:
-            change = "" if self.gain is None else f", {-self.gain:+.1%} step time vs DDP's default {self.default_mb:g} MiB"
-            verdict = f"chose {self.chosen_mb:g} MiB{change}"
+            change = (
+                "" if self.gain is None else f", {-self.gain:+.1%} step time vs DDP's default {self.default_mb:g} MiB"
+            )
+            verdict = f"chose {self.chosen_mb:g} MiB{change}, faster with {confidence}"
+        extra = f" + {self.extra_rounds} more of the closest" if self.extra_rounds else ""
         head = (
             f"bucket_cap_mb='auto' {verdict}; tuned in {self.steps_taken} ordinary training steps: "
-            f"{len(self.candidates)} distinct layouts x {self.settings.rounds} rounds, {self.plan.measure} timed "
+            f"{len(self.candidates)} distinct layouts x {self.settings.rounds} rounds{extra}, {self.plan.measure} timed "
             "steps per visit; slowest rank's median step time (* = chosen):"
         )
+        note = noise_note(self.results, self.outcome or "", self.settings.min_gain)
         if chosen is not None and chosen.candidate.is_default:
             tail = "Leave bucket_cap_mb=None (DDP's default) to skip tuning in a run like this one."
         else:
             tail = f"Pass bucket_cap_mb={self.chosen_mb:g} to skip tuning in a run like this one."
-        return f"{head}\n{self.table()}\n{tail}"
+        return "\n".join(part for part in (head, self.table(), note, tail) if part)
 
     def record(self) -> dict[str, Any]:
         """The search as plain JSON types (checkpoints, ``lightning-mgpu tune``)."""
@@ -367,7 +432,18 @@ class BucketTuner:
             "gain_over_default": self.gain,
             "steps": self.steps_taken,
             "rounds": self.settings.rounds,
+            "extra_rounds": self.extra_rounds,
+            "outcome": self.outcome,
+            "confidence": self.settings.confidence,
+            "min_gain": self.settings.min_gain,
             "measure": None if self.plan is None else self.plan.measure,
             "candidates": [r.as_dict() for r in self.results] or [c.as_dict() for c in self.candidates],
             "timed_ms": [[c, r, ms] for c, r, ms in self._timed_slowest],
         }
+
+
+def _ratio(result: CandidateResult, default: CandidateResult) -> float:
+    """``result``'s step time over the default's: the decision's estimate when it made one, else the medians'."""
+    if result.vs_default is not None:
+        return result.vs_default.ratio
+    return result.step_ms / default.step_ms if default.step_ms > 0 else 1.0
