@@ -3,7 +3,9 @@
 * :mod:`~lightning_mgpu.tuning.layout`: the bucket layout a size gives, predicted from the
   gradient-ready order, and one candidate per distinct layout;
 * :mod:`~lightning_mgpu.tuning.plan`: which steps measure which candidate (interleaved rounds);
-* :mod:`~lightning_mgpu.tuning.decision`: medians of the slowest rank's step times, the choice;
+* :mod:`~lightning_mgpu.tuning.statistics`: distribution-free ratio intervals and spread of step times;
+* :mod:`~lightning_mgpu.tuning.decision`: medians of the slowest rank's step times, the choice (faster
+  with confidence, not faster, or too noisy to decide);
 * :mod:`~lightning_mgpu.tuning.tuner`: the state machine the strategy drives during ``fit``;
 * :mod:`~lightning_mgpu.tuning.sweep`: the offline sweep behind ``lightning-mgpu tune``.
 """
@@ -12,4 +14,11 @@ from lightning_mgpu.tuning.decision import CandidateResult
 from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB, Candidate, distinct_candidates, predict_buckets
 from lightning_mgpu.tuning.plan import TuningSettings
 
-__all__ = ["DEFAULT_GRID_MB", "Candidate", "CandidateResult", "TuningSettings", "distinct_candidates", "predict_buckets"]
+__all__ = [
+    "DEFAULT_GRID_MB",
+    "Candidate",
+    "CandidateResult",
+    "TuningSettings",
+    "distinct_candidates",
+    "predict_buckets",
+]
