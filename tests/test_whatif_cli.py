@@ -5,6 +5,7 @@ does not measure."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,22 @@ def test_whatif_without_measuring_imports_no_torch(profile: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=100)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout[: done.stdout.index("usage:")])["predicted"]["world_size"] == 2
+
+
+def test_docs_list_every_preset_with_the_figures_the_code_uses() -> None:
+    from lightning_mgpu.whatif import PRESETS
+
+    rows = {}
+    for line in (REPO / "docs" / "whatif.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and cells[0].strip("`") in PRESETS:
+            rows[cells[0].strip("`")] = cells
+    assert set(rows) == set(PRESETS)
+    for name, link in PRESETS.items():
+        busbw = rows[name][2].split()[0]
+        if math.isinf(link.busbw_gbps):
+            assert busbw == "no"
+        else:
+            assert float(busbw) == pytest.approx(link.busbw_gbps, rel=0.01), name
+        if link.latency_us:
+            assert rows[name][3].startswith(f"{link.latency_us:g} µs"), name
