@@ -38,7 +38,7 @@ rest of the model. ``BatchNorm`` with ``microbatches > 1`` normalises per micro-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -48,6 +48,15 @@ from torch import nn
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
 from lightning_mgpu.placement.profile import LayerCost, profile_layers
+from lightning_mgpu.placement.schedule import SCHEDULES
+from lightning_mgpu.placement.split_points import (
+    block_costs,
+    candidate_blocks,
+    check_split_points,
+    points_from_sizes,
+)
+from lightning_mgpu.placement.staged import StagedStep
+from lightning_mgpu.placement.staged_fit import check_staged_model, place_modules, run_logged
 from lightning_mgpu._compat.lightning import StrategyRegistryType
 from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata, is_batchnorm
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
@@ -109,6 +118,8 @@ class HybridParallelStrategy(TunedDDPStrategy):
         microbatches: int = 1,
         checkpoint: str = "never",
         split_module: Optional[str] = None,
+        split_points: Optional[Sequence[str]] = None,
+        schedule: str = "gpipe",
         *,
         sample_input: Optional[torch.Tensor] = None,
         threads_per_stage: Optional[int] = None,
@@ -127,6 +138,26 @@ class HybridParallelStrategy(TunedDDPStrategy):
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if split_module is not None and (not isinstance(split_module, str) or not split_module):
             raise ValueError(f"split_module must be the attribute name of an nn.Sequential (a string), got {split_module!r}")
+        if split_points is not None:
+            if isinstance(split_points, str) or not isinstance(split_points, Sequence) or not all(
+                isinstance(point, str) and point for point in split_points
+            ):
+                raise ValueError(
+                    f"split_points must be a list of qualified submodule names (e.g. ['model.transformer.h.2']), "
+                    f"got {split_points!r}"
+                )
+            if split_module is not None:
+                raise ValueError(
+                    "give split_points or split_module, not both: split_points name where stages begin in any model, "
+                    "split_module names an nn.Sequential whose layers the planner cuts"
+                )
+            if len(split_points) != devices_per_replica - 1:
+                raise ValueError(
+                    f"split_points={list(split_points)!r} makes {len(split_points) + 1} stage(s) but devices_per_replica="
+                    f"{devices_per_replica}: give {devices_per_replica - 1} name(s), where stages 1.. begin"
+                )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
         if sample_input is not None and not isinstance(sample_input, torch.Tensor):
             raise ValueError(f"sample_input must be a tensor (a batch of the split module's input), got {type(sample_input).__name__}")
         if threads_per_stage is not None and (
@@ -149,6 +180,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
         self._microbatches = microbatches
         self._checkpoint = checkpoint
         self._split_module = split_module
+        self._split_points = None if split_points is None else list(split_points)
+        self._schedule = schedule
+        self._staged: Optional[StagedStep] = None
         self._sample_input = sample_input
         self._threads_per_stage = threads_per_stage
         self._pipeline: Optional[Pipeline] = None
@@ -217,6 +251,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
         if self._devices_per_replica == 1 and self._microbatches == 1:
             module.to(self.root_device)
             return  # plain ddp_tuned
+        if self._uses_staged(module):
+            self._setup_staged(module)
+            return
         name, seq = self._find_split_module(module)
         self._check_supported(module, name, seq)
         # Everything but the split module goes to the replica's first device; the split module
@@ -246,6 +283,72 @@ class HybridParallelStrategy(TunedDDPStrategy):
         object.__setattr__(seq, "_lightning_mgpu_pipeline", self._pipeline)
         rank_zero_info(f"{type(self).__name__}: split `{name}` as {plan.summary_line()}\n{plan}")
 
+    def _uses_staged(self, module: nn.Module) -> bool:
+        """The staged pipeline (any module, loss inside, every schedule) unless an nn.Sequential is split with GPipe."""
+        if self._split_points is not None or self._schedule != "gpipe":
+            return True
+        if self._split_module is not None:
+            return False
+        return sum(isinstance(child, nn.Sequential) for child in module.children()) != 1
+
+    def _candidates(self, module: nn.Module) -> list[str]:
+        if self._split_module is not None:
+            name, seq = self._find_split_module(module)
+            return [f"{name}.{child}" for child, _ in seq.named_children()]
+        return candidate_blocks(module)
+
+    def _setup_staged(self, module: nn.Module) -> None:
+        devices, k = self.replica_devices, self._devices_per_replica
+        sizes: Optional[list[int]] = None
+        layers: list[LayerCost] = []
+        if self._split_points is not None:
+            points = check_split_points(module, self._split_points, k)
+            balance: Union[str, list[int]] = "split_points"
+        else:
+            candidates = self._candidates(module)
+            if len(candidates) < k:
+                raise ValueError(
+                    f"{type(module).__name__} has {len(candidates)} candidate split point(s) ({candidates}) but "
+                    f"devices_per_replica={k}: pass split_points=[...] naming where each stage begins"
+                )
+            balance = self._balance
+            if isinstance(balance, list):
+                check_sizes(balance, len(candidates), k)
+                sizes = list(balance)
+            elif self.global_rank == 0:
+                if balance != "params":
+                    rank_zero_warn(
+                        f"HybridParallelStrategy(balance={balance!r}) with the staged pipeline measures nothing yet: "
+                        "balancing the candidate blocks by parameter count (pass balance=[sizes] or split_points)."
+                    )
+                layers = block_costs(module, candidates)
+                sizes = plan_stages(layers, devices, "params", microbatches=self._microbatches).sizes
+            sizes = list(self.broadcast(sizes, src=0))  # type: ignore[arg-type]
+            points = points_from_sizes(candidates, sizes)
+        check_staged_model(module, points, devices, checkpoint=self._checkpoint)
+        place_modules(module, points, devices)
+        self._plan = PlacementPlan(
+            devices=[str(d) for d in devices],
+            sizes=sizes or [1] * k,
+            balance=balance if not isinstance(balance, list) else list(balance),
+            microbatches=self._microbatches,
+            layers=layers if sizes is not None and layers and sum(sizes) == len(layers) else [],
+        )
+        self._split_points_used = points
+        self._staged = StagedStep(
+            module, points, devices, schedule=self._schedule, microbatches=self._microbatches,
+            threads_per_stage=self._threads_per_stage,
+        )
+        rank_zero_info(
+            f"{type(self).__name__}: {k} stages beginning at {points}, schedule={self._schedule!r}, "
+            f"microbatches={self._microbatches}"
+        )
+
+    @property
+    def split_points(self) -> Optional[list[str]]:
+        """The submodules where stages 1.. begin, when the staged pipeline runs (after setup)."""
+        return getattr(self, "_split_points_used", None)
+
     def _find_split_module(self, module: nn.Module) -> tuple[str, nn.Sequential]:
         if self._split_module is not None:
             try:
@@ -272,6 +375,19 @@ class HybridParallelStrategy(TunedDDPStrategy):
         super().check_model(model)
         if self._devices_per_replica == 1 and self._microbatches == 1:
             return  # plain ddp_tuned
+        if self._uses_staged(model):
+            points = self._split_points
+            if points is not None:
+                check_split_points(model, points, self._devices_per_replica)
+            elif len(self._candidates(model)) < self._devices_per_replica:
+                raise ValueError(
+                    f"{type(model).__name__} has fewer candidate split points than devices_per_replica="
+                    f"{self._devices_per_replica}: pass split_points=[...] naming where each stage begins"
+                )
+            k = self._devices_per_replica
+            devices = self.replica_devices if self.parallel_devices else [torch.device("cpu")] * k
+            check_staged_model(model, points or [], devices, checkpoint=self._checkpoint)
+            return
         name, seq = self._find_split_module(model)
         self._check_supported(model, name, seq, warn=False)
 
@@ -380,12 +496,35 @@ class HybridParallelStrategy(TunedDDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._pipeline is not None:
             self._pipeline.discard_pending()
+        if self._staged is not None:
+            self._staged.discard()
         super().on_train_batch_start(batch, batch_idx)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With the staged pipeline, the LightningModule's ``training_step`` runs once per micro-batch inside the
+        pipeline (the loss too, so 1F1B can start backwards early), still called through DDP's forward."""
+        staged, module = self._staged, self.lightning_module
+        if staged is None or module is None:
+            return super().training_step(*args, **kwargs)
+        step = module.training_step
+
+        def pipelined(*step_args: Any, **step_kwargs: Any) -> Any:
+            module.__dict__.pop("training_step", None)
+            return run_logged(staged, module, step, step_args, step_kwargs)
+
+        module.training_step = pipelined  # type: ignore[method-assign]  # read by Lightning's forward redirection
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            module.__dict__.pop("training_step", None)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Lightning's ``Strategy.backward`` with the stages' backward right after ``loss.backward()``,
         so that ``on_after_backward`` (called by the precision plugin's ``post_backward``) sees every gradient."""
-        if self._pipeline is None:
+        runner: Optional[Callable[[], object]] = self._pipeline.backward if self._pipeline is not None else None
+        if self._staged is not None:
+            runner = self._staged.accumulate
+        if runner is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         assert module is not None
@@ -397,9 +536,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
         prescaler = self.prescaler
         if prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad:
             with prescaler.prescaled_backward():
-                self._pipeline.backward()
+                runner()
         else:
-            self._pipeline.backward()
+            runner()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -426,14 +565,16 @@ class HybridParallelStrategy(TunedDDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
         # Only rank 0 writes the checkpoint: the other ranks skip the copy.
-        return _to_device(state, torch.device("cpu")) if self._pipeline is not None and self.is_global_zero else state
+        split = self._pipeline is not None or self._staged is not None
+        return _to_device(state, torch.device("cpu")) if split and self.is_global_zero else state
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        return _to_device(state, torch.device("cpu")) if self._pipeline is not None and self.is_global_zero else state
+        split = self._pipeline is not None or self._staged is not None
+        return _to_device(state, torch.device("cpu")) if split and self.is_global_zero else state
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._pipeline is None:
+        if self._pipeline is None and self._staged is None:
             return super().load_optimizer_state_dict(checkpoint)
         # torch moves each state tensor to its parameter's device; don't move it all to the root device after.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -446,6 +587,8 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 "devices_per_replica": self._devices_per_replica,
                 "sizes": list(self._plan.sizes),
                 "microbatches": self._microbatches,
+                "schedule": self._schedule,
+                "split_points": self.split_points,
             }
         return state
 
@@ -462,6 +605,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
     def teardown(self) -> None:
         if self._pipeline is not None:
             self._pipeline.close()
+        if self._staged is not None:
+            self._staged.close()
+            self._staged = None
         if self._split is not None and self._split_class is not None:
             self._split.__class__ = self._split_class
             self._split.__dict__.pop("_lightning_mgpu_pipeline", None)

@@ -1,0 +1,116 @@
+"""What the hybrid strategy needs around :class:`~lightning_mgpu.placement.staged.StagedStep` in a fit,
+kept free of Lightning: model checks, module placement, and the step function with its logging.
+
+* :func:`check_staged_model`: refuses, before any process starts, what the staged pipeline
+  cannot run (SyncBatchNorm, activation recomputation, manual optimization, a parameter
+  that two stages on different CUDA devices would both use).
+* :func:`place_modules`: every module's own tensors on its stage's device
+  (:func:`~lightning_mgpu.placement.split_points.stage_of_modules`).
+* :func:`run_logged`: runs a LightningModule-like object's ``training_step`` through the
+  staged step; its ``self.log`` calls, made once per micro-batch in the micro-batches'
+  threads, are collected and replayed once, in the calling thread, with the
+  sample-weighted mean over the micro-batches (the full batch's value for per-sample means
+  such as the loss).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from numbers import Number
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_mgpu._compat.torch import apply_to_own_tensors
+from lightning_mgpu.placement.split_points import stage_of_modules
+from lightning_mgpu.placement.staged import StagedStep, current_microbatch
+
+__all__ = ["check_staged_model", "place_modules", "run_logged"]
+
+
+def check_staged_model(
+    module: nn.Module, split_points: Sequence[str], devices: Sequence[torch.device], *, checkpoint: str
+) -> None:
+    """Raise ``ValueError`` naming what the staged pipeline cannot run in ``module`` and how to fix it."""
+    if checkpoint != "never":
+        raise ValueError(
+            f"checkpoint={checkpoint!r} is not supported with split_points or schedule='1f1b'/'zero_bubble' yet: the "
+            "staged pipeline keeps every stage's activations until its backward. Use checkpoint='never' (1F1B already "
+            "bounds them to K micro-batches per stage), or split an nn.Sequential (split_module) with schedule='gpipe'."
+        )
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ValueError(
+            "manual optimization (automatic_optimization = False) is not supported with split_points or schedule="
+            "'1f1b'/'zero_bubble': the pipeline runs training_step once per micro-batch and computes the gradients "
+            "itself. Use automatic optimization, or split an nn.Sequential (split_module) with schedule='gpipe'."
+        )
+    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        raise ValueError(
+            "the model contains SyncBatchNorm: its collectives would run in the pipeline's micro-batch threads, in an "
+            "order that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
+        )
+    stages = stage_of_modules(module, split_points)
+    used: dict[int, set[int]] = {}
+    names: dict[int, str] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in sub.named_parameters(recurse=False):
+            used.setdefault(id(param), set()).add(stages.get(name, 0))
+            names.setdefault(id(param), f"{name}.{pname}" if name else pname)
+    for key, where in used.items():
+        on = {devices[stage] for stage in where}
+        if len(on) > 1 and any(device.type == "cuda" for device in on):
+            raise ValueError(
+                f"parameter {names[key]} belongs to modules of stages {sorted(where)} on different devices {sorted(map(str, on))}: "
+                "a parameter shared across GPU stages (tied embeddings) is not supported yet on GPUs; on CPU devices "
+                "it is (one parameter, gradients of every stage summed). Choose split points that keep the sharing "
+                "modules in one stage, or untie them."
+            )
+
+
+def place_modules(module: nn.Module, split_points: Sequence[str], devices: Sequence[torch.device]) -> None:
+    """Move every module's own parameters and buffers to its stage's device (definition order decides the stage)."""
+    stages = stage_of_modules(module, split_points)
+    for name, sub in module.named_modules():
+        device = devices[stages.get(name, 0)]
+        apply_to_own_tensors(sub, lambda tensor, device=device: tensor.to(device))
+
+
+def run_logged(staged: StagedStep, owner: Any, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``staged.run(step, *args, **kwargs)`` with ``owner.log`` collected per micro-batch and replayed once (see above)."""
+    real_log = owner.log
+    calls: list[tuple[int, float, str, Any, tuple[Any, ...], dict[str, Any]]] = []
+    lock = threading.Lock()
+
+    def log(name: str, value: Any, *log_args: Any, **log_kwargs: Any) -> None:
+        where = current_microbatch()
+        if where is None:
+            real_log(name, value, *log_args, **log_kwargs)
+            return
+        with lock:
+            calls.append((where[0], where[1], name, value, log_args, log_kwargs))
+
+    owner.log = log
+    try:
+        result = staged.run(step, *args, **kwargs)
+    finally:
+        owner.__dict__.pop("log", None)
+    order: list[str] = []
+    by_name: dict[str, list[tuple[int, float, Any, tuple[Any, ...], dict[str, Any]]]] = {}
+    for index, weight, name, value, log_args, log_kwargs in sorted(calls, key=lambda call: call[0]):
+        if name not in by_name:
+            order.append(name)
+        by_name.setdefault(name, []).append((index, weight, value, log_args, log_kwargs))
+    for name in order:
+        entries = by_name[name]
+        values = [value for _, _, value, _, _ in entries]
+        _, _, _, log_args, log_kwargs = entries[0]
+        if all(isinstance(value, torch.Tensor) and value.numel() == 1 for value in values):
+            combined: Any = sum(w * value.detach().float().to(values[0].device) for _, w, value, _, _ in entries)
+        elif all(isinstance(value, Number) and not isinstance(value, bool) for value in values):
+            combined = float(sum(w * float(value) for _, w, value, _, _ in entries))
+        else:
+            combined = values[-1]  # e.g. a torchmetrics Metric: updated by every micro-batch, logged once
+        real_log(name, combined, *log_args, **log_kwargs)
+    return result
