@@ -142,3 +142,57 @@ def test_plan_takes_a_file_target_like_tune(
     assert "5 layers over 2 devices" in capsys.readouterr().out
     code, err = _plan_here(workdir, monkeypatch, capsys, f"{workdir / 'absent.py'}:build", "--shape", "8,16")
     assert code == 2 and "argument TARGET: no such file" in err
+
+
+RESNETISH = """
+import torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        out += x
+        return self.relu(out)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True))
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+def net():
+    return Net()
+
+def flat():  # a ResNet-ish model flattened into a Sequential: in-place ReLU and BatchNorm as layers
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3), nn.ReLU(inplace=True))
+"""
+
+
+def test_split_points_on_an_unmodified_model_with_batchnorm_and_in_place_relu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "plan_resnetish.py").write_text(RESNETISH)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "points.json"
+    # M = 4 micro-batches of a 4-sample batch: measured on 2 samples (BatchNorm refuses 1 per channel in training)
+    flags = ["plan", "plan_resnetish:net", "--shape", "4,3,8,8", "--microbatches", "4", "--repeats", "2"]
+    assert main([*flags, "--split-points", "blocks.2", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["split_points"] == ["blocks.2"] and payload["sample_shape"] == [2, 3, 8, 8]
+    assert len(payload["stage_time_ms"]) == 2 and all(t > 0 for t in payload["stage_time_ms"])
+    assert "blocks.2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*flags, "--split-points", "blocks.7"])
+    assert "split point 'blocks.7' is not a submodule of Net" in capsys.readouterr().err
+    # the flattened Sequential with in-place ReLU layers and BatchNorm plans under every balance mode
+    assert main(["plan", "plan_resnetish:flat", "--shape", "4,3,8,8", "--microbatches", "4", "--repeats", "2"]) == 0

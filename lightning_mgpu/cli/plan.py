@@ -37,6 +37,7 @@ side by side, each plan judged by the measured time of its slowest stage.
 examples:
   lightning-mgpu plan mypkg.models:build --shape 64,16 --devices 2
   lightning-mgpu plan models.py:build --shape 8,512 --dtype long --high 32000 --devices 4 --microbatches 8
+  lightning-mgpu plan models.py:gpt2 --shape 8,128 --dtype long --high 50257 --split-points transformer.h.6
 """
 
 
@@ -66,6 +67,19 @@ def register(subparsers: Any) -> None:
         help="M, micro-batches per step (default 1)",
     )
     parser.add_argument("--split-module", default=None, help="attribute holding the nn.Sequential, if not the only one")
+    parser.add_argument(
+        "--split-points",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated qualified submodule names where stages 1.. begin (any model, as "
+        "HybridParallelStrategy(split_points=...)); --devices becomes their count + 1 and --shape is the model's input",
+    )
+    parser.add_argument(
+        "--threads",
+        type=bounded_int(4096),
+        default=None,
+        help="intra-op threads while measuring (default: this machine's threads / --devices, as a stage gets in a fit)",
+    )
     parser.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1 ...)")
     parser.add_argument(
         "--capacity",
@@ -110,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_mgpu._target import TargetError, load_target
     from lightning_mgpu.placement.plan import BALANCE_MODES, plan_stages
-    from lightning_mgpu.placement.profile import profile_layers
+    from lightning_mgpu.placement.profile import profile_batch_size, profile_layers
 
     try:
         device = torch.device(args.device)
@@ -126,10 +140,15 @@ def run(args: argparse.Namespace) -> int:
         model = factory()
     except Exception as exc:  # the user's own code: one line, as for an import that fails
         parser.error(f"calling {args.factory}() failed: {type(exc).__name__}: {exc}")
+    threads = args.threads or max(1, torch.get_num_threads() // args.devices)
+    if args.split_points is not None:
+        from lightning_mgpu.cli._plan_points import plan_split_points
+
+        return plan_split_points(parser, args, model, shape, device, threads)
     seq = _find_sequential(parser, model, args.split_module)
     if len(seq) < args.devices:
         parser.error(f"the nn.Sequential has {len(seq)} layers, fewer than --devices {args.devices}")
-    micro_batch = max(1, -(-shape[0] // args.microbatches))
+    micro_batch = profile_batch_size(shape[0], args.microbatches, seq)
     dtype = {"long": torch.long, "int": torch.int}.get(args.dtype) or getattr(torch, args.dtype)
     sample_shape = (micro_batch, *shape[1:])
     try:
@@ -140,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, MemoryError, OverflowError) as exc:
         parser.error(f"argument --shape: cannot make a sample of shape {list(sample_shape)} ({args.dtype}): {exc}")
     try:
-        layers = profile_layers(seq, sample, device=device, repeats=args.repeats)
+        layers = profile_layers(seq, sample, device=device, repeats=args.repeats, threads=threads)
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
         parser.error(f"running the model on a sample of shape {list(sample_shape)} ({args.dtype}) failed: {exc}")
 

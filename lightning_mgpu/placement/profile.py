@@ -4,7 +4,8 @@
 the previous one, and returns one :class:`LayerCost` per layer:
 
 * ``forward_ms`` / ``backward_ms``: median over ``repeats`` timed runs after ``warmup``
-  untimed ones. Backward is ``torch.autograd.grad`` of the layer's output with respect
+  untimed ones; ``time_spread_ms`` is the interquartile range of their sum (how far to
+  trust the median). Backward is ``torch.autograd.grad`` of the layer's output with respect
   to its input and parameters, i.e. exactly the work a pipeline stage does per
   micro-batch. On CUDA the times come from ``torch.cuda.Event`` pairs (read once per
   layer, after all repeats, so the GPU is not drained between runs); on CPU from
@@ -35,8 +36,9 @@ import torch
 from torch import nn
 
 from lightning_mgpu._checks import check_int, check_real
+from lightning_mgpu._compat.torch import is_batchnorm
 
-__all__ = ["LayerCost", "profile_layers"]
+__all__ = ["LayerCost", "profile_batch_size", "profile_layers"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class LayerCost:
     optimizer_bytes: int
     activation_bytes: int
     output_bytes: int
+    time_spread_ms: float = 0.0  # interquartile range of forward + backward over the repeats: how stable the median is
 
     @property
     def time_ms(self) -> float:
@@ -74,6 +77,16 @@ class LayerCost:
         return cls(**{key: value for key, value in data.items() if key in names})
 
 
+def profile_batch_size(batch_size: int, microbatches: int, model: nn.Module) -> int:
+    """Rows of the sample each layer is measured on: one micro-batch (``ceil(N / M)``), but at least 2 when the
+    model has BatchNorm (training-mode BatchNorm refuses one sample per channel). The fit and
+    ``lightning-mgpu plan`` both use it, so they measure the same thing."""
+    rows = max(1, -(-batch_size // microbatches))
+    if rows < 2 <= batch_size and any(is_batchnorm(m) for m in model.modules()):
+        return 2
+    return rows
+
+
 def profile_layers(
     layers: nn.Sequential,
     sample: torch.Tensor,
@@ -82,12 +95,16 @@ def profile_layers(
     warmup: int = 2,
     device: Union[str, torch.device, None] = None,
     optimizer_state_factor: float = 2.0,
+    threads: Optional[int] = None,
 ) -> list[LayerCost]:
     """Profile every layer of ``layers`` on ``sample`` (one micro-batch); see the module docstring.
 
     ``device``: where to run (default: where the layers' first parameter is, else the
     sample's device). The layers are moved there for the measurement and moved back after.
     Their gradients are not touched (``torch.autograd.grad`` is used, never ``.backward``).
+    ``threads``: intra-op threads while measuring (default: as they are); give a pipeline
+    stage's share to measure what a stage will see. In-place layers (``nn.ReLU(inplace=True)``)
+    get a copy of their input, BatchNorm's running statistics are restored after.
     """
     if not isinstance(layers, nn.Sequential):
         raise TypeError(f"profile_layers needs an nn.Sequential, got {type(layers).__name__}")
@@ -111,6 +128,9 @@ def profile_layers(
     )
     costs: list[LayerCost] = []
     x = sample.detach().to(target)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(check_int("threads", threads))
     try:
         for index, (name, layer) in enumerate(layers.named_children()):
             layer.to(target)
@@ -118,6 +138,7 @@ def profile_layers(
                 cost, x = _profile_one(index, name, layer, x, repeats, warmup, optimizer_state_factor)
             costs.append(cost)
     finally:
+        torch.set_num_threads(previous_threads)
         for layer, home in zip(layers, homes):
             if home is not None and home != target:
                 layer.to(home)
@@ -139,9 +160,18 @@ def _profile_one(
     needs_input_grad = x.is_floating_point() or x.is_complex()
     clock = _Clock(x.device)
 
+    in_place = [_starts_in_place(layer)]
+
     def run_forward() -> tuple[torch.Tensor, torch.Tensor]:
         inp = x.detach().requires_grad_(needs_input_grad)
-        out = layer(inp)
+        try:
+            # an in-place first op cannot modify the leaf we differentiate against: give it a copy
+            out = layer(inp.clone() if in_place[0] and needs_input_grad else inp)
+        except RuntimeError as exc:
+            if in_place[0] or "in-place" not in str(exc) and "inplace" not in str(exc):
+                raise
+            in_place[0] = True
+            out = layer(inp.clone())
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"layer {index} ({name}: {type(layer).__name__}) returns {type(out).__name__}; a pipeline passes one "
@@ -170,8 +200,10 @@ def _profile_one(
             if repeat >= warmup:
                 forward_times.append((start, middle))
                 backward_times.append((middle_after_setup, end))
-        forward_ms = statistics.median(clock.elapsed_ms(a, b) for a, b in forward_times)
-        backward_ms = statistics.median(clock.elapsed_ms(a, b) for a, b in backward_times)
+        forwards = [clock.elapsed_ms(a, b) for a, b in forward_times]
+        backwards = [clock.elapsed_ms(a, b) for a, b in backward_times]
+        forward_ms, backward_ms = statistics.median(forwards), statistics.median(backwards)
+        spread = _interquartile([f + b for f, b in zip(forwards, backwards)])
         saved = _saved_bytes(run_forward)
         with torch.no_grad():
             out = layer(x)
@@ -192,8 +224,22 @@ def _profile_one(
         optimizer_bytes=int(round(grad_bytes * optimizer_state_factor)),
         activation_bytes=saved,
         output_bytes=out.numel() * out.element_size(),
+        time_spread_ms=spread,
     )
     return cost, out.detach()
+
+
+def _interquartile(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return quartiles[2] - quartiles[0]
+
+
+def _starts_in_place(module: nn.Module) -> bool:
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return bool(getattr(module, "inplace", False))
 
 
 def _saved_bytes(run_forward: Any) -> int:

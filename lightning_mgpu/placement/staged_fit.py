@@ -73,8 +73,11 @@ def place_modules(module: nn.Module, split_points: Sequence[str], devices: Seque
     """Move every module's own parameters and buffers to its stage's device (definition order decides the stage)."""
     stages = stage_of_modules(module, split_points)
     for name, sub in module.named_modules():
-        device = devices[stages.get(name, 0)]
-        apply_to_own_tensors(sub, lambda tensor, device=device: tensor.to(device))
+        apply_to_own_tensors(sub, _mover(devices[stages.get(name, 0)]))
+
+
+def _mover(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda tensor: tensor.to(device)
 
 
 def run_logged(staged: StagedStep, owner: Any, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

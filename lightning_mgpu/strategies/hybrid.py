@@ -47,7 +47,7 @@ from torch import nn
 
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
-from lightning_mgpu.placement.profile import LayerCost, profile_layers
+from lightning_mgpu.placement.profile import LayerCost, profile_batch_size, profile_layers
 from lightning_mgpu.placement.schedule import SCHEDULES
 from lightning_mgpu.placement.split_points import (
     block_costs,
@@ -448,8 +448,14 @@ class HybridParallelStrategy(TunedDDPStrategy):
                     "count instead."
                 )
                 balance = "params"
-            micro = None if sample is None else sample[: max(1, -(-sample.shape[0] // self._microbatches))]
-            layers = profile_layers(seq, micro, device=self.root_device) if micro is not None else _static_costs(seq)
+            rows = None if sample is None else profile_batch_size(sample.shape[0], self._microbatches, seq)
+            micro = None if sample is None else sample[:rows]
+            threads = self._threads_per_stage or max(1, torch.get_num_threads() // len(devices))
+            layers = (
+                profile_layers(seq, micro, device=self.root_device, threads=threads)
+                if micro is not None
+                else _static_costs(seq)
+            )
             capacity = [_capacity(device) for device in devices]
             plan = plan_stages(layers, devices, balance, microbatches=self._microbatches, capacity=capacity)
             sizes = plan.sizes
