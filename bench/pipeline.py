@@ -10,7 +10,9 @@ On this 2-core machine a "device" is one CPU core: the unsplit model runs one tr
 step (forward + backward) with 1 intra-op thread; the pipeline runs the same model split
 into K = 2 balanced stages (:func:`lightning_mgpu.placement.partition` on profiled
 per-layer times), each stage in its own worker thread with 1 intra-op thread, for
-M = 1, 2, 4, 8 micro-batches. Throughput is samples per second of training steps; the
+M = 1, 2, 4, 8 micro-batches, under each schedule (``--schedules``): ``fill-drain`` (the
+``nn.Sequential`` pipeline, loss outside it) and the staged pipeline's ``gpipe``, ``1f1b``
+and ``zero_bubble`` (loss inside, :class:`lightning_mgpu.placement.staged.StagedStep`). Throughput is samples per second of training steps; the
 speed-up is against the unsplit model, next to GPipe's bound ``M*K / (M + K - 1)``
 (perfect balance, no overheads). The unsplit model with 2 intra-op threads (both cores
 given to one device) is printed too, for honesty: it is what one would otherwise do with
@@ -46,6 +48,8 @@ from bench.allocator import retain_freed_memory
 from lightning_mgpu.placement.pipeline import Pipeline
 from lightning_mgpu.placement.plan import plan_stages
 from lightning_mgpu.placement.profile import profile_layers
+from lightning_mgpu.placement.split_points import points_from_sizes
+from lightning_mgpu.placement.staged import StagedStep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,20 +110,36 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         return step
 
     configs: dict[str, Callable[[], None]] = {"unsplit, 1 core": unsplit(1), "unsplit, 2 threads": unsplit(2)}
-    pipelines, plans = {}, {}
+    pipelines: dict[str, Any] = {}
+    plans = {}
+    names = [name for name, _ in model.named_children()]
     for m in args.microbatches:
         sizes, plan = split(model, x, m)
         plans[m] = plan
-        pipe = Pipeline(stages_of(model, sizes), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
-        pipelines[m] = pipe
+        for schedule in args.schedules:
+            if schedule == "fill-drain":  # the nn.Sequential pipeline, loss outside it
+                pipe: Any = Pipeline(stages_of(model, sizes), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
 
-        def step(pipe: Pipeline = pipe) -> None:
-            torch.set_num_threads(1)
-            model.zero_grad(set_to_none=True)
-            pipe.forward(x).sum().backward()
-            pipe.backward()
+                def step(pipe: Any = pipe) -> None:
+                    torch.set_num_threads(1)
+                    model.zero_grad(set_to_none=True)
+                    pipe.forward(x).sum().backward()
+                    pipe.backward()
 
-        configs[f"pipeline M={m}"] = step
+            else:  # the staged pipeline (any module, loss inside): gpipe, 1f1b, zero_bubble
+                pipe = StagedStep(
+                    model, points_from_sizes(names, sizes), ["cpu"] * STAGES, schedule=schedule, microbatches=m,
+                    threads_per_stage=1, loss_reduction="sum",
+                )
+
+                def step(pipe: Any = pipe) -> None:
+                    torch.set_num_threads(1)
+                    model.zero_grad(set_to_none=True)
+                    pipe.run(lambda net, batch: net(batch).sum(), model, x).backward()
+                    pipe.accumulate()
+
+            configs[f"{schedule} M={m}"] = step
+            pipelines[f"{schedule} M={m}"] = pipe
     torch.set_num_threads(threads_before)
 
     per_round: dict[str, list[float]] = {name: [] for name in configs}
@@ -138,15 +158,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             )
     for pipe in pipelines.values():
         pipe.close()
+    plans = {m: plan for m, plan in plans.items()}
 
     base = statistics.median(per_round["unsplit, 1 core"])
     results = []
     for name in configs:
         ms = statistics.median(per_round[name])
-        m = int(name.split("=")[1]) if name.startswith("pipeline") else None
+        m = int(name.split("=")[1]) if " M=" in name else None
         results.append(
             {
                 "config": name,
+                "schedule": name.split(" M=")[0] if m else None,
                 "microbatches": m,
                 "step_ms": ms,
                 "step_ms_rounds": per_round[name],
@@ -158,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "page_faults_per_step": statistics.median(faults[name]),
             }
         )
-    m8 = next((r for r in results if r["microbatches"] == 8), None)
+    m8 = next((r for r in results if r["microbatches"] == 8 and r["schedule"] == "fill-drain"), None)
     payload = {
         "benchmark": "pipeline",
         "settings": vars(args),
@@ -207,6 +229,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=8, help="number of Linear+GELU blocks")
     parser.add_argument("--batch", type=int, default=1024, help="samples per training step (split into micro-batches)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["fill-drain", "gpipe", "1f1b", "zero_bubble"],
+        choices=["fill-drain", "gpipe", "1f1b", "zero_bubble"],
+        help="fill-drain: the nn.Sequential pipeline (loss outside); the others: the staged pipeline (loss inside)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
     parser.add_argument(

@@ -157,6 +157,7 @@ class _Micro:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     num_stages: int
+    owner: object = None  # the StagedStep running it (another one's hooks leave it alone)
     cond: threading.Condition = field(default_factory=threading.Condition)
     granted: int = -1  # the segment the thread may run
     reached: int = 0  # the split point the thread waits at (num_stages: the function returned)
@@ -274,7 +275,7 @@ class StagedStep:
         k, m = self.num_stages, len(pieces)
         weights = [size / total if self.loss_reduction == "mean" else 1.0 for size in sizes]
         micros = [
-            _Micro(index=i, weight=weights[i], args=tuple(piece[0]), kwargs=dict(piece[1]), num_stages=k)
+            _Micro(index=i, weight=weights[i], args=tuple(piece[0]), kwargs=dict(piece[1]), num_stages=k, owner=self)
             for i, piece in enumerate(pieces)
         ]
         for micro in micros:
@@ -348,6 +349,8 @@ class StagedStep:
             device = self.devices[boundary]
             if micro is None:  # not a staged step (e.g. validation): move the inputs, nothing else
                 return _map((args, kwargs), lambda t: t.to(device) if t.device != device else t)
+            if micro.owner is not self:
+                return None
             if micro.reached != boundary - 1 or micro.granted != boundary - 1:
                 raise StagedStepError(
                     f"split point {self.split_points[boundary - 1]!r} was called while stage {micro.reached} was "
