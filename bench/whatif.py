@@ -146,6 +146,7 @@ def predict_step(
     link: Any,
     host_from_profile: bool,
     costs: Any,
+    host_overlap: float = 1.0,
 ) -> dict[str, Any]:
     """One prediction: the profile replayed at 2 ranks over ``link`` with ``config``."""
     from lightning_mgpu.whatif import Scenario, System, link_from_profile, load_profile, predict
@@ -153,7 +154,7 @@ def predict_step(
     run = load_profile(profile, parameters=gradients)
     host = link_from_profile(run) if host_from_profile else None
     scenario = Scenario(
-        system=System(nodes=2, inter=link, host=host),
+        system=System(nodes=2, inter=link, host=host, host_overlap=host_overlap),
         bucket_cap_mb=config.get("bucket_cap_mb"),
         compression=config.get("compression"),
         powersgd_rank=int(config.get("powersgd_rank", 1)),
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "profile_at_1gbps": [],
         "one_rank_plus_bench_comm": [],
     }
+    overlap = args.host_overlap
     for rate in args.rates:
         achieved = float(links[rate]["gbps"])
         for model in args.models:
@@ -274,7 +276,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 link = link_from_gbps(achieved)
                 p = predict_step(
-                    base["profile"], base["gradients"], config, link=link, host_from_profile=True, costs=costs[model]
+                    base["profile"],
+                    base["gradients"],
+                    config,
+                    link=link,
+                    host_from_profile=True,
+                    costs=costs[model],
+                    host_overlap=overlap,
                 )
                 validations["loopback_profile"].append(row(model, rate, achieved, config, p, runs))
                 if rate == PROFILE_RATE and model in profiles_at:
@@ -287,6 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         link=as_seen,
                         host_from_profile=False,
                         costs=costs[model],
+                        host_overlap=overlap,
                     )
                     validations["profile_at_1gbps"].append(row(model, rate, achieved, config, p, runs))
                 if config["name"] == "default" and rate in sweeps:
@@ -298,6 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         link=link_from_bench_comm(sweeps[rate]),
                         host_from_profile=False,
                         costs=costs[model],
+                        host_overlap=overlap,
                     )
                     validations["one_rank_plus_bench_comm"].append(row(model, rate, achieved, config, p, runs))
     return {
@@ -310,11 +320,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "steps": args.steps if args.steps is not None else {str(r): STEPS.get(r, 12) for r in args.rates},
             "profile_steps": args.profile_steps,
+            "host_overlap": args.host_overlap,
             "quick": args.quick,
         },
         "links": {f"{rate:g}": value for rate, value in links.items()},
         "profiles": {m: profiles2[m]["profile"]["summary"] for m in args.models},
         "compression_costs": {m: c.as_dict() for m, c in costs.items()},
+        # everything the predictions were made from, to re-predict offline with another model setting
+        "inputs": {
+            name: {m: {"profile": r["profile"], "gradients": r["gradients"]} for m, r in runs.items()}
+            for name, runs in (("loopback_2", profiles2), ("loopback_1", profiles1), ("at_1gbps", profiles_at))
+        },
         "bench_comm": {f"{rate:g}": sweep for rate, sweep in sweeps.items()},
         "validations": validations,
         "summary": {name: summarize_errors(rows) for name, rows in validations.items()},
@@ -340,6 +356,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="raw TCP transfer measuring each rate")
     parser.add_argument("--sweep-max-mib", type=int, default=32, help="largest all-reduce of the bench-comm sweep")
+    parser.add_argument("--host-overlap", type=float, default=1.0, help="the model's System.host_overlap (0..1)")
     parser.add_argument("--skip-bench-comm", action="store_true", help="no 1-rank + bench-comm validation")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
@@ -356,7 +373,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     report = run(args)
-    out = args.out if not args.quick or args.out != DEFAULT_OUT else args.out.with_name("whatif_quick.json")
+    # a smoke run's figures are noise: never over the kept results unless asked to
+    out = (
+        args.out
+        if not args.quick or args.out != DEFAULT_OUT
+        else Path(tempfile.mkdtemp(prefix="whatif_quick_")) / "whatif.json"
+    )
     print_report(report)
     path = write_json(out, report)
     figure = plot(report, path.with_suffix(".png"))

@@ -189,14 +189,21 @@ def test_two_levels_take_the_slower_link_and_the_larger_latency() -> None:
     )
 
 
-def test_the_host_cost_adds_only_to_links_not_measured_end_to_end() -> None:
+def test_the_host_cost_counts_only_for_links_not_measured_end_to_end() -> None:
     wire = link_from_gbps(8.0, latency_us=0.0)  # 1 GB/s
     measured = Link(name="bench", busbw_gbps=1.0, includes_host=True)
     # 2 ranks: factor 1; 1e9 bytes = 1 s on the wire, + 0.5 s of host at 2 GB/s
     host = Link(name="host", busbw_gbps=2.0, latency_us=50.0)  # 2 ranks: 2 steps of 50 us
-    assert System(nodes=2, inter=wire, host=host).allreduce_ms(1e9) == pytest.approx(1500.1)
+    # 1e9 bytes: 1000 ms on the wire, 500.1 ms of host work beside it
+    assert System(nodes=2, inter=wire, host=host).allreduce_ms(1e9) == pytest.approx(1000.0)
+    assert System(nodes=2, inter=wire, host=host, host_overlap=0.0).allreduce_ms(1e9) == pytest.approx(1500.1)
+    assert System(nodes=2, inter=wire, host=host, host_overlap=0.5).allreduce_ms(1e9) == pytest.approx(1250.05)
     assert System(nodes=2, inter=measured, host=host).allreduce_ms(1e9) == pytest.approx(1000.0)
     assert System(nodes=2, inter=PRESETS["loopback"], host=host).allreduce_ms(1e9) == pytest.approx(500.1)
+    # more host work than wire time (gloo summing fp16): the host sets the pace
+    assert System(nodes=2, inter=measured, host=host).allreduce_ms(1e9, host_extra_ms=1200.0) == pytest.approx(1200.0)
+    with pytest.raises(ValueError, match="host_overlap must be between 0 and 1"):
+        System(nodes=2, inter=wire, host_overlap=2.0)
 
 
 def test_link_rates_and_presets() -> None:
@@ -275,6 +282,7 @@ def test_fp16_halves_the_bytes_and_costs_its_casts() -> None:
     plan = plan_bucket(4 * MIB, [], compression="fp16", costs=costs)
     assert plan.wire_bytes == 2 * MIB
     assert plan.pre_ms == pytest.approx(2.0) and plan.segments[-1] == ("compute", pytest.approx(1.0))
+    assert plan.segments[1] == ("host", 0.0)  # gloo's 16-bit sum not measured here
     assert plan_bucket(4 * MIB, [], compression="fp16", costs=costs, pre_in_profile=True).pre_ms == 0.0
 
 
@@ -359,7 +367,7 @@ def test_gloos_slower_16_bit_sum_is_added_to_fp16_and_bf16_buckets() -> None:
     assert costs.reduction_extra_ms_per_mib("fp16") == 2.0 and costs.reduction_extra_ms_per_mib("bf16") == 1.0
     assert costs.reduction_extra_ms_per_mib("powersgd") == 0.0
     fp16 = plan_bucket(4 * MIB, [], compression="fp16", costs=costs)
-    assert fp16.segments[-1] == ("compute", pytest.approx(2.0 * 2))  # 2 MiB on the wire, 2 ms each beyond float32
+    assert fp16.segments[1] == ("host", pytest.approx(2.0 * 2))  # 2 MiB on the wire, 2 ms each beyond float32
     assert CompressionCosts.from_dict(costs.as_dict()) == costs
 
 

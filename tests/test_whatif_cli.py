@@ -58,8 +58,12 @@ def test_flags_reach_the_scenario(profile: Path, capsys: pytest.CaptureFixture[s
     assert len(small["buckets"]) > len(base["buckets"])
     faster = run_json(capsys, str(profile), "--link", "1gbe", "--compute-scale", "0.5")["predicted"]
     assert faster["forward_ms"] == pytest.approx(base["forward_ms"] / 2)
-    no_host = run_json(capsys, str(profile), "--link", "1gbe", "--no-host")["predicted"]
-    assert no_host["comm_ms"] < base["comm_ms"]
+    host_only = run_json(capsys, str(profile), "--link", "loopback")["predicted"]["buckets"]
+    assert all(b["done_ms"] > b["start_ms"] for b in host_only)  # no wire: the host's own cost remains
+    free = run_json(capsys, str(profile), "--link", "loopback", "--no-host")["predicted"]["buckets"]
+    assert all(b["done_ms"] == b["start_ms"] for b in free)
+    in_series = run_json(capsys, str(profile), "--link", "1gbe", "--host-overlap", "0")["predicted"]
+    assert in_series["comm_ms"] > base["comm_ms"]
     nodes = run_json(capsys, str(profile), "--nodes", "2", "--devices-per-node", "4", "--link", "10gbe")
     assert nodes["predicted"]["world_size"] == 8 and nodes["inputs"]["system"]["intra"]["name"] == "loopback"
 

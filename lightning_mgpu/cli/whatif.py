@@ -55,6 +55,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
 def _world_sizes(text: str) -> list[int]:
     parse = bounded_int(MAX_RANKS)
     sizes = [parse(part.strip()) for part in text.split(",") if part.strip()]
@@ -139,7 +149,14 @@ def register(subparsers: Any) -> None:
         metavar="X",
         help="CPU/gloo: the host's own busbw (GB/s); default: the profile's",
     )
-    parser.add_argument("--no-host", action="store_true", help="CPU/gloo: do not add the host's own per-byte cost")
+    parser.add_argument("--no-host", action="store_true", help="CPU/gloo: leave out the host's own cost")
+    parser.add_argument(
+        "--host-overlap",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="CPU/gloo: how far host work hides behind the wire, 0..1 (default 1: a NIC moves the bytes)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--plot", type=existing_parent, default=None, metavar="PNG", help="where the sweep's PNG goes")
     parser.add_argument("--list-links", action="store_true", help="list the link presets and their sources, then exit")
@@ -218,6 +235,7 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         intra=intra,
         algorithm=args.algorithm,
         host=host,
+        **({"host_overlap": args.host_overlap} if args.host_overlap is not None else {}),
     )
     costs, costs_source = _costs(args, run)
     scenario = Scenario(

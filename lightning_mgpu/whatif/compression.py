@@ -6,12 +6,13 @@ does in the order it does it:
 
 * ``pre_ms``: compute on the autograd thread when DDP calls the hook, before anything is sent
   (it delays the rest of backward as well as this bucket);
-* ``segments``: what follows on the communication side, in order: ``("allreduce", bytes)``
-  or ``("compute", ms)`` (work in the future's callbacks, before the next all-reduce).
+* ``segments``: what follows on the communication side, in order: ``("allreduce", bytes)``,
+  ``("host", ms)`` (more host work inside the all-reduce just before it: gloo summing a
+  16-bit type), or ``("compute", ms)`` (work in the future's callbacks).
 
 fp16 / bf16: the bucket is cast (and divided) on the autograd thread, all-reduced at half
-the bytes, and copied back; on CPU, gloo sums 16-bit types slower per byte than float32, and
-the difference (measured) is added after the all-reduce. PowerSGD (steady state, after ``start_powerSGD_iter``; error
+the bytes, and copied back; on CPU, gloo sums 16-bit types slower per byte than float32: the
+difference (measured) is host work of that all-reduce. PowerSGD (steady state, after ``start_powerSGD_iter``; error
 feedback and warm start on, torch's defaults): each gradient is viewed as a matrix
 ``shape[0] x prod(shape[1:])``; with rank ``r' = min(n, m, r)`` it is compressed when
 ``(n + m) r' * 2 < n m`` (torch's ``_should_compress`` with ``min_compression_rate=2``). Per
@@ -36,7 +37,7 @@ MIN_COMPRESSION_RATE = 2
 MIB = 1024 * 1024
 
 Segment = tuple[str, float]
-"""``("allreduce", bytes)`` or ``("compute", ms)``."""
+"""``("allreduce", bytes)``, ``("host", ms)`` or ``("compute", ms)``."""
 
 
 def check_compression(compression: Optional[str]) -> Optional[str]:
@@ -178,8 +179,13 @@ def plan_bucket(
         return BucketPlan(0.0, (("allreduce", float(nbytes)),))
     if compression in CASTING:
         pre = 0.0 if pre_in_profile else costs.cast_ms_per_mib * mib
-        post = costs.uncast_ms_per_mib * mib + costs.reduction_extra_ms_per_mib(compression) * mib / 2
-        return BucketPlan(pre, (("allreduce", nbytes / 2), ("compute", post)))
+        sum16 = costs.reduction_extra_ms_per_mib(compression) * mib / 2
+        segments: tuple[Segment, ...] = (
+            ("allreduce", nbytes / 2),
+            ("host", sum16),
+            ("compute", costs.uncast_ms_per_mib * mib),
+        )
+        return BucketPlan(pre, segments)
     if compression != "powersgd":
         raise ValueError(f"compression must be one of none, fp16, bf16, powersgd; got {compression!r}")
     if not gradients:
@@ -204,7 +210,7 @@ def plan_bucket(
         pre, mid, post = pre + matrix_pre, mid + matrix_mid, post + matrix_post
     if pre_in_profile:
         pre = 0.0
-    segments: tuple[Segment, ...] = (
+    segments = (
         ("allreduce", float(uncompressed)),  # torch all-reduces the (maybe empty) uncompressed part first
         ("allreduce", float(p_bytes)),
         ("compute", mid),

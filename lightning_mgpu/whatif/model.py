@@ -12,7 +12,7 @@ bucket's all-reduce is simulated on the target :class:`System`:
   inter)``, ``alpha`` the larger;
 * on CPU (gloo) the host moves every byte itself: for links not measured end to end, the
   host's own cost (fitted to the profile's buckets: a per-all-reduce overhead and a busbw)
-  adds to the wire's;
+  runs beside the wire's (``max``; ``host_overlap`` < 1 adds part of the shorter one);
 * buckets take turns on the link in DDP's order; a bucket starts when it is ready and the link
   is free; compression work (:mod:`~lightning_mgpu.whatif.compression`) is placed where its
   hook does it (the autograd thread delays the rest of backward);
@@ -46,6 +46,8 @@ from lightning_mgpu.whatif.compression import (
 from lightning_mgpu.whatif.links import Link, bus_factor
 from lightning_mgpu.whatif.records import Gradient, ProfiledRun
 
+HOST_OVERLAP = 1.0
+"""Default :attr:`System.host_overlap`."""
 DEFAULT_FIRST_BUCKET_MB = 1.0
 """DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
 ALGORITHMS = ("ring", "tree")
@@ -63,14 +65,20 @@ class System:
     """Between the devices of a node (needed when ``devices_per_node > 1`` and ``nodes > 1``)."""
     algorithm: str = "ring"
     host: Optional[Link] = None
-    """CPU/gloo: the host's own cost of an all-reduce (the profile's, on loopback), in series with
-    links that do not include it (presets, given rates)."""
+    """CPU/gloo: the host's own cost of an all-reduce (the profile's, on loopback), for links that
+    do not include it (presets, given rates)."""
+    host_overlap: float = HOST_OVERLAP
+    """How far the host's work hides behind the wire's: 1, fully (the all-reduce takes the longer
+    of the two, as when a NIC moves the bytes while the host copies and sums); 0, not at all (the
+    two add up, as when the "wire" is itself the CPU: a veth pair, loopback)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"System: {name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= self.host_overlap <= 1.0:
+            raise ValueError(f"System: host_overlap must be between 0 and 1, got {self.host_overlap!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"System: algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
 
@@ -93,15 +101,19 @@ class System:
             return 0
         return 2 * (n - 1) if self.algorithm == "ring" else 2 * math.ceil(math.log2(n))
 
-    def allreduce_ms(self, nbytes: float) -> float:
-        """Time of one all-reduce of ``nbytes`` (per rank) on this system, in ms."""
-        n = self.world_size
-        if n == 1:
+    def allreduce_ms(self, nbytes: float, *, host_extra_ms: float = 0.0) -> float:
+        """Time of one all-reduce of ``nbytes`` (per rank) on this system, in ms.
+
+        The wire's time and the host's (its own cost where the links do not include it, plus
+        ``host_extra_ms``) combine as ``max + (1 - host_overlap) * min``.
+        """
+        if self.world_size == 1:
             return 0.0
-        seconds = max(self._link_seconds(link, nbytes) for link in self.links)
+        wire = max(self._link_seconds(link, nbytes) for link in self.links) * 1e3
+        host = host_extra_ms
         if self.host is not None and not all(link.includes_host for link in self.links):
-            seconds += self._link_seconds(self.host, nbytes)
-        return seconds * 1e3
+            host += self._link_seconds(self.host, nbytes) * 1e3
+        return max(wire, host) + (1.0 - self.host_overlap) * min(wire, host)
 
     def _link_seconds(self, link: Link, nbytes: float) -> float:
         steps = self.steps()
@@ -361,9 +373,14 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
         first_launch = hook_at if first_launch is None else first_launch
         start = max(hook_at + pre, link_free)
         clock = start
-        for kind, amount in plan.segments:
+        segments = list(plan.segments)
+        for index, (kind, amount) in enumerate(segments):
+            if kind == "host":
+                continue  # taken with the all-reduce it belongs to
             if kind == "allreduce":
-                clock += system.allreduce_ms(amount)
+                following = segments[index + 1] if index + 1 < len(segments) else ("", 0.0)
+                extra = following[1] * scale if following[0] == "host" else 0.0
+                clock += system.allreduce_ms(amount, host_extra_ms=extra)
                 continue
             work = amount * scale
             if scenario.shared_compute and clock < undelayed_end + delay:
