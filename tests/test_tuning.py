@@ -5,6 +5,7 @@ PowerSGD's remapped memory (one gloo process, torch's real hook)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
 import pytest
@@ -335,12 +336,14 @@ def test_resume_reuses_a_tuned_size_only_when_the_search_finished(tmp_path: Any)
         {"bucket_cap_mb": 8.0, "tuning": {"status": "measuring"}},  # saved mid-search: search again
         {"bucket_cap_mb": 8.0, "tuning": {"status": "skipped"}},  # the earlier run was too short
         {"bucket_cap_mb": 8.0},  # a fixed-size run's checkpoint
-        {"bucket_cap_mb": float("nan"), "tuning": {"status": "done"}},
-        {"bucket_cap_mb": "8", "tuning": {"status": "done"}},
     ):
         strategy = restored(package)
         assert strategy._tuner is not None and strategy._tuner.status == tuner.WAITING, package
         assert strategy.bucket_cap_mb == 25.0
+    # A size no run could have saved is a damaged checkpoint: one error naming the key (issue 17 item 6).
+    for bad in (float("nan"), "8"):
+        with pytest.raises(ValueError, match=re.escape('checkpoint["lightning_mgpu"]["bucket_cap_mb"]')):
+            restored({"bucket_cap_mb": bad, "tuning": {"status": "done"}})
 
 
 def test_hooks_on_the_old_wrapper_move_to_the_new_one() -> None:

@@ -50,6 +50,7 @@ from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.checkpoint_state import (
     CHECKPOINT_KEY,
+    check_package,
     gather_powersgd_state,
     restore_powersgd_state,
     restore_tuned_size,
@@ -557,8 +558,14 @@ class TunedDDPStrategy(DDPStrategyBase):
         # Never unpickle arbitrary objects unless asked to (fit(..., weights_only=False)): torch before
         # 2.6, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, would otherwise run code stored in the file.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
-        package = checkpoint.get(CHECKPOINT_KEY)
-        if isinstance(package, dict):
+        if CHECKPOINT_KEY in checkpoint:
+            try:
+                package = check_package(checkpoint[CHECKPOINT_KEY])
+            except ValueError as error:
+                raise ValueError(
+                    f"checkpoint {checkpoint_path}: {error}. A checkpoint written by lightning_mgpu never holds this: "
+                    "the file was damaged or edited. Restore or delete that entry, or resume from another checkpoint."
+                ) from None
             self._restore_package_state(package)
         return checkpoint
 
