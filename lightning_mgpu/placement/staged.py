@@ -128,7 +128,12 @@ def _map(value: Any, fn: Callable[[Any], Any], *, tensors_only: bool = True) -> 
         return fn(value)
     if isinstance(value, tuple):
         items = [fn(item) if not tensors_only else _map(item, fn) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if type(value) is tuple:
+            return tuple(items)
+        try:
+            return type(value)(*items)  # a named tuple
+        except TypeError:
+            return type(value)(items)
     if isinstance(value, list):
         return [fn(item) if not tensors_only else _map(item, fn) for item in value]
     if isinstance(value, dict):

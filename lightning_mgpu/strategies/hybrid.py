@@ -183,6 +183,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
         self._split_points = None if split_points is None else list(split_points)
         self._schedule = schedule
         self._staged: Optional[StagedStep] = None
+        self._split_points_used: Optional[list[str]] = None
         self._sample_input = sample_input
         self._threads_per_stage = threads_per_stage
         self._pipeline: Optional[Pipeline] = None
@@ -347,7 +348,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
     @property
     def split_points(self) -> Optional[list[str]]:
         """The submodules where stages 1.. begin, when the staged pipeline runs (after setup)."""
-        return getattr(self, "_split_points_used", None)
+        return self._split_points_used
 
     def _find_split_module(self, module: nn.Module) -> tuple[str, nn.Sequential]:
         if self._split_module is not None:
