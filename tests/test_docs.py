@@ -81,6 +81,8 @@ def test_argument_tables_name_the_class_arguments(page: str) -> None:
     parameters = inspect.signature(cls).parameters
     documented = _argument_rows(REPO / "docs" / page)
     assert documented, f"docs/{page} has no argument table"
+    twice = sorted({name for name in documented if documented.count(name) > 1})
+    assert not twice, f"docs/{page} documents {twice} more than once"
     unknown = [name for name in documented if name not in parameters]
     assert not unknown, f"docs/{page} documents {unknown}, which {cls.__name__} does not take"
     if complete:
