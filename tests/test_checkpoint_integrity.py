@@ -1,5 +1,12 @@
 """Checkpoints that were cut short or edited fail with one clear error (issue 17 items 5 and 6).
 
+* Item 5: our strategies write a local checkpoint to a temporary file in its own directory,
+  ``fsync`` it and ``os.replace`` it over the final name (Lightning's writer staged it in the
+  system's temporary directory and moved it: across filesystems a copy, which a full disk or a
+  kill leaves truncated under the final name); remote fsspec paths still work; a truncated or
+  damaged file fails on load with an error that names it and says it is incomplete (before:
+  ``OSError: [Errno 22] Invalid argument``, ``EOFError`` or a miniz message naming no file, or,
+  for a flipped byte inside a tensor, nothing at all).
 * Item 6: every field of ``checkpoint["lightning_mgpu"]`` is checked on load with the constructor's
   own checks; a bad entry is one ``ValueError`` that names the file and the key (before: a raw
   ``TypeError`` dumping parameter tensors, a bare ``ValueError``/``AttributeError``, or NaN
@@ -9,17 +16,154 @@
 from __future__ import annotations
 
 import copy
+import errno
 import math
+import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
+import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import HybridParallelStrategy, TunedDDPStrategy
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
+from lightning_mgpu.strategies.checkpoint_io import IncompleteCheckpointError
+
+# ----------------------------------------------------------------------------- item 5: atomic writes, damaged files
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(64, 64)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(16, 64, generator=generator), torch.randn(16, 64, generator=generator))
+        return DataLoader(data, batch_size=4)
+
+
+def trainer(root: Path, strategy: TunedDDPStrategy, steps: int = 2) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, default_root_dir=root, logger=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1)],
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint written by a real fit (TunedDDPStrategy, one CPU device, Adam state included)."""
+    root = tmp_path_factory.mktemp("fit")
+    trainer(root, TunedDDPStrategy()).fit(Tiny())
+    path = root / "ckpt" / "epoch=0-step=2.ckpt"
+    assert path.stat().st_size > 40_000
+    return path
+
+
+def test_checkpoints_are_written_beside_their_name_synced_and_renamed_over_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replaced: list[tuple[str, str]] = []
+    synced: list[int] = []
+    real_replace, real_fsync = os.replace, os.fsync
+    monkeypatch.setattr(
+        os, "replace", lambda src, dst: (replaced.append((str(src), str(dst))), real_replace(src, dst))[1]
+    )
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    target = tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
+    TunedDDPStrategy().checkpoint_io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, target)
+    assert [dst for _, dst in replaced] == [str(target)]  # the final name appears in one atomic rename...
+    source = Path(replaced[0][0])
+    assert source.parent == target.parent and source.name.startswith(
+        ".epoch=0-step=1.ckpt."
+    )  # ...from its own directory
+    assert len(synced) >= 2  # the file's bytes, then the directory entry
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temporary file left
+    assert torch.equal(torch.load(target, weights_only=True)["state_dict"]["w"], torch.ones(3))
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "last.ckpt"
+    io = HybridParallelStrategy().checkpoint_io
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}}, target)
+    before = target.read_bytes()
+
+    def disk_full(obj: Any, file: Any) -> None:
+        file.write(b"PK\x03\x04" + b"x" * 5000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(1000)}}, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_remote_fsspec_paths_still_work() -> None:
+    io = TunedDDPStrategy().checkpoint_io
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}}, "memory://lightning_mgpu_test/a.ckpt")
+    loaded = io.load_checkpoint("memory://lightning_mgpu_test/a.ckpt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(4.0))
+
+
+def test_a_users_own_checkpoint_io_is_kept() -> None:
+    class Mine(TorchCheckpointIO):
+        pass
+
+    strategy = TunedDDPStrategy(checkpoint_io=Mine())
+    assert type(strategy.checkpoint_io) is Mine
+
+
+@pytest.mark.parametrize("keep", [0, 100, 12 * 1024, 0.5, -10])
+def test_a_truncated_checkpoint_fails_naming_the_file_and_saying_it_is_incomplete(
+    real_checkpoint: Path, tmp_path: Path, keep: float
+) -> None:
+    data = real_checkpoint.read_bytes()
+    cut = tmp_path / "epoch=1-step=8.ckpt"
+    cut.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(IncompleteCheckpointError) as caught:
+        TunedDDPStrategy().load_checkpoint(cut)
+    message = str(caught.value)
+    assert str(cut) in message and "incomplete" in message, message
+
+
+def test_a_flipped_byte_inside_a_tensor_is_caught(real_checkpoint: Path, tmp_path: Path) -> None:
+    data = bytearray(real_checkpoint.read_bytes())
+    with zipfile.ZipFile(real_checkpoint) as archive:
+        biggest = max(archive.infolist(), key=lambda m: m.compress_size)
+    data[biggest.header_offset + biggest.compress_size // 2] ^= 0xFF  # torch.load alone loads this silently
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(IncompleteCheckpointError, match=re.escape(str(damaged)) + ".*damaged.*CRC"):
+        TunedDDPStrategy().load_checkpoint(damaged)
+
+
+def test_resuming_a_fit_from_a_truncated_checkpoint_names_it(real_checkpoint: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "epoch=0-step=2.ckpt"
+    cut.write_bytes(real_checkpoint.read_bytes()[: 12 * 1024])
+    with pytest.raises(IncompleteCheckpointError, match=re.escape(str(cut)) + " is incomplete"):
+        trainer(tmp_path, TunedDDPStrategy(), steps=4).fit(Tiny(), ckpt_path=cut)
+    # and the whole file resumes
+    trainer(tmp_path / "again", TunedDDPStrategy(), steps=3).fit(Tiny(), ckpt_path=real_checkpoint)
+
 
 # ----------------------------------------------------------------------------- item 6: tampered entries
 

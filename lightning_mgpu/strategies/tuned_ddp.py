@@ -48,6 +48,7 @@ from lightning_mgpu.comm import powersgd_memory
 from lightning_mgpu.comm.compression import resolve_compression
 from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
 from lightning_mgpu.strategies import _failures
+from lightning_mgpu.strategies.checkpoint_io import atomic_checkpoint_io
 from lightning_mgpu.strategies.checkpoint_state import (
     CHECKPOINT_KEY,
     check_package,
@@ -207,7 +208,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **kwargs,
+            **options.ddp_kwargs,
         )
         self._wire_dtype: Optional[torch.dtype] = None
         self._hooks = HookChain()
@@ -293,6 +294,21 @@ class TunedDDPStrategy(DDPStrategyBase):
     def powersgd_keeper(self) -> Optional[powersgd_memory.PowerSGDLayoutKeeper]:
         """With ``compression="powersgd"``: the keeper of PowerSGD's memory (None before DDP is set up)."""
         return self._hooks.powersgd_keeper
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's, except that the default writes local files atomically and names a damaged file on
+        load (:mod:`~lightning_mgpu.strategies.checkpoint_io`); a ``CheckpointIO`` of your own is kept."""
+        io = super().checkpoint_io  # Lightning's: a TorchCheckpointIO when none was given
+        atomic = atomic_checkpoint_io(io)
+        if atomic is not io:
+            self.checkpoint_io = atomic
+        return atomic
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        DDPStrategyBase.checkpoint_io.fset(self, io)  # type: ignore[attr-defined]
 
     @property
     def prescaler(self) -> Any:
