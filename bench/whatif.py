@@ -63,6 +63,7 @@ QUICK = {
     "sweep_max_mib": 4,
 }
 LAUNCH_TIMEOUT_S = 7200
+VALIDATIONS = ("loopback_profile", "profile_at_1gbps", "one_rank_plus_bench_comm")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "whatif.json"
 
 
@@ -152,7 +153,7 @@ def predict_step(
     from lightning_mgpu.whatif import Scenario, System, link_from_profile, load_profile, predict
 
     run = load_profile(profile, parameters=gradients)
-    host = link_from_profile(run) if host_from_profile else None
+    host = link_from_profile(run, overhead_ms=costs.allreduce_overhead_ms) if host_from_profile else None
     scenario = Scenario(
         system=System(nodes=2, inter=link, host=host, host_overlap=host_overlap),
         bucket_cap_mb=config.get("bucket_cap_mb"),
@@ -169,36 +170,102 @@ def predict_step(
     }
 
 
-def row(
-    model: str,
-    rate: float,
-    achieved: float,
-    config: dict[str, Any],
-    predicted: dict[str, Any],
-    measured: list[dict[str, Any]],
+def measurement(
+    model: str, rate: float, achieved: float, config: dict[str, Any], runs: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    medians = [m["median_ms"] for m in measured]
-    measured_ms = statistics.median(medians)
-    built = {tuple(m.get("built_bytes") or ()) for m in measured}
+    """One configuration's measured step time: the median over rounds of each run's median."""
+    medians = [r["median_ms"] for r in runs]
     return {
         "model": model,
         "rate_gbps": rate,
         "achieved_gbps": achieved,
-        "config": config["name"],
-        **predicted,
-        "measured_ms": measured_ms,
+        "config": config,
+        "measured_ms": statistics.median(medians),
         "measured_per_round_ms": medians,
-        "error_pct": 100.0 * (predicted["predicted_ms"] - measured_ms) / measured_ms,
-        "layout_matches": built == {tuple(predicted["predicted_bytes"])},
-        "final_loss": statistics.median(m["losses"][-1] for m in measured if m["losses"]),
+        "built_bytes": sorted({tuple(r.get("built_bytes") or ()) for r in runs}),
+        "final_loss": statistics.median(r["losses"][-1] for r in runs if r["losses"]),
     }
+
+
+def validate(
+    measurements: list[dict[str, Any]],
+    inputs: dict[str, dict[str, Any]],
+    bench_comm: dict[str, Any],
+    costs: dict[str, dict[str, Any]],
+    host_overlap: float,
+    *,
+    sum16: bool = True,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every prediction beside the measurement it predicts, per validation (pure: re-run offline).
+
+    ``sum16=False`` leaves out gloo's slower 16-bit sum (to see what it contributes).
+    """
+    from lightning_mgpu.whatif import (
+        CompressionCosts,
+        link_from_bench_comm,
+        link_from_gbps,
+        link_from_profile,
+        load_profile,
+    )
+
+    validations: dict[str, list[dict[str, Any]]] = {name: [] for name in VALIDATIONS}
+
+    def add(name: str, m: dict[str, Any], source: dict[str, Any], link: Any, host_from_profile: bool) -> None:
+        predicted = predict_step(
+            source["profile"],
+            source["gradients"],
+            m["config"],
+            link=link,
+            host_from_profile=host_from_profile,
+            costs=CompressionCosts.from_dict(
+                costs[m["model"]] if sum16 else {**costs[m["model"]], "gloo_ms_per_mib": {}}
+            ),
+            host_overlap=host_overlap,
+        )
+        validations[name].append(
+            {
+                **{key: m[key] for key in ("model", "rate_gbps", "achieved_gbps", "measured_ms", "final_loss")},
+                "config": m["config"]["name"],
+                **predicted,
+                "error_pct": 100.0 * (predicted["predicted_ms"] - m["measured_ms"]) / m["measured_ms"],
+                "layout_matches": [list(b) for b in m["built_bytes"]] == [predicted["predicted_bytes"]],
+            }
+        )
+
+    for m in measurements:
+        model, rate = m["model"], m["rate_gbps"]
+        add("loopback_profile", m, inputs["loopback_2"][model], link_from_gbps(m["achieved_gbps"]), True)
+        at = inputs["at_1gbps"].get(model)
+        if rate == PROFILE_RATE and at is not None:
+            overhead = float(costs[model].get("allreduce_overhead_ms", 0.0))
+            add("profile_at_1gbps", m, at, link_from_profile(load_profile(at["profile"]), overhead_ms=overhead), False)
+        sweep = bench_comm.get(f"{rate:g}")
+        if m["config"]["name"] == "default" and sweep is not None:
+            add("one_rank_plus_bench_comm", m, inputs["loopback_1"][model], link_from_bench_comm(sweep), False)
+    return validations
+
+
+def repredict(path: Path, host_overlap: float, *, sum16: bool = True) -> dict[str, Any]:
+    """A saved result's predictions made again with another model setting (no measuring)."""
+    report: dict[str, Any] = json.loads(path.read_text())
+    validations = validate(
+        report["measurements"],
+        report["inputs"],
+        report["bench_comm"],
+        report["compression_costs"],
+        host_overlap,
+        sum16=sum16,
+    )
+    settings = {**report["settings"], "host_overlap": host_overlap, "sum16": sum16, "repredicted_from": str(path)}
+    summary = {name: summarize_errors(rows) for name, rows in validations.items()}
+    return {**report, "settings": settings, "validations": validations, "summary": summary}
 
 
 # ----------------------------------------------------------------------------- the driver
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_mgpu.whatif import link_from_bench_comm, link_from_gbps, link_from_profile, load_profile
+    from lightning_mgpu.whatif import load_profile
     from lightning_mgpu.whatif.measure import measure_costs
 
     reason = netlab_lib.lab_unavailable()
@@ -260,56 +327,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     else:
                         measured.setdefault((result["model"], rate, result["config"]), []).append(result)
 
-    validations: dict[str, list[dict[str, Any]]] = {
-        "loopback_profile": [],
-        "profile_at_1gbps": [],
-        "one_rank_plus_bench_comm": [],
+    measurements = [
+        measurement(model, rate, float(links[rate]["gbps"]), config, measured[(model, rate, config["name"])])
+        for rate in args.rates
+        for model in args.models
+        for config in cfgs
+        if measured.get((model, rate, config["name"]))
+    ]
+    inputs = {
+        name: {m: {"profile": r["profile"], "gradients": r["gradients"]} for m, r in runs.items()}
+        for name, runs in (("loopback_2", profiles2), ("loopback_1", profiles1), ("at_1gbps", profiles_at))
     }
-    overlap = args.host_overlap
-    for rate in args.rates:
-        achieved = float(links[rate]["gbps"])
-        for model in args.models:
-            base = profiles2[model]
-            for config in cfgs:
-                runs = measured.get((model, rate, config["name"]))
-                if not runs:
-                    continue
-                link = link_from_gbps(achieved)
-                p = predict_step(
-                    base["profile"],
-                    base["gradients"],
-                    config,
-                    link=link,
-                    host_from_profile=True,
-                    costs=costs[model],
-                    host_overlap=overlap,
-                )
-                validations["loopback_profile"].append(row(model, rate, achieved, config, p, runs))
-                if rate == PROFILE_RATE and model in profiles_at:
-                    at = profiles_at[model]
-                    as_seen = link_from_profile(load_profile(at["profile"]))
-                    p = predict_step(
-                        at["profile"],
-                        at["gradients"],
-                        config,
-                        link=as_seen,
-                        host_from_profile=False,
-                        costs=costs[model],
-                        host_overlap=overlap,
-                    )
-                    validations["profile_at_1gbps"].append(row(model, rate, achieved, config, p, runs))
-                if config["name"] == "default" and rate in sweeps:
-                    one = profiles1[model]
-                    p = predict_step(
-                        one["profile"],
-                        one["gradients"],
-                        config,
-                        link=link_from_bench_comm(sweeps[rate]),
-                        host_from_profile=False,
-                        costs=costs[model],
-                        host_overlap=overlap,
-                    )
-                    validations["one_rank_plus_bench_comm"].append(row(model, rate, achieved, config, p, runs))
+    bench_comm = {f"{rate:g}": sweep for rate, sweep in sweeps.items()}
+    validations = validate(
+        measurements, inputs, bench_comm, {m: c.as_dict() for m, c in costs.items()}, args.host_overlap
+    )
     return {
         "machine": machine_facts(backend="gloo", world_size=2, device_type="cpu", threads_per_rank=1),
         "settings": {
@@ -326,12 +358,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "links": {f"{rate:g}": value for rate, value in links.items()},
         "profiles": {m: profiles2[m]["profile"]["summary"] for m in args.models},
         "compression_costs": {m: c.as_dict() for m, c in costs.items()},
-        # everything the predictions were made from, to re-predict offline with another model setting
-        "inputs": {
-            name: {m: {"profile": r["profile"], "gradients": r["gradients"]} for m, r in runs.items()}
-            for name, runs in (("loopback_2", profiles2), ("loopback_1", profiles1), ("at_1gbps", profiles_at))
-        },
-        "bench_comm": {f"{rate:g}": sweep for rate, sweep in sweeps.items()},
+        # everything the predictions are made from: --repredict makes them again with another model setting
+        "inputs": inputs,
+        "bench_comm": bench_comm,
+        "measurements": measurements,
         "validations": validations,
         "summary": {name: summarize_errors(rows) for name, rows in validations.items()},
     }
@@ -357,6 +387,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="raw TCP transfer measuring each rate")
     parser.add_argument("--sweep-max-mib", type=int, default=32, help="largest all-reduce of the bench-comm sweep")
     parser.add_argument("--host-overlap", type=float, default=1.0, help="the model's System.host_overlap (0..1)")
+    parser.add_argument("--no-sum16", action="store_true", help="with --repredict: leave out gloo's 16-bit sum cost")
+    parser.add_argument(
+        "--repredict", type=Path, default=None, metavar="RESULT", help="predict a saved result again (no measuring)"
+    )
     parser.add_argument("--skip-bench-comm", action="store_true", help="no 1-rank + bench-comm validation")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
@@ -372,6 +406,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
+    if args.repredict is not None:
+        report = repredict(args.repredict, args.host_overlap, sum16=not args.no_sum16)
+        print_report(report)
+        if args.out != DEFAULT_OUT:
+            print(f"\nwrote {write_json(args.out, report)} and {plot(report, args.out.with_suffix('.png'))}")
+        return
     report = run(args)
     # a smoke run's figures are noise: never over the kept results unless asked to
     out = (

@@ -230,19 +230,16 @@ def test_a_bench_comm_result_gives_a_measured_curve() -> None:
         link_from_bench_comm({**report, "world_size": 1})
 
 
-def test_the_profiled_link_is_fitted_to_the_time_buckets_held_it() -> None:
+def test_the_profiled_link_is_the_bytes_over_the_time_buckets_held_it() -> None:
     run = load_profile(simple_profile())
     assert service_times(run) == [1.0, 1.0]
-    # equal sizes cannot tell overhead from bandwidth: none, and 2e6 bytes in 2 ms = 1 GB/s (2 ranks: factor 1)
+    # 2 ranks (factor 1): 2e6 bytes in 2 ms = 1 GB/s
     assert profiled_cost(run) == pytest.approx((0.0, 1.0))
-    # the MLP's buckets: 1.0 ms for 1 MiB + 1 KiB, 8.0 ms for 32 MiB + 20 KiB: a line through both
-    run = load_profile(mlp_profile())
-    overhead, busbw = profiled_cost(run) or (0.0, 0.0)
-    small, large = (b.bytes for b in run.buckets)
-    slope = 7.0 / (large - small)  # ms per byte
-    assert busbw == pytest.approx(1 / slope / 1e6) and overhead == pytest.approx(1.0 - small * slope)
-    link = link_from_profile(run)
-    assert link is not None and link.includes_host and link.latency_us == pytest.approx(overhead * 1e3 / 2)
+    # with 0.5 ms of fixed cost per all-reduce measured apart, the bytes had 1 ms: 2 GB/s
+    assert profiled_cost(run, overhead_ms=0.5) == pytest.approx((0.5, 2.0))
+    link = link_from_profile(run, overhead_ms=0.5)
+    assert link is not None and link.includes_host and link.latency_us == pytest.approx(250.0)  # 2 ring steps
+    assert profiled_cost(run, overhead_ms=5.0) == pytest.approx((0.0, 1.0))  # more than the time: ignored
     assert link_from_profile(load_profile(mlp_profile(world_size=1))) is None
 
 
@@ -376,9 +373,9 @@ def test_predicting_the_profiled_system_gives_back_the_profiled_step() -> None:
     link = link_from_profile(run)
     assert link is not None
     p = predict(run, Scenario(system=System(nodes=2, inter=link)))
-    # service times 1.0 and 8.0 ms at the profile's own busbw: the buckets end where they did
-    assert p.buckets[-1].done_ms == pytest.approx(33.0)
-    assert p.exposed_comm_ms == pytest.approx(8.0) and p.step_ms == pytest.approx(55.0)
+    # the buckets hold the link as long as they did (1 + 8 ms), shared by bytes
+    assert sum(b.done_ms - b.start_ms for b in p.buckets) == pytest.approx(9.0)
+    assert p.step_ms == pytest.approx(55.0, rel=0.02) and p.exposed_comm_ms == pytest.approx(8.0, rel=0.1)
 
 
 def test_a_slower_link_never_predicts_a_faster_step() -> None:

@@ -152,6 +152,7 @@ def test_measured_costs_cover_every_compressed_shape_and_feed_the_plan() -> None
     assert plan.pre_ms > 0 and all(amount >= 0 for _, amount in plan.segments)
     assert costs.as_dict()["matrices"]["2048,2048,1"] == list(costs.matrices["2048,2048,1"])
     assert set(costs.gloo_ms_per_mib) == {"float32", "float16", "bfloat16"}  # gloo in-process, two threads
+    assert 0 < costs.allreduce_overhead_ms < 100
     assert all(value > 0 for value in costs.gloo_ms_per_mib.values())
 
 

@@ -208,7 +208,9 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
 
     parameters = load_parameters(args.params) if args.params else None
     run = load_profile(args.profile, parameters=parameters)
-    inter = _link(args.link, args.link_gbps, args.link_bench) or link_from_profile(run)
+    costs, costs_source = _costs(args, run)
+    overhead = costs.allreduce_overhead_ms
+    inter = _link(args.link, args.link_gbps, args.link_bench) or link_from_profile(run, overhead_ms=overhead)
     if inter is None:
         parser.error(
             f"{args.profile} was profiled on one rank, so it measured no link: name one "
@@ -227,7 +229,11 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
     host: Optional[Link] = None
     if run.device_type == "cpu" and not args.no_host:
         given = args.host_busbw_gbps
-        host = Link(name="host", busbw_gbps=given, source="--host-busbw-gbps") if given else link_from_profile(run)
+        host = (
+            Link(name="host", busbw_gbps=given, source="--host-busbw-gbps")
+            if given
+            else link_from_profile(run, overhead_ms=overhead)
+        )
     system = System(
         nodes=nodes,
         devices_per_node=per_node,
@@ -237,7 +243,6 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         host=host,
         **({"host_overlap": args.host_overlap} if args.host_overlap is not None else {}),
     )
-    costs, costs_source = _costs(args, run)
     scenario = Scenario(
         system=system,
         bucket_cap_mb=args.bucket_cap_mb,

@@ -69,6 +69,9 @@ class CompressionCosts:
     """Matrix-multiply rate for shapes not in :attr:`matrices` (0: such shapes cost nothing)."""
     gloo_ms_per_mib: Mapping[str, float] = field(default_factory=dict)
     """CPU: a 2-rank gloo all-reduce on loopback, ms per MiB on the wire, by dtype (``"float16"`` ...)."""
+    allreduce_overhead_ms: float = 0.0
+    """CPU: a 2-rank gloo all-reduce of 4 KiB on loopback: the fixed cost of one all-reduce on this host
+    (what every extra bucket, and each of PowerSGD's three all-reduces, pays)."""
     device_type: str = "cpu"
     threads: Optional[int] = None
     source: str = ""
@@ -100,6 +103,7 @@ class CompressionCosts:
             "matrices": {key: list(value) for key, value in self.matrices.items()},
             "gflops": self.gflops,
             "gloo_ms_per_mib": dict(self.gloo_ms_per_mib),
+            "allreduce_overhead_ms": self.allreduce_overhead_ms,
             "device_type": self.device_type,
             "threads": self.threads,
             "source": self.source,
@@ -118,6 +122,7 @@ class CompressionCosts:
             },
             gflops=float(data.get("gflops", 0.0)),
             gloo_ms_per_mib={str(k): float(v) for k, v in dict(data.get("gloo_ms_per_mib", {})).items()},
+            allreduce_overhead_ms=float(data.get("allreduce_overhead_ms", 0.0)),
             device_type=str(data.get("device_type", "cpu")),
             threads=data.get("threads"),
             source=str(data.get("source", "")),

@@ -221,31 +221,24 @@ def service_times(run: ProfiledRun) -> list[float]:
     return out
 
 
-def profiled_cost(run: ProfiledRun) -> Optional[tuple[float, float]]:
-    """``(overhead_ms, busbw_gbps)`` fitted to the profiled buckets' service times: each bucket
-    took ``overhead + bytes * 2(n-1)/n / busbw`` (least squares over the buckets; with one bucket,
-    or sizes that do not tell the two apart, no overhead and the aggregate busbw). None when it
-    cannot be known (one rank, or no time measured)."""
+def profiled_cost(run: ProfiledRun, *, overhead_ms: float = 0.0) -> Optional[tuple[float, float]]:
+    """``(overhead_ms, busbw_gbps)``: each profiled bucket took ``overhead + bytes * 2(n-1)/n /
+    busbw``, with the overhead of one all-reduce given (measured apart: a small all-reduce, see
+    :func:`lightning_mgpu.whatif.measure.measure_gloo_latency`) and the busbw from the buckets'
+    service times together. None when it cannot be known (one rank, or no time measured).
+
+    Why not fit the overhead to the buckets: the first buckets run while backward computes, and on
+    CPU their time is stretched by sharing the cores with it; a line through them gives small
+    buckets an overhead of milliseconds that a small all-reduce on its own does not have.
+    """
     if run.world_size < 2 or not run.buckets:
         return None
     ratio = run.wire_ratio if run.wire_ratio is not None else 1.0
-    factor = bus_factor(run.world_size)
-    times = service_times(run)
-    sizes = [b.bytes * ratio * factor for b in sorted(run.buckets, key=lambda b: b.index)]
-    if sum(times) <= 0 or sum(sizes) <= 0:
-        return None
-    aggregate = (0.0, sum(sizes) / (sum(times) / 1e3) / 1e9)
-    if len(sizes) < 2:
-        return aggregate
-    mean_s, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
-    spread = sum((x - mean_s) ** 2 for x in sizes)
-    if spread <= 0:
-        return aggregate
-    slope = sum((x - mean_s) * (t - mean_t) for x, t in zip(sizes, times)) / spread  # ms per byte
-    overhead = mean_t - slope * mean_s
-    if slope <= 0 or overhead < 0:
-        return aggregate
-    return (overhead, 1.0 / slope / 1e6)
+    wire = sum(b.bytes for b in run.buckets) * ratio * bus_factor(run.world_size)
+    busy_ms = sum(service_times(run)) - overhead_ms * len(run.buckets)
+    if busy_ms <= 0 or wire <= 0:
+        return None if overhead_ms == 0 else profiled_cost(run)
+    return (overhead_ms, wire / (busy_ms / 1e3) / 1e9)
 
 
 def profiled_busbw_gbps(run: ProfiledRun) -> Optional[float]:
@@ -254,18 +247,18 @@ def profiled_busbw_gbps(run: ProfiledRun) -> Optional[float]:
     return None if cost is None else cost[1]
 
 
-def link_from_profile(run: ProfiledRun) -> Optional[Link]:
-    """The link as profiled, host costs included (None: one rank): each all-reduce costs the
-    :func:`profiled_cost` overhead (spread over the profiled world size's ring steps) plus its
-    bytes at the fitted busbw."""
-    cost = profiled_cost(run)
+def link_from_profile(run: ProfiledRun, *, overhead_ms: float = 0.0) -> Optional[Link]:
+    """The link as profiled, host costs included (None: one rank): each all-reduce costs
+    ``overhead_ms`` (spread over the profiled world size's ring steps) plus its bytes at the
+    busbw the profiled buckets achieved (:func:`profiled_cost`)."""
+    cost = profiled_cost(run, overhead_ms=overhead_ms)
     if cost is None:
         return None
-    overhead_ms, busbw = cost
+    overhead, busbw = cost
     return Link(
         name="as profiled",
         busbw_gbps=busbw,
-        latency_us=overhead_ms * 1e3 / (2 * (run.world_size - 1)),
+        latency_us=overhead * 1e3 / (2 * (run.world_size - 1)),
         includes_host=True,
         nominal=f"{run.world_size} ranks, {run.backend}",
         source=f"the profile's bucket service times ({run.source})",

@@ -87,7 +87,16 @@ def measure_gloo_allreduce(
     return {name: _gloo_ms(store, name, mib=mib, repeats=repeats) / mib for name in dtypes}
 
 
-def _gloo_ms(store: Any, name: str, *, mib: int, repeats: int) -> float:
+def measure_gloo_latency(*, nbytes: int = 4096, repeats: int = 20) -> float:
+    """ms of one 2-rank gloo all-reduce of ``nbytes`` float32 on this machine's loopback: the fixed
+    cost of an all-reduce on this host, whatever its size (two ranks on threads, as
+    :func:`measure_gloo_allreduce`)."""
+    import torch.distributed as dist
+
+    return _gloo_ms(dist.HashStore(), "float32", mib=nbytes / MIB, repeats=repeats)
+
+
+def _gloo_ms(store: Any, name: str, *, mib: float, repeats: int) -> float:
     """The slower rank's median ms for one 2-rank all-reduce of ``mib`` MiB of ``name`` elements."""
     import threading
     from datetime import timedelta
@@ -96,7 +105,7 @@ def _gloo_ms(store: Any, name: str, *, mib: int, repeats: int) -> float:
     import torch.distributed as dist
 
     dtype = getattr(torch, name)
-    elements = mib * MIB // torch.tensor([], dtype=dtype).element_size()
+    elements = max(1, int(mib * MIB) // torch.tensor([], dtype=dtype).element_size())
     times: dict[int, float] = {}
     errors: list[BaseException] = []
 
@@ -182,7 +191,9 @@ def measure_costs(
                 flops += 6.0 * n * m * r
                 seconds += sum(phases) / 1e3
         gflops = flops / seconds / 1e9 if seconds > 0 else 0.0
-        gloo = measure_gloo_allreduce(repeats=max(1, repeats // 2 + 1)) if dev.type == "cpu" and gloo_dtypes else {}
+        on_gloo = dev.type == "cpu" and gloo_dtypes
+        gloo = measure_gloo_allreduce(repeats=max(1, repeats // 2 + 1)) if on_gloo else {}
+        gloo_latency = measure_gloo_latency(repeats=4 * repeats) if on_gloo else 0.0
     finally:
         torch.set_num_threads(previous_threads)
     return CompressionCosts(
@@ -193,10 +204,11 @@ def measure_costs(
         matrices=matrices,
         gflops=gflops,
         gloo_ms_per_mib=gloo,
+        allreduce_overhead_ms=gloo_latency,
         device_type=dev.type,
         threads=threads if threads is not None else previous_threads,
         source=f"measured on this machine ({dev.type}, {threads or previous_threads} thread(s), median of {repeats})",
     )
 
 
-__all__ = ["PROBE_MIB", "measure_costs", "measure_gloo_allreduce"]
+__all__ = ["PROBE_MIB", "measure_costs", "measure_gloo_allreduce", "measure_gloo_latency"]
