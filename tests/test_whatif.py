@@ -437,5 +437,10 @@ def test_what_would_help_replays_the_profile_on_its_own_link() -> None:
     assert "one rank was profiled" in one_rank.title and not one_rank.levers
     broken = what_would_help({"world_size": 2})
     assert broken.title == "what would help: nothing to replay" and "no 'summary'" in broken.notes[0]
+    on_ethernet = what_would_help(mlp_profile(), link="1gbe", nodes=4)
+    assert on_ethernet.title.startswith("what would help (4 rank(s) over 1gbe")
+    assert what_would_help(mlp_profile(), link=2.5).title.startswith("what would help (2 rank(s) over 2.5 Gbit/s")
+    with pytest.raises(ValueError, match="unknown link 'fddi'"):
+        what_would_help(mlp_profile(), link="fddi")
     no_shapes = what_would_help(mlp_profile(params=False))
     assert "PowerSGD not predicted: the profile lists no gradient shapes" in no_shapes.notes

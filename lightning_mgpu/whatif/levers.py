@@ -11,11 +11,11 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
 from lightning_mgpu.whatif.compression import NO_COSTS, CompressionCosts
-from lightning_mgpu.whatif.links import Link, link_from_profile
+from lightning_mgpu.whatif.links import Link, link_from_gbps, link_from_profile, resolve_link
 from lightning_mgpu.whatif.model import Prediction, Scenario, System, predict
 from lightning_mgpu.whatif.records import ProfiledRun, load_profile
 
@@ -194,22 +194,25 @@ class Advice:
 def what_would_help(
     profile: Mapping[str, Any],
     *,
-    link: Optional[Link] = None,
+    link: Union[Link, str, float, None] = None,
     nodes: Optional[int] = None,
     costs: CompressionCosts = NO_COSTS,
     top: int = 4,
 ) -> Advice:
     """The levers on the profiled system (or on ``link`` / ``nodes``), best ``top`` first.
 
-    ``profile`` is the ``comm_profile.json`` document. Never raises for a profile that cannot be
-    replayed: the block then says why in one line (the profiler prints it as is).
+    ``profile`` is the ``comm_profile.json`` document; ``link`` a :class:`Link`, a preset name
+    (``"10gbe"``) or a rate in Gbit/s; ``nodes`` the nodes to predict (default: one per profiled
+    rank). Never raises for a profile that cannot be replayed: the block then says why in one
+    line (the profiler prints it as is). A ``link`` or ``nodes`` that is wrong raises ValueError.
     """
+    chosen_link = _as_link(link)
     try:
         run = load_profile(profile)
     except ValueError as error:
         return Advice("what would help: nothing to replay", (), (str(error),))
     as_profiled = link_from_profile(run)
-    chosen = link or as_profiled
+    chosen = chosen_link or as_profiled
     if chosen is None:
         return Advice(
             "what would help: one rank was profiled; name a link to predict more ranks",
@@ -229,6 +232,14 @@ def what_would_help(
         notes.append("PowerSGD not predicted here (its compute is not measured): lightning-mgpu whatif PROFILE")
     title = f"what would help ({system.describe()}, replayed from this profile):"
     return Advice(title, tuple(step_levers + scale), tuple(notes))
+
+
+def _as_link(link: Union[Link, str, float, None]) -> Optional[Link]:
+    if link is None or isinstance(link, Link):
+        return link
+    if isinstance(link, str):
+        return resolve_link(link)
+    return link_from_gbps(link)
 
 
 __all__ = ["POWERSGD_RANKS", "Advice", "Lever", "rank_levers", "what_would_help"]
