@@ -19,12 +19,13 @@ bucket's all-reduce is simulated on the target :class:`System`:
 * the step is ``forward + backward compute + exposed communication + optimizer + other``,
   where exposed is what runs past the end of backward compute.
 
-What the model ignores (and ``docs/whatif.md`` discusses with numbers): contention between
-compute and communication for the same CPU cores or memory bandwidth (on loopback the profile's
-compute already carries it); stragglers beyond the profiled slowest rank; collectives running
-concurrently (gloo has two threads; the model lets one bucket use the link at a time, which
-gives the same end time when the link is the bottleneck); congestion from other jobs; the
-steps before PowerSGD starts; network topology beyond two levels; and the data loader.
+What the model ignores (``docs/whatif.md`` discusses it): contention between compute and
+communication for the same cores or memory bandwidth beyond the compression work it places on
+backward's cores (a loopback profile's compute already carries the contention of a fast
+all-reduce; a 1-rank profile carries none of two ranks sharing a machine); stragglers beyond the
+profiled slowest rank; collectives running concurrently (gloo has two threads; one bucket at a
+time on the link gives the same end time when the link is the bottleneck); congestion from other
+jobs; the steps before PowerSGD starts; network topology beyond two levels; the data loader.
 
 Pure Python: no torch import.
 """
