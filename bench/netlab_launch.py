@@ -11,6 +11,7 @@ one log file per node (never to a pipe that could fill), returned in :class:`Nod
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -18,9 +19,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from bench.netlab_lib import REPO_ROOT, Lab, LabError
+
+_NOISE = re.compile(
+    r"^\[W|site-packages|warnings.warn|^(GPU|TPU) available|Initializing distributed|distributed_backend=|"
+    r"All distributed processes|^-+$|litlogger|Tip:"
+)
 
 
 @dataclass(frozen=True)
@@ -118,3 +124,38 @@ def check_runs(runs: Sequence[NodeRun], label: str, lines: int = 40) -> None:
             for run in failed
         )
         raise LabError(f"{label}: {len(failed)} node(s) failed\n{tails}")
+
+
+def launch_worker(
+    lab: Lab,
+    module: str,
+    worker_args: Sequence[str],
+    *,
+    scratch: Path,
+    label: str,
+    timeout: float,
+    nproc_per_node: int = 1,
+    threads: int = 1,
+) -> Any:
+    """A benchmark's worker as every node of ``lab`` (``bench.launcher``'s contract across the lab).
+
+    Runs ``python -m MODULE WORKER_ARGS --worker-out REPORT``, prints node 0's output (less
+    torch's and Lightning's start-up chatter) and returns the JSON report rank 0 wrote; raises
+    :class:`~bench.netlab_lib.LabError` naming ``label`` with the failed nodes' output.
+    """
+    import json
+
+    report = scratch / f"{label}.json"
+    runs = launch_torchrun(
+        lab,
+        ["-m", module, *worker_args, "--worker-out", str(report)],
+        nproc_per_node=nproc_per_node,
+        timeout=timeout,
+        threads=threads,
+        log_dir=scratch / label,
+    )
+    check_runs(runs, label)
+    print("\n".join(line for line in runs[0].output.splitlines() if line.strip() and not _NOISE.search(line)))
+    if not report.exists():
+        raise LabError(f"{label}: the workers ended without writing {report}\n{runs[0].output[-3000:]}")
+    return json.loads(report.read_text())

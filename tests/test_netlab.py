@@ -138,3 +138,26 @@ def test_stale_namespaces_of_dead_runs_are_removed_and_live_ones_kept() -> None:
     runner = FakeRunner(listing=listing)
     assert remove_stale(runner) == [f"nlab-{dead}-abc123-n0", f"nlab-{dead}-abc123-sw"]
     assert not any("someone-else" in line or f"nlab-{os.getpid()}" in line for line in runner.lines()[1:])
+
+
+def test_the_command_refuses_clearly_and_checks_its_arguments(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import netlab
+
+    monkeypatch.setattr(netlab, "lab_unavailable", lambda: "network namespaces need root (running as uid 1000)")
+    assert netlab.main(["--measure"]) == 2
+    assert "netlab: cannot build the network lab: network namespaces need root" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        netlab.parse_args([])  # nothing to run
+    assert "give a target after '--'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        netlab.parse_args(["--sweep", "--options", "ddp,zip"])
+    assert "unknown ['zip']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        netlab.parse_args(["--sweep", "--rates", "1,fast"])
+    assert "'fast' is not a rate" in capsys.readouterr().err
+    args = netlab.parse_args(["--gbps", "10,1", "--nproc-per-node", "2", "--", "-m", "mod", "--x"])
+    assert args.gbps == [10.0, 1.0] and args.target == ["-m", "mod", "--x"] and args.nproc_per_node == 2
+    quick = netlab.parse_args(["--sweep", "--quick", "--steps", "7"])
+    assert quick.rates == [1.0] and quick.models == ["mlp"] and quick.steps == 7 and quick.rounds == 1

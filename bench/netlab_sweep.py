@@ -1,0 +1,294 @@
+"""What each option buys where communication costs: ``python -m bench.netlab --sweep`` (this module's driver).
+
+Two nodes of :mod:`bench.netlab_lib`'s lab (one rank each, gloo over a tbf-shaped veth link),
+three models of different shape (``bench.buckets``' 8M MLP, VGG-style CNN and char_lm
+transformer), every option a user can pick:
+
+    ddp         Lightning's stock ``Trainer(strategy="ddp")``
+    ddp_tuned   ``TunedDDPStrategy()`` (DDP's default buckets)
+    auto        ``TunedDDPStrategy(bucket_cap_mb="auto")``: tuning included in its run
+    fp16, bf16  ``TunedDDPStrategy(compression=...)``
+    powersgd1, powersgd4
+                ``TunedDDPStrategy(compression="powersgd", powersgd_rank=1 / 4)``
+
+at 0.1, 1 and 10 Gbit/s (``--rates``). **Interleaved rounds**: every round visits every rate
+(order rotated each round); at each rate one torchrun launch trains every model and option,
+in an order rotated each round, so a machine that drifts favours nobody. The link is
+re-measured with a raw TCP transfer at every rate change: every figure carries the rate the
+link actually gave. Reported per (model, rate, option): the median over rounds of each run's
+median step time after ``--warmup`` steps; for ``auto`` also its mean step time over the whole
+run after warm-up (**tuning included**: its slower candidates, re-wraps, rebuilds) and what it
+chose. ``auto`` trains ``--auto-steps`` steps (its search needs a run several times longer
+than itself), the others ``--steps``.
+
+**Speed is never shown without its cost**: a separate launch (one, at the fastest rate: the
+result does not depend on the link) trains every option ``--loss-steps`` steps from the same
+seed and data, and reports the loss on a fixed evaluation set beside the step times.
+
+Writes ``--out`` (bench/results/netlab_sweep.json) and the figure next to it (step time vs
+link rate, one line per option, one panel per model). Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+OPTIONS = ("ddp", "ddp_tuned", "auto", "fp16", "bf16", "powersgd1", "powersgd4")
+LOSSY = ("fp16", "bf16", "powersgd1", "powersgd4")
+RATES_GBPS = (0.1, 1.0, 10.0)
+ROUNDS = 3
+STEPS = 40
+AUTO_STEPS = 200
+WARMUP = 8
+LOSS_STEPS = 200
+EVAL_BATCHES = 4
+POWERSGD_START_ITER = 2  # DDP's first iteration and bucket rebuild; compression from the start after them
+QUICK = {
+    "rounds": 1,
+    "rates": "1",
+    "models": "mlp",
+    "steps": 5,
+    "auto_steps": 12,
+    "warmup": 2,
+    "loss_steps": 4,
+    "probe_seconds": 0.2,
+}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "netlab_sweep.json"
+LAUNCH_TIMEOUT_S = 3600
+
+
+# ----------------------------------------------------------------------------- one fit (runs in every rank)
+def make_strategy(option: str) -> Any:
+    from lightning_mgpu import TunedDDPStrategy
+
+    if option == "ddp":
+        return "ddp"
+    if option == "ddp_tuned":
+        return TunedDDPStrategy()
+    if option == "auto":
+        return TunedDDPStrategy(bucket_cap_mb="auto")
+    if option in ("fp16", "bf16"):
+        return TunedDDPStrategy(compression=option)  # type: ignore[arg-type]  # fp16 or bf16
+    if option.startswith("powersgd"):
+        rank = int(option.removeprefix("powersgd"))
+        return TunedDDPStrategy(compression="powersgd", powersgd_rank=rank, powersgd_start_iter=POWERSGD_START_ITER)
+    raise ValueError(f"unknown option {option!r}; choose from {OPTIONS}")
+
+
+def fit_option(model_name: str, option: str, steps: int, quick: bool) -> dict[str, Any]:
+    """Train ``option`` on ``model_name`` for ``steps`` steps; rank 0's step times, loss and choices."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from bench.buckets import BATCH, build
+
+    model, data, loss_fn = build(model_name)
+    strategy = make_strategy(option)
+    if option == "auto" and quick:  # smoke run: a search that fits a few steps (never for real figures)
+        import dataclasses
+
+        strategy.tuner.settings = dataclasses.replace(
+            strategy.tuner.settings,
+            rounds=1,
+            measure=1,
+            settle=0,
+            initial_warmup=0,
+            min_run_multiple=1.0,
+            extra_steps=0,
+        )
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            return loss_fn(self.model(inputs), targets)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    starts: list[int] = []
+    step_ns: list[int] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+            starts.append(time.perf_counter_ns())
+
+        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+            step_ns.append(time.perf_counter_ns() - starts[-1])
+
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=local,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // local,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=-1,
+        callbacks=[Clock()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Module()
+    trainer.fit(module, DataLoader(data, batch_size=BATCH[model_name]))
+    held_out = data[: EVAL_BATCHES * BATCH[model_name]]  # the same fixed samples for every option
+    with torch.no_grad():
+        eval_loss = float(loss_fn(model(held_out[0]), held_out[1]))
+    result: dict[str, Any] = {
+        "model": model_name,
+        "option": option,
+        "steps": trainer.global_step,
+        "step_ms": [ns / 1e6 for ns in step_ns],
+        "eval_loss": eval_loss,
+    }
+    tuner = getattr(strategy, "tuner", None)
+    if tuner is not None:
+        record = strategy.tuning or {}
+        result["tuning"] = {k: record.get(k) for k in ("status", "outcome", "chosen_mb", "steps", "extra_rounds")}
+    del trainer, module
+    gc.collect()
+    return result
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Every (model, option, steps) of the plan in order; rank 0 writes the results."""
+    warnings.filterwarnings("ignore")
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    results = []
+    for model_name, option, steps in json.loads(Path(args.worker_plan).read_text()):
+        started = time.perf_counter()
+        results.append(fit_option(model_name, option, steps, args.quick))
+        if int(os.environ["RANK"]) == 0:
+            print(
+                f"  {model_name:<8} {option:<10} {steps:>4} steps  {time.perf_counter() - started:7.1f} s", flush=True
+            )
+    if int(os.environ["RANK"]) == 0:
+        Path(args.worker_out).write_text(json.dumps(results))
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+def rotated(items: list[Any], shift: int) -> list[Any]:
+    shift %= max(1, len(items))
+    return items[shift:] + items[:shift]
+
+
+def timing_plan(args: argparse.Namespace, round_index: int) -> list[list[Any]]:
+    """(model, option, steps) for one launch: every model, every option, in this round's order."""
+    return [
+        [model_name, option, args.auto_steps if option == "auto" else args.steps]
+        for model_name in rotated(list(args.models), round_index)
+        for option in rotated(list(args.options), round_index)
+    ]
+
+
+def launch(
+    lab: Any, plan: list[list[Any]], args: argparse.Namespace, scratch: Path, label: str
+) -> list[dict[str, Any]]:
+    from bench.netlab_launch import launch_worker
+
+    plan_file = scratch / f"{label}_plan.json"
+    plan_file.write_text(json.dumps(plan))
+    worker = ["--worker-plan", str(plan_file), "--threads", str(args.threads), *(["--quick"] if args.quick else [])]
+    results: list[dict[str, Any]] = launch_worker(
+        lab, "bench.netlab", worker, scratch=scratch, label=label, timeout=args.launch_timeout, threads=args.threads
+    )
+    return results
+
+
+def measure(lab: Any, rate: float, seconds: float) -> dict[str, Any]:
+    lab.set_rates(rate)
+    there, back = lab.measure_link(0, 1, seconds=seconds), lab.measure_link(1, 0, seconds=seconds)
+    print(f"link {rate:g} Gbit/s: measured {there.gbps:.3f} / {back.gbps:.3f} Gbit/s (0->1 / 1->0)")
+    return {"configured_gbps": rate, "measured_gbps": [there.gbps, back.gbps]}
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the lab, run the rounds and the loss launch, tear the lab down; every run's raw results."""
+    from bench.netlab_lib import Lab
+
+    runs: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
+    with Lab(2, max(args.rates)) as lab, tempfile.TemporaryDirectory(prefix="netlab_sweep_") as scratch:
+        for round_index in range(args.rounds):
+            for rate in rotated(sorted(args.rates), round_index):
+                print(f"round {round_index + 1}/{args.rounds}, {rate:g} Gbit/s")
+                link = {**measure(lab, rate, args.probe_seconds), "round": round_index}
+                links.append(link)
+                label = f"round{round_index}_{rate:g}gbps"
+                for result in launch(lab, timing_plan(args, round_index), args, Path(scratch), label):
+                    runs.append({**result, "round": round_index, "rate_gbps": rate, "link": link})
+        fastest = max(args.rates)
+        print(f"loss after {args.loss_steps} steps ({fastest:g} Gbit/s; the result does not depend on the link)")
+        measure(lab, fastest, args.probe_seconds)
+        plan = [[m, o, args.loss_steps] for m in args.models for o in args.options]
+        losses = launch(lab, plan, args, Path(scratch), "loss")
+    return {"runs": runs, "links": links, "losses": losses}
+
+
+def median(values: list[float]) -> Optional[float]:
+    return float(statistics.median(values)) if values else None
+
+
+def analyse(raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (model, rate, option): medians over rounds, measured link, loss, and auto's choices."""
+    rows = []
+    for model_name in args.models:
+        for rate in sorted(args.rates):
+            measured = [g for link in raw["links"] if link["configured_gbps"] == rate for g in link["measured_gbps"]]
+            here = [r for r in raw["runs"] if (r["model"], r["rate_gbps"]) == (model_name, rate)]
+
+            timed = {
+                option: [
+                    r["step_ms"][args.warmup :] for r in here if r["option"] == option and r["step_ms"][args.warmup :]
+                ]
+                for option in args.options
+            }
+            baseline = median([statistics.median(steps) for steps in timed.get("ddp", [])])
+            for option in args.options:
+                mine = [r for r in here if r["option"] == option]
+                per_round = [statistics.median(steps) for steps in timed[option]]
+                whole = [statistics.mean(steps) for steps in timed[option]]
+                step_ms = median(per_round)
+                loss = next(
+                    (r["eval_loss"] for r in raw["losses"] if (r["model"], r["option"]) == (model_name, option)), None
+                )
+                row: dict[str, Any] = {
+                    "model": model_name,
+                    "rate_gbps": rate,
+                    "measured_gbps": median(measured),
+                    "option": option,
+                    "step_ms": step_ms,
+                    "step_ms_per_round": per_round,
+                    "mean_step_ms": median(whole),
+                    "speedup_vs_ddp": None if not (baseline and step_ms) else baseline / step_ms,
+                    "eval_loss": loss,
+                    "lossy": option in LOSSY,
+                }
+                if option == "auto":
+                    row["tuning"] = [r.get("tuning") for r in mine]
+                rows.append(row)
+    return rows
