@@ -368,6 +368,24 @@ def test_gloos_slower_16_bit_sum_is_added_to_fp16_and_bf16_buckets() -> None:
     assert CompressionCosts.from_dict(costs.as_dict()) == costs
 
 
+def test_on_a_cpu_host_all_reduce_work_during_backward_takes_backwards_cores() -> None:
+    run = load_profile(mlp_profile())
+    host = link_from_profile(run)  # a loopback profile: its buckets' cost is the host's own
+    assert host is not None
+
+    def on_loopback(cap: Any, contention: bool) -> Any:
+        system = System(nodes=2, inter=PRESETS["loopback"], host=host)
+        return predict(run, Scenario(system=system, bucket_cap_mb=cap, host_contention=contention))
+
+    # the recorded layout: the profile's backward already carries its buckets' contention
+    assert on_loopback(None, True).backward_compute_ms == pytest.approx(25.0)
+    # smaller buckets move host work from after backward into it: no faster on a CPU-bound host
+    small, free = on_loopback(1.0, True), on_loopback(1.0, False)
+    assert small.backward_compute_ms > 25.0 and free.backward_compute_ms == pytest.approx(25.0)
+    assert small.step_ms == pytest.approx(on_loopback(None, True).step_ms, rel=0.01)
+    assert free.step_ms < small.step_ms  # without contention the model would promise a gain
+
+
 def test_predicting_the_profiled_system_gives_back_the_profiled_step() -> None:
     run = load_profile(mlp_profile())
     link = link_from_profile(run)

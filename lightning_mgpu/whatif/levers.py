@@ -111,10 +111,19 @@ def rank_levers(
         best = _best_bucket_cap(run, scenario, bucket_caps_mb)
         if best is not None:
             cap, prediction = best
-            levers.append(Lever(f"bucket {cap:g} MiB", {"bucket_cap_mb": cap}, prediction.step_ms, base.step_ms))
+            found = Lever(f"bucket {cap:g} MiB", {"bucket_cap_mb": cap}, prediction.step_ms, base.step_ms)
+            if found.saving_pct < MIN_SAVING_PCT:
+                sizes = f"{min(bucket_caps_mb):g}-{max(bucket_caps_mb):g} MiB"
+                found = replace(found, name="another bucket size", note=f"none of {sizes} saves {MIN_SAVING_PCT:g}%")
+            levers.append(found)
         faster = _scaled_link(scenario.system, link_factor)
         if faster is not None:
-            lever(f"a {link_factor:g}x faster link", system=faster)
+            quicker = lever(f"a {link_factor:g}x faster link", system=faster)
+            if (
+                scenario.system.host is not None
+                and base.step_ms - quicker.step_ms < MIN_SAVING_PCT / 100 * base.step_ms
+            ):
+                levers[-1] = replace(levers[-1], note="the host's own cost, not the link, sets the pace")
     levers.sort(key=lambda item: -item.saving_pct)
     doubled = _doubled(scenario)
     if doubled is not None:

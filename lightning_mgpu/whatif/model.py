@@ -111,10 +111,18 @@ class System:
         if self.world_size == 1:
             return 0.0
         wire = max(self._link_seconds(link, nbytes) for link in self.links) * 1e3
+        host = self.host_ms(nbytes, host_extra_ms=host_extra_ms)
+        return max(wire, host) + (1.0 - self.host_overlap) * min(wire, host)
+
+    def host_ms(self, nbytes: float, *, host_extra_ms: float = 0.0) -> float:
+        """The host's own work in one all-reduce (ms of CPU time), as far as it is known: its
+        cost where the links do not include it, plus ``host_extra_ms``."""
+        if self.world_size == 1:
+            return 0.0
         host = host_extra_ms
         if self.host is not None and not all(link.includes_host for link in self.links):
             host += self._link_seconds(self.host, nbytes) * 1e3
-        return max(wire, host) + (1.0 - self.host_overlap) * min(wire, host)
+        return host
 
     def _link_seconds(self, link: Link, nbytes: float) -> float:
         steps = self.steps()
@@ -161,6 +169,10 @@ class Scenario:
     """Compression work in the hook's callbacks (PowerSGD's products, fp16's copy back) runs on the
     cores (CPU) or the device (GPU stream) backward runs on: while backward still runs, it pushes
     backward back by as long. False: it runs beside backward for free."""
+    host_contention: bool = True
+    """CPU/gloo: the host's own all-reduce work (copying, summing) while backward computes takes
+    backward's cores too: backward is pushed back by it, net of what the profile's backward
+    already carried from its own buckets. False: it runs beside backward for free."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", check_compression(self.compression))
@@ -367,29 +379,40 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     first_launch: Optional[float] = None
     last_ready = max((ready * scale for _, ready, _ in buckets), default=0.0)
     undelayed_end = max(backward, last_ready)
+    profiled = _profiled_host_work(run, system, scale) if scenario.host_contention else []
+    included_total = _host_work_before(profiled, undelayed_end)
+    contention = 0.0  # the host's all-reduce work while backward computes, in this scenario
+    previous_hook = 0.0
     for (nbytes, ready, _), plan in zip(buckets, plans):
         pre = plan.pre_ms * scale
-        hook_at = ready * scale + delay
+        already = _host_work_before(profiled, ready * scale)  # the profile's ready time carries it
+        hook_at = max(previous_hook, ready * scale + delay + contention - already)
+        previous_hook = hook_at
         delay += pre  # on the autograd thread itself
         first_launch = hook_at if first_launch is None else first_launch
         start = max(hook_at + pre, link_free)
         clock = start
         segments = list(plan.segments)
         for index, (kind, amount) in enumerate(segments):
+            compute_end_now = undelayed_end + delay + contention - included_total
             if kind == "host":
                 continue  # taken with the all-reduce it belongs to
             if kind == "allreduce":
                 following = segments[index + 1] if index + 1 < len(segments) else ("", 0.0)
                 extra = following[1] * scale if following[0] == "host" else 0.0
-                clock += system.allreduce_ms(amount, host_extra_ms=extra)
+                took = system.allreduce_ms(amount, host_extra_ms=extra)
+                if scenario.host_contention and took > 0 and clock < compute_end_now:
+                    share = min(1.0, (compute_end_now - clock) / took)
+                    contention += share * system.host_ms(amount, host_extra_ms=extra)
+                clock += took
                 continue
             work = amount * scale
-            if scenario.shared_compute and clock < undelayed_end + delay:
+            if scenario.shared_compute and clock < compute_end_now:
                 delay += work  # the same cores / stream as backward, which is still running
             clock += work
         link_free = clock
         predicted.append(PredictedBucket(nbytes, plan.wire_bytes, hook_at, start, clock))
-    compute_end = undelayed_end + delay
+    compute_end = max(undelayed_end + delay + contention - included_total, previous_hook)
     last_done = max((b.done_ms for b in predicted), default=0.0)
     exposed = max(0.0, last_done - compute_end)
     comm = last_done - (first_launch or 0.0)
@@ -409,6 +432,32 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
         buckets=tuple(predicted),
         assumptions=tuple(dict.fromkeys(assumptions)),
     )
+
+
+def _profiled_host_work(run: ProfiledRun, system: System, scale: float) -> list[tuple[float, float, float]]:
+    """(start, end, host ms) of each profiled bucket's time on the link, as this system's host
+    would have spent it at the profiled world size (empty when the host's cost is not known)."""
+    if system.host is None:
+        return []
+    at_profile = replace(system, nodes=run.world_size, devices_per_node=1, intra=None)
+    out, previous_done = [], 0.0
+    for bucket in sorted(run.buckets, key=lambda b: b.index):
+        start = max(bucket.launch_ms, previous_done)
+        previous_done = max(previous_done, bucket.done_ms)
+        ratio = run.wire_ratio if run.wire_ratio is not None else 1.0
+        out.append((start * scale, bucket.done_ms * scale, at_profile.host_ms(bucket.bytes * ratio)))
+    return out
+
+
+def _host_work_before(work: Sequence[tuple[float, float, float]], until: float) -> float:
+    """Host ms of ``work`` spent before ``until`` (each interval's share, spread evenly)."""
+    total = 0.0
+    for start, end, host in work:
+        if end <= start:
+            total += host if start < until else 0.0
+        elif start < until:
+            total += host * min(1.0, (until - start) / (end - start))
+    return total
 
 
 def sweep_world_sizes(run: ProfiledRun, scenario: Scenario, world_sizes: Sequence[int]) -> list[Prediction]:
