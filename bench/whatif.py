@@ -148,6 +148,7 @@ def predict_step(
     host_from_profile: bool,
     costs: Any,
     host_overlap: float = 1.0,
+    contention: bool = True,
 ) -> dict[str, Any]:
     """One prediction: the profile replayed at 2 ranks over ``link`` with ``config``."""
     from lightning_mgpu.whatif import Scenario, System, link_from_profile, load_profile, predict
@@ -160,6 +161,8 @@ def predict_step(
         compression=config.get("compression"),
         powersgd_rank=int(config.get("powersgd_rank", 1)),
         costs=costs,
+        shared_compute=contention,
+        host_contention=contention,
     )
     prediction = predict(run, scenario)
     return {
@@ -195,6 +198,7 @@ def validate(
     host_overlap: float,
     *,
     sum16: bool = True,
+    contention: bool = True,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every prediction beside the measurement it predicts, per validation (pure: re-run offline).
 
@@ -221,6 +225,7 @@ def validate(
                 costs[m["model"]] if sum16 else {**costs[m["model"]], "gloo_ms_per_mib": {}}
             ),
             host_overlap=host_overlap,
+            contention=contention,
         )
         validations[name].append(
             {
@@ -245,7 +250,7 @@ def validate(
     return validations
 
 
-def repredict(path: Path, host_overlap: float, *, sum16: bool = True) -> dict[str, Any]:
+def repredict(path: Path, host_overlap: float, *, sum16: bool = True, contention: bool = True) -> dict[str, Any]:
     """A saved result's predictions made again with another model setting (no measuring)."""
     report: dict[str, Any] = json.loads(path.read_text())
     validations = validate(
@@ -255,8 +260,15 @@ def repredict(path: Path, host_overlap: float, *, sum16: bool = True) -> dict[st
         report["compression_costs"],
         host_overlap,
         sum16=sum16,
+        contention=contention,
     )
-    settings = {**report["settings"], "host_overlap": host_overlap, "sum16": sum16, "repredicted_from": str(path)}
+    settings = {
+        **report["settings"],
+        "host_overlap": host_overlap,
+        "sum16": sum16,
+        "contention": contention,
+        "repredicted_from": str(path),
+    }
     summary = {name: summarize_errors(rows) for name, rows in validations.items()}
     return {**report, "settings": settings, "validations": validations, "summary": summary}
 
@@ -389,6 +401,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--host-overlap", type=float, default=1.0, help="the model's System.host_overlap (0..1)")
     parser.add_argument("--no-sum16", action="store_true", help="with --repredict: leave out gloo's 16-bit sum cost")
     parser.add_argument(
+        "--no-contention", action="store_true", help="with --repredict: hook/host work free beside backward"
+    )
+    parser.add_argument(
         "--repredict", type=Path, default=None, metavar="RESULT", help="predict a saved result again (no measuring)"
     )
     parser.add_argument("--skip-bench-comm", action="store_true", help="no 1-rank + bench-comm validation")
@@ -407,7 +422,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     if args.repredict is not None:
-        report = repredict(args.repredict, args.host_overlap, sum16=not args.no_sum16)
+        report = repredict(
+            args.repredict, args.host_overlap, sum16=not args.no_sum16, contention=not args.no_contention
+        )
         print_report(report)
         if args.out != DEFAULT_OUT:
             print(f"\nwrote {write_json(args.out, report)} and {plot(report, args.out.with_suffix('.png'))}")

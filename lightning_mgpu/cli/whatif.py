@@ -140,7 +140,13 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="compression compute: measured on this machine (auto: when its device type is the profile's)",
     )
-    parser.add_argument("--costs-file", type=_existing_file, default=None, metavar="FILE", help="saved costs (JSON)")
+    parser.add_argument(
+        "--costs-file",
+        type=_existing_file,
+        default=None,
+        metavar="FILE",
+        help="saved costs: a --json run's inputs.compression_costs",
+    )
     parser.add_argument("--threads", type=bounded_int(1024), default=None, help="threads while measuring costs")
     parser.add_argument(
         "--host-busbw-gbps",
@@ -156,6 +162,11 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="F",
         help="CPU/gloo: how far host work hides behind the wire, 0..1 (default 1: a NIC moves the bytes)",
+    )
+    parser.add_argument(
+        "--no-contention",
+        action="store_true",
+        help="hook and host work during backward runs beside it for free (default: it takes backward's cores)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--plot", type=existing_parent, default=None, metavar="PNG", help="where the sweep's PNG goes")
@@ -251,6 +262,8 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         powersgd_rank=args.powersgd_rank,
         compute_scale=args.compute_scale,
         costs=costs,
+        shared_compute=not args.no_contention,
+        host_contention=not args.no_contention,
     )
     inputs = {
         "profile": {
@@ -274,6 +287,7 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         "compression": scenario.compression,
         "powersgd_rank": args.powersgd_rank,
         "compute_scale": args.compute_scale,
+        "contention": not args.no_contention,
         "compression_costs": {**costs.as_dict(), "how": costs_source},
     }
     return run, scenario, inputs
