@@ -103,7 +103,6 @@ def test_every_constructor_argument_fails_only_with_a_value_error_naming_it(labe
         ("TunedDDPStrategy", "bucket_cap_mb", 10**30),
         ("TunedDDPStrategy", "bucket_cap_mb", float(2**41)),
         ("TunedDDPStrategy", "first_bucket_cap_mb", 10**30),
-        ("TunedDDPStrategy", "process_group_backend", "glooo"),
         ("TunedDDPStrategy", "process_group_backend", ""),
         ("TunedDDPStrategy", "process_group_backend", 1),
         ("TunedDDPStrategy", "model_averaging_period", 0),
@@ -123,6 +122,22 @@ def test_every_constructor_argument_fails_only_with_a_value_error_naming_it(labe
 def test_absurd_values_that_used_to_slip_through_are_refused(label: str, name: str, value: Any) -> None:
     with pytest.raises(ValueError, match=re.escape(name)):
         construct(label, name, value)
+
+
+def test_a_misspelled_backend_is_accepted_at_construction_and_refused_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 18 changed this: it was refused at construction, but stock DDPStrategy accepts any name there
+    # (a backend may be registered later), so the check moved to setup, before any process group exists.
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(key, raising=False)
+    strategy = TunedDDPStrategy(process_group_backend="glooo")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    trainer.strategy.connect(BoringModel())
+    with pytest.raises(ValueError, match=r"^Invalid backend: 'glooo' \(process_group_backend='glooo'\)\. .*'gloo'"):
+        trainer.strategy.setup_environment()
+    assert not torch.distributed.is_initialized()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -33,7 +33,8 @@ DEFAULT_POWERSGD_RANK = 1
 DEFAULT_POWERSGD_START_ITER = 10
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
+DDP_PARAMETERS = frozenset(DDP_SIGNATURE.parameters) - {"self"}
 SUPPORTS_BUCKET_LIST = "bucket_cap_mb_list" in DDP_PARAMETERS
 SUPPORTS_INIT_SYNC = "init_sync" in DDP_PARAMETERS
 # Set by the strategy itself, or by Lightning; never accepted from the user.
@@ -51,15 +52,58 @@ BOOL_DDP_KWARGS = (
     "init_sync",
     "skip_all_reduce_unused_params",
     "batched_grad_copy",
+    "forward_sync_buffers",
 )
+
+
+def _tuned_strategy_names() -> tuple[tuple[str, str, dict[str, Any]], ...]:
+    """Every ``Trainer(strategy=...)`` name of ``TunedDDPStrategy``: (name, description, preset options).
+
+    Lightning's own DDP names with ``ddp`` read ``ddp_tuned`` (``ddp_spawn`` -> ``ddp_tuned_spawn``,
+    ``ddp_find_unused_parameters_true`` -> ``ddp_tuned_find_unused_parameters_true``, ...), so that a
+    user swaps one word; then the presets of this package's own options.
+    """
+    launches = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
+    names: list[tuple[str, str, dict[str, Any]]] = [
+        ("ddp_tuned", "DDP with sized buckets and compression hooks on every backend", {}),
+    ]
+    for suffix, method in launches[1:]:
+        where = "in notebooks, processes forked" if suffix == "_notebook" else f"processes started with `{method}`"
+        names.append((f"ddp_tuned{suffix}", f"ddp_tuned, {where}", {"start_method": method}))
+    for suffix, method in launches:
+        for unused in (False, True):
+            preset: dict[str, Any] = {"find_unused_parameters": unused}
+            if method != "popen":
+                preset["start_method"] = method
+            names.append(
+                (
+                    f"ddp_tuned{suffix}_find_unused_parameters_{str(unused).lower()}",
+                    f"ddp_tuned{suffix} with find_unused_parameters={unused}",
+                    preset,
+                )
+            )
+    names += [
+        ("ddp_tuned_fp16", "ddp_tuned with gradients all-reduced in float16", {"compression": "fp16"}),
+        ("ddp_tuned_bf16", "ddp_tuned with gradients all-reduced in bfloat16", {"compression": "bf16"}),
+        ("ddp_tuned_powersgd", "ddp_tuned with PowerSGD gradient compression", {"compression": "powersgd"}),
+        ("ddp_tuned_auto", "ddp_tuned with the bucket size measured during the first steps", {"bucket_cap_mb": "auto"}),
+    ]
+    return tuple(names)
+
+
+TUNED_STRATEGY_NAMES = _tuned_strategy_names()
+"""What ``TunedDDPStrategy.register_strategies`` registers, in order (``lightning_mgpu.STRATEGY_NAMES`` lists
+the names too, without importing torch; a test keeps both equal)."""
 
 __all__ = [
     "DDP_DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_FIRST_BUCKET_CAP_MB",
     "DEFAULT_POWERSGD_RANK",
     "DEFAULT_POWERSGD_START_ITER",
+    "TUNED_STRATEGY_NAMES",
     "bucket_kwargs",
     "check_backend",
+    "check_backend_registered",
     "check_ddp_kwargs",
     "check_options",
     "check_size_mb",
@@ -83,22 +127,61 @@ def check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[f
     return float(value)
 
 
+BACKEND_ALLOWED = "a torch.distributed backend name such as 'gloo' or 'nccl' (or None: nccl on GPUs, gloo on CPU)"
+
+
 def check_backend(value: object) -> None:
+    """At construction: a backend name is a non-empty string (or None).
+
+    Whether torch knows the name is checked at setup (:func:`check_backend_registered`), as stock
+    ``DDPStrategy`` does: a backend registered after the strategy was built (e.g. by a plugin
+    imported later, ``torch.distributed.Backend.register_backend``) must be accepted.
+    """
     if value is None:
         return
-    allowed = "a torch.distributed backend name such as 'gloo' or 'nccl' (or None: nccl on GPUs, gloo on CPU)"
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"process_group_backend must be {allowed}, got {value!r}")
-    known = {str(name) for name in getattr(torch.distributed.Backend, "backend_list", ())} - {"undefined"}
+        raise ValueError(f"process_group_backend must be {BACKEND_ALLOWED}, got {value!r}")
+
+
+def known_backends() -> set[str]:
+    """The backend names torch.distributed knows now (registered ones included)."""
+    return {str(name) for name in getattr(torch.distributed.Backend, "backend_list", ())} - {"undefined"}
+
+
+def check_backend_registered(value: str) -> None:
+    """At setup, before the process group is created: refuse a backend torch does not know (yet).
+
+    The message starts as torch's own (``Invalid backend: 'NAME'``) and says how to fix it.
+    """
+    known = known_backends()
     # "cpu:gloo,cuda:nccl" names one backend per device type
     unknown = [part.split(":", 1)[-1] for part in value.lower().split(",") if part.split(":", 1)[-1] not in known]
     if known and unknown:
-        raise ValueError(f"process_group_backend must be {allowed}; {unknown[0]!r} is not one of {sorted(known)}")
+        raise ValueError(
+            f"Invalid backend: {unknown[0]!r} (process_group_backend={value!r}). torch.distributed knows "
+            f"{sorted(known)}: pass one of them, None (nccl on GPUs, gloo on CPU), or register yours with "
+            "torch.distributed.Backend.register_backend(...) before fit starts."
+        )
 
 
-def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+def ddp_default(name: str) -> Any:
+    """``DistributedDataParallel``'s default for ``name`` (``inspect.Parameter.empty`` when it has none)."""
+    return DDP_SIGNATURE.parameters[name].default
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Check the keyword arguments meant for ``DistributedDataParallel``; return those to pass on.
+
+    A reserved argument (set by the strategy itself) is accepted at DDP's own default (None),
+    and dropped: LightningCLI/jsonargparse fills in every default of DDP's signature
+    (``output_device=None``, ``bucket_cap_mb_list=None``, ...), which means "not given".
+    Any other value of a reserved argument is refused.
+    """
+    passed: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key in RESERVED_DDP_KWARGS:
+            if key in DDP_PARAMETERS and value is None and ddp_default(key) is None:
+                continue  # "not given": the strategy sets it
             raise ValueError(f"TunedDDPStrategy does not accept {key}={value!r}: {RESERVED_DDP_KWARGS[key]}.")
         if key not in DDP_PARAMETERS:
             allowed = ", ".join(sorted(DDP_PARAMETERS - set(RESERVED_DDP_KWARGS) - {"bucket_cap_mb"}))
@@ -106,8 +189,12 @@ def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
                 f"TunedDDPStrategy got an unknown keyword argument {key}={value!r}. Keyword arguments not named by "
                 f"the strategy go to DistributedDataParallel, which accepts: {allowed}."
             )
-        if key in BOOL_DDP_KWARGS and not isinstance(value, bool):
-            raise ValueError(f"{key} must be True or False, got {value!r} ({type(value).__name__})")
+        # DDP's default may be None for a flag (broadcast_buffers, forward_sync_buffers): "DDP decides".
+        if key in BOOL_DDP_KWARGS and not isinstance(value, bool) and not (value is None and ddp_default(key) is None):
+            allowed_flag = "True, False or None" if ddp_default(key) is None else "True or False"
+            raise ValueError(f"{key} must be {allowed_flag}, got {value!r} ({type(value).__name__})")
+        passed[key] = value
+    return passed
 
 
 def first_cap_for(bucket_cap_mb: float, *, given_cap: Optional[float], given_first: Optional[float]) -> float:
@@ -150,6 +237,8 @@ class TunedOptions:
     powersgd_start_iter: int
     tuning: Optional[TuningSettings]
     """The search's settings with ``bucket_cap_mb="auto"``, else None."""
+    ddp_kwargs: dict[str, Any]
+    """What goes on to ``DistributedDataParallel`` (reserved arguments left at their defaults dropped)."""
 
 
 def check_options(
@@ -229,7 +318,7 @@ def check_options(
             raise ValueError(f"{name} must be a callable (a DDP communication hook) or None, got {hook!r}")
     if model_averaging_period is not None:
         check_int("model_averaging_period", model_averaging_period, minimum=1)
-    check_ddp_kwargs(ddp_kwargs)
+    passed = check_ddp_kwargs(ddp_kwargs)
     return TunedOptions(
         bucket_cap_mb=cap,
         first_bucket_cap_mb=first,
@@ -237,4 +326,5 @@ def check_options(
         powersgd_rank=rank,
         powersgd_start_iter=start_iter,
         tuning=tuning,
+        ddp_kwargs=passed,
     )

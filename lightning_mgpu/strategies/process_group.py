@@ -11,6 +11,16 @@ hands it to the store (``master_listen_fd``), and gloo is told to use the loopba
 loopback address (several machines), every launcher that sets up the rendezvous itself, and
 NCCL's own bootstrap sockets.
 
+**``init_process_group`` called as Lightning calls it.** The loopback server is not handed to
+``init_process_group(store=...)``: rank 0 starts it *before* the call as a multi-tenant
+``TCPStore`` on ``MASTER_PORT``, and torch's own ``env://`` rendezvous, which asks for a
+multi-tenant server on that port, shares the one already running in this process instead of
+opening its own on every interface. So the call is exactly stock ``DDPStrategy``'s (backend,
+rank, world size, timeout, device), a subclass passes its parent's tests, and if a torch ever
+stopped sharing the server, its own would fail to bind the port in use: an error, never a
+silent listener on every interface. A ``GLOO_SOCKET_IFNAME`` set here is removed again when the
+call does not leave a process group behind (it failed, or a test replaced it), else at teardown.
+
 **Under torchrun, one namespace per restart.** torchrun's workers share the agent's store
 (``TORCHELASTIC_USE_AGENT_STORE``), which keeps its keys across ``--max-restarts`` attempts: a rank
 of the new attempt that reaches the rendezvous before its peers re-registered reads the dead
@@ -29,28 +39,45 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_mgpu.comm.distributed import is_loopback_host, loopback_store, pin_backend_to_loopback
+from lightning_mgpu.comm import distributed
+from lightning_mgpu.comm.distributed import is_loopback_host, pin_backend_to_loopback
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
-def rendezvous_store(
+@contextmanager
+def rendezvous(
     environment: Any, global_rank: int, world_size: int, timeout: Optional[timedelta], backend: str
-) -> Optional[Any]:
-    """A store for ``init_process_group(store=...)``, or None for torch's own rendezvous."""
+) -> Iterator[Optional[Any]]:
+    """Around ``init_process_group``: yields the store to pass as ``store=``, or None (the usual case:
+    call it as Lightning does; see the module docstring).
+
+    A store is yielded only under torchrun with restarts (each attempt's key prefix). With
+    Lightning's own environment and a loopback ``MASTER_ADDR``, rank 0's loopback-only server
+    runs for the duration of the block (torch's store shares it from then on).
+    """
     if not torch.distributed.is_available() or torch.distributed.is_initialized():
-        return None
+        yield None
+        return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        return attempt_store(environment, world_size, timeout)
+        yield attempt_store(environment, world_size, timeout)
+        return
+    server = None
     if type(environment) is LightningEnvironment:
-        return loopback_only_store(environment, global_rank, world_size, timeout, backend)
-    return None
+        server = loopback_only_store(environment, global_rank, world_size, timeout, backend)
+    try:
+        yield None
+    finally:
+        del server  # torch's store holds the shared server now (or nothing does: the port is closed)
+        if not torch.distributed.is_initialized():
+            restore_environment()
 
 
 def attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta]) -> Any:
@@ -66,8 +93,12 @@ def attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta
 def loopback_only_store(
     environment: Any, global_rank: int, world_size: int, timeout: Optional[timedelta], backend: str
 ) -> Optional[Any]:
-    """A ``TCPStore`` bound to loopback when ``MASTER_ADDR`` is a loopback address (or a name such as
-    ``localhost`` that resolves only to loopback addresses), else None."""
+    """On rank 0: the rendezvous server, a multi-tenant ``TCPStore`` listening on loopback only, when
+    ``MASTER_ADDR`` is a loopback address (or a name such as ``localhost`` that resolves only to
+    loopback addresses); else None. Every rank pins gloo to the loopback interface then.
+
+    Other ranks get None: torch's ``env://`` rendezvous connects to rank 0's server as a client.
+    """
     host = environment.main_address
     if not is_loopback_host(host):
         return None
@@ -77,14 +108,25 @@ def loopback_only_store(
         variable = pin_backend_to_loopback("gloo")
         if variable is not None:
             _VARIABLES_SET.append(variable)
+    if global_rank != 0:
+        return None
     try:
-        return loopback_store(host, port, world_size, is_master=global_rank == 0, timeout=timeout)
+        listener = distributed.bind_listener(distributed.loopback_bind_address(host), port, backlog=world_size)
     except OSError as error:
         raise RuntimeError(
             f"rank 0 cannot listen on {host}:{port} for the rendezvous ({error}): another job may use "
             f"MASTER_PORT={port}; pick a free port or unset MASTER_PORT"
         ) from None
+    fd = listener.detach()  # the store owns the socket from here on
+    try:
+        # multi_tenant: torch's env:// rendezvous asks for a shared server on this port and gets this one;
+        # no wait for the workers here: torch's own store counts them.
+        return torch.distributed.TCPStore(
+            host, port, world_size, True, timeout=timeout, wait_for_workers=False, multi_tenant=True,
+            master_listen_fd=fd,
+        )  # fmt: skip
     except TypeError:  # a torch without master_listen_fd: its own rendezvous
+        os.close(fd)
         return None
 
 

@@ -65,12 +65,14 @@ from lightning_mgpu.strategies.ddp_options import (
     MIB,
     SUPPORTS_INIT_SYNC,
     bucket_kwargs,
+    check_backend_registered,
+    TUNED_STRATEGY_NAMES,
     check_options,
     first_cap_for,
 )
 from lightning_mgpu.strategies.auto_buckets import AutoBucketDriver
 from lightning_mgpu.strategies.launchers import checked_launcher
-from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous_store, restore_environment
+from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous, restore_environment
 from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
 from lightning_mgpu.tuning.tuner import BucketTuner
 
@@ -184,6 +186,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             start_method=start_method,
             ddp_kwargs=kwargs,
         )
+        kwargs = options.ddp_kwargs  # reserved arguments at their defaults dropped
         self._auto = options.tuning is not None
         self._bucket_cap_mb = options.bucket_cap_mb
         self._first_bucket_cap_mb = options.first_bucket_cap_mb
@@ -208,7 +211,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **options.ddp_kwargs,
+            **kwargs,
         )
         self._wire_dtype: Optional[torch.dtype] = None
         self._hooks = HookChain()
@@ -354,13 +357,14 @@ class TunedDDPStrategy(DDPStrategyBase):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        check_backend_registered(self.resolved_backend())  # names registered after construction count
         kwargs: dict[str, Any] = {"device_id": self.process_group_device()}
-        store = rendezvous_store(
+        with rendezvous(
             self.cluster_environment, self.global_rank, self.world_size, self.collective_timeout, self.resolved_backend()
-        )
-        if store is not None:
-            kwargs["store"] = store
-        self.init_process_group(**kwargs)
+        ) as store:
+            if store is not None:  # torchrun restarts only: init_process_group is otherwise called as Lightning does
+                kwargs["store"] = store
+            self.init_process_group(**kwargs)
 
     @override
     def setup_environment(self) -> None:
@@ -608,13 +612,9 @@ class TunedDDPStrategy(DDPStrategyBase):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
-            ("ddp_tuned", "DDP with sized buckets and compression hooks on every backend", {}),
-            ("ddp_tuned_spawn", "ddp_tuned, processes started with `spawn`", {"start_method": "spawn"}),
-            ("ddp_tuned_fp16", "ddp_tuned with gradients all-reduced in float16", {"compression": "fp16"}),
-            ("ddp_tuned_powersgd", "ddp_tuned with PowerSGD gradient compression", {"compression": "powersgd"}),
-        )
-        for name, description, init_params in entries:
+        # Lightning's DDP names with "ddp" -> "ddp_tuned" (strategies/ddp_options.py: TUNED_STRATEGY_NAMES),
+        # then our own presets.
+        for name, description, init_params in TUNED_STRATEGY_NAMES:
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     # ------------------------------------------------------------------ failures

@@ -1,0 +1,335 @@
+"""A subclass of Lightning's ``DDPStrategy`` behaves as its parent where users and Lightning's own tests look.
+
+In process, no rank started (``torch.distributed.init_process_group`` is replaced where a
+test only watches how it is called):
+
+* LightningCLI/jsonargparse fills in every default of ``DistributedDataParallel``'s signature:
+  the reserved arguments at their defaults (``output_device=None``, ...) are accepted, real
+  values still refused; every public class parses from a YAML ``class_path`` without ``init_args``;
+* a backend name is accepted at construction and checked at setup, so a backend registered
+  after the strategy was built works (an unknown one: ``tests/test_reliability_input.py``);
+* ``init_process_group`` receives exactly what stock ``DDPStrategy`` passes (no ``store=``),
+  while rank 0's rendezvous server listens on the loopback interface only during the call;
+* nothing is left in ``os.environ`` that stock ``DDPStrategy`` does not leave;
+* every strategy name mirrors Lightning's (``ddp_tuned_find_unused_parameters_true``, ...) and
+  resolves through ``Trainer(strategy=NAME)`` with its preset.
+
+The 2-rank LightningCLI fits are in ``tests/test_lightning_cli_dist.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+import lightning_mgpu
+from lightning_mgpu import CommProfiler, DistributedDoctor, HybridParallelStrategy, TunedDDPStrategy
+from lightning_mgpu.strategies.ddp_options import TUNED_STRATEGY_NAMES
+
+jsonargparse = pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the dev extra)")
+
+
+@pytest.fixture
+def clean_process() -> Iterator[dict[str, str]]:
+    """The environment before the test (yielded); afterwards no process group and the same environment."""
+    environ = dict(os.environ)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GLOO_SOCKET_IFNAME"):
+        os.environ.pop(key, None)
+    yield dict(os.environ)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+# ----------------------------------------------------------------------------- DDP's defaults, as jsonargparse fills them
+
+
+def test_every_ddp_default_as_jsonargparse_fills_it_is_accepted() -> None:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+        if name not in ("self", "module", "bucket_cap_mb") and parameter.default is not inspect.Parameter.empty
+    }
+    assert {"output_device", "device_ids", "bucket_cap_mb_list"} <= set(defaults)
+    strategy = TunedDDPStrategy(**defaults)
+    passed = strategy.user_ddp_kwargs
+    # the reserved ones at their defaults mean "not given": the strategy sets them itself
+    assert not {"output_device", "device_ids", "bucket_cap_mb_list"} & set(passed)
+    assert passed["find_unused_parameters"] is False and passed["dim"] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("output_device", 0), ("device_ids", [0]), ("bucket_cap_mb_list", [1, 25]), ("module", torch.nn.Linear(1, 1))],
+)
+def test_a_reserved_ddp_argument_with_a_real_value_is_still_refused(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"does not accept {name}="):
+        TunedDDPStrategy(**{name: value})
+
+
+def test_a_flag_whose_ddp_default_is_none_accepts_none_and_refuses_other_non_bools() -> None:
+    TunedDDPStrategy(broadcast_buffers=None)
+    with pytest.raises(ValueError, match=r"broadcast_buffers must be True, False or None, got 'yes'"):
+        TunedDDPStrategy(broadcast_buffers="yes")
+    with pytest.raises(ValueError, match=r"static_graph must be True or False, got None"):
+        TunedDDPStrategy(static_graph=None)
+
+
+# jsonargparse resolves stub types through typeshed_client, which asks a child interpreter for its
+# sys.path: parsing a LightningCLI config starts a process, so these tests are in the multiprocess lane.
+
+YAML_CLASSES = {
+    "strategy": ["lightning_mgpu.TunedDDPStrategy", "lightning_mgpu.HybridParallelStrategy"],
+    "callbacks": ["lightning_mgpu.CommProfiler", "lightning_mgpu.DistributedDoctor"],
+}
+
+
+def _parse_cli(tmp_path: Path, config: str, *extra: str) -> Any:
+    from lightning.pytorch.cli import LightningCLI
+
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    return LightningCLI(
+        BoringModel, run=False, save_config_callback=None, args=["--config", str(path), *extra],
+        trainer_defaults={"logger": False, "enable_checkpointing": False, "enable_progress_bar": False},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("class_path", YAML_CLASSES["strategy"])
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_strategy_from_yaml_without_init_args_builds(
+    tmp_path: Path, class_path: str, clean_process: dict[str, str]
+) -> None:
+    config = f"trainer:\n  accelerator: cpu\n  devices: 2\n  strategy:\n    class_path: {class_path}\n"
+    cli = _parse_cli(tmp_path, config)
+    assert type(cli.trainer.strategy).__name__ == class_path.rsplit(".", 1)[-1]
+    # the same instance stock defaults would give: DDP's own defaults, nothing reserved passed on
+    assert not {"output_device", "device_ids", "bucket_cap_mb_list"} & set(cli.trainer.strategy.user_ddp_kwargs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_init_args_and_the_callbacks_from_yaml_reach_the_objects(tmp_path: Path, clean_process: dict[str, str]) -> None:
+    config = """\
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy:
+    class_path: lightning_mgpu.TunedDDPStrategy
+    init_args:
+      bucket_cap_mb: 5
+      compression: fp16
+      find_unused_parameters: true
+  callbacks:
+    - class_path: lightning_mgpu.CommProfiler
+      init_args:
+        warmup_steps: 2
+        profile_every: null
+    - class_path: lightning_mgpu.DistributedDoctor
+      init_args:
+        strict: true
+        disable: [batchnorm-without-sync]
+"""
+    cli = _parse_cli(tmp_path, config)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, TunedDDPStrategy)
+    assert strategy.bucket_cap_mb == 5 and strategy.compression == "fp16"
+    assert strategy.user_ddp_kwargs["find_unused_parameters"] is True
+    profiler = next(c for c in cli.trainer.callbacks if isinstance(c, CommProfiler))
+    doctor = next(c for c in cli.trainer.callbacks if isinstance(c, DistributedDoctor))
+    assert profiler.schedule.warmup_steps == 2 and profiler.schedule.profile_every is None
+    assert doctor.strict is True and "batchnorm-without-sync" in str(doctor.disabled)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_hybrid_init_args_from_yaml(tmp_path: Path, clean_process: dict[str, str]) -> None:
+    config = """\
+trainer:
+  accelerator: cpu
+  devices: 4
+  strategy:
+    class_path: lightning_mgpu.HybridParallelStrategy
+    init_args:
+      devices_per_replica: 2
+      balance: [2, 3]
+      microbatches: 4
+      schedule: 1f1b
+      split_points: null
+"""
+    cli = _parse_cli(tmp_path, config)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HybridParallelStrategy)
+    assert strategy.devices_per_replica == 2 and strategy.microbatches == 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_registered_name_on_the_command_line_and_a_class_path_flag_both_work(
+    tmp_path: Path, clean_process: dict[str, str]
+) -> None:
+    config = "trainer:\n  accelerator: cpu\n  devices: 2\n"
+    by_name = _parse_cli(tmp_path, config, "--trainer.strategy", "ddp_tuned_find_unused_parameters_true")
+    assert isinstance(by_name.trainer.strategy, TunedDDPStrategy)
+    assert by_name.trainer.strategy.user_ddp_kwargs == {"find_unused_parameters": True}
+    by_class = _parse_cli(tmp_path, config, "--trainer.strategy.class_path", "lightning_mgpu.TunedDDPStrategy")
+    assert isinstance(by_class.trainer.strategy, TunedDDPStrategy)
+
+
+# ----------------------------------------------------------------------------- the process-group backend
+
+
+def test_a_backend_registered_after_construction_is_used(
+    monkeypatch: pytest.MonkeyPatch, clean_process: dict[str, str]
+) -> None:
+    name = "lightning_mgpu_later"
+    strategy = TunedDDPStrategy(process_group_backend=name)  # not known to torch yet
+    # register_backend appends to Backend.backend_list: a copy keeps the name out of later tests
+    monkeypatch.setattr(torch.distributed.Backend, "backend_list", list(torch.distributed.Backend.backend_list))
+    torch.distributed.Backend.register_backend(name, lambda *args: None, devices=["cpu"])
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    trainer.strategy.connect(BoringModel())
+    with mock.patch("torch.distributed.init_process_group") as init:
+        trainer.strategy.setup_environment()
+    assert init.call_args.args == (name,)
+
+
+# ----------------------------------------------------------------------------- init_process_group, as Lightning calls it
+
+
+def _listening_on(port: int) -> list[str]:
+    """Local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, state = fields[1], fields[3]
+            host, hex_port = address.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(host)
+    return found
+
+
+def _setup_with_init_replaced(strategy: Any) -> tuple[Any, dict[str, Any]]:
+    """``setup_environment`` with ``init_process_group`` replaced; the call it got, and what was listening then."""
+    seen: dict[str, Any] = {}
+
+    def fake_init(*args: Any, **kwargs: Any) -> None:
+        port = int(os.environ["MASTER_PORT"])
+        seen["listening"] = _listening_on(port)
+        seen["gloo_interface"] = os.environ.get("GLOO_SOCKET_IFNAME")
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    trainer.strategy.connect(BoringModel())
+    with mock.patch("torch.distributed.init_process_group", side_effect=fake_init) as init:
+        trainer.strategy.setup_environment()
+    return init.call_args, seen
+
+
+def test_init_process_group_gets_exactly_what_stock_ddp_passes(clean_process: dict[str, str]) -> None:
+    timeout = timedelta(seconds=42)
+    stock_call, _ = _setup_with_init_replaced(DDPStrategy(timeout=timeout))
+    stock_environment = set(os.environ) - set(clean_process)
+    for key in stock_environment:
+        os.environ.pop(key)
+    tuned_call, seen = _setup_with_init_replaced(TunedDDPStrategy(timeout=timeout))
+    assert tuned_call == stock_call, "no store= or anything else stock DDPStrategy does not pass"
+    assert "store" not in tuned_call.kwargs and tuned_call.kwargs["timeout"] == timeout
+    # while torch's rendezvous runs, rank 0's server is already there, on loopback only
+    # (torch's own env:// store shares it: a multi-tenant server on MASTER_PORT)
+    assert seen["listening"] and all(host in ("0100007F", "00000000000000000000000001000000") for host in seen["listening"])
+    assert seen["gloo_interface"] is not None
+    # no group was created (init was replaced): nothing of ours stays in the environment
+    assert set(os.environ) - set(clean_process) <= stock_environment
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_a_real_one_rank_fit_listens_on_loopback_only_and_leaves_no_variable(
+    tmp_path: Path, clean_process: dict[str, str]
+) -> None:
+    seen: dict[str, Any] = {}
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen["listening"] = _listening_on(int(os.environ["MASTER_PORT"]))
+            seen["gloo_interface"] = os.environ.get("GLOO_SOCKET_IFNAME")
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=TunedDDPStrategy(), max_steps=2, logger=False, callbacks=[Watch()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert torch.distributed.is_initialized()  # a real group (Lightning keeps it after fit)
+    assert seen["listening"] == ["0100007F"], "the rendezvous server listens on 127.0.0.1 only"
+    assert seen["gloo_interface"] is not None  # used while the group was made
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # and removed at teardown
+
+
+# ----------------------------------------------------------------------------- strategy names
+
+
+def test_every_lightning_ddp_name_has_a_tuned_twin() -> None:
+    for name in [n for n in StrategyRegistry.available_strategies() if StrategyRegistry[n]["strategy"] is DDPStrategy]:
+        twin = name.replace("ddp", "ddp_tuned", 1)
+        assert twin in StrategyRegistry and StrategyRegistry[twin]["strategy"] is TunedDDPStrategy, twin
+        popen = {"start_method": "popen"}  # the default, written out in Lightning's "ddp" entry
+        assert {**popen, **StrategyRegistry[twin]["init_params"]} == {**popen, **StrategyRegistry[name]["init_params"]}
+
+
+def test_the_package_lists_exactly_the_names_it_registers() -> None:
+    registered = [n for n in StrategyRegistry.available_strategies() if n.startswith(("ddp_tuned", "hybrid"))]
+    assert list(lightning_mgpu.STRATEGY_NAMES) == [name for name, _, _ in TUNED_STRATEGY_NAMES] + ["hybrid"]
+    assert sorted(registered) == sorted(lightning_mgpu.STRATEGY_NAMES)
+    # the names DESIGN.md promises
+    assert {"ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_powersgd", "hybrid"} <= set(registered)
+
+
+@pytest.mark.parametrize(("name", "description", "preset"), TUNED_STRATEGY_NAMES, ids=[n for n, _, _ in TUNED_STRATEGY_NAMES])
+def test_each_name_builds_its_preset_through_the_trainer(name: str, description: str, preset: dict[str, Any]) -> None:
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, TunedDDPStrategy)
+    assert strategy.start_method == preset.get("start_method", "popen")
+    assert strategy.compression == preset.get("compression")
+    assert strategy.auto is (preset.get("bucket_cap_mb") == "auto")
+    expected = {"find_unused_parameters": preset["find_unused_parameters"]} if "find_unused_parameters" in preset else {}
+    assert strategy.user_ddp_kwargs == expected
+
+
+def test_the_strategies_command_lists_every_name(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from lightning_mgpu import cli
+
+    assert cli.main(["strategies", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in rows] == list(lightning_mgpu.STRATEGY_NAMES)
+    auto = next(row for row in rows if row["name"] == "ddp_tuned_auto")
+    assert auto["options"] == {"bucket_cap_mb": "auto"}
+
+
+def test_port_helper_sees_a_listening_socket() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert _listening_on(sock.getsockname()[1]) == ["0100007F"]
