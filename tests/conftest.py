@@ -39,7 +39,9 @@ class ProcessStartedInFastTest(RuntimeError):
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A multi-process test without its own ceiling could hang the CI lane for the global 300 s default."""
     missing = [
-        item.nodeid for item in items if item.get_closest_marker("multiprocess") and not item.get_closest_marker("timeout")
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("multiprocess") and not item.get_closest_marker("timeout")
     ]
     if missing:
         listed = "\n  ".join(missing)
@@ -108,7 +110,13 @@ def run_python(
     # Own session: on a timeout the whole process group goes (Lightning's launcher starts
     # the other ranks as children; killing only the direct child would leave them running).
     with subprocess.Popen(
-        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=cwd,
+        env=env or cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     ) as child:
         try:
             stdout, stderr = child.communicate(timeout=timeout)
@@ -119,7 +127,9 @@ def run_python(
             pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{stdout or ''}\n{stderr or ''}")
     proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
-        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        pytest.fail(
+            f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
     return proc
 
 

@@ -21,8 +21,15 @@ def bucket(index: int, launch: float, done: float, nbytes: int = 1000, wire: int
 
 def timeline(*buckets: BucketInterval, compute_end: Any = None, forward_end: float = 2.0) -> StepTimeline:
     return StepTimeline(
-        step=1, rank=0, start_ns=0, forward_end_ms=forward_end, compute_end_ms=compute_end,
-        backward_end_ms=12.0, optimizer_start_ms=12.5, step_ms=14.0, buckets=tuple(buckets),
+        step=1,
+        rank=0,
+        start_ns=0,
+        forward_end_ms=forward_end,
+        compute_end_ms=compute_end,
+        backward_end_ms=12.0,
+        optimizer_start_ms=12.5,
+        step_ms=14.0,
+        buckets=tuple(buckets),
     )
 
 
@@ -136,7 +143,10 @@ def test_bucket_timer_stamps_launch_and_completion() -> None:
 
     launches, dones, compute_end = timer.take()
     intervals = timer.intervals(0, launches, dones)
-    assert [(b.index, b.bytes, b.wire_bytes, b.num_params) for b in intervals] == [(0, 1000, 500, 2), (1, 2000, 1000, 2)]
+    assert [(b.index, b.bytes, b.wire_bytes, b.num_params) for b in intervals] == [
+        (0, 1000, 500, 2),
+        (1, 2000, 1000, 2),
+    ]
     assert [(b.launch_ms, b.done_ms) for b in intervals] == [(1.0, 4.0), (3.0, 7.0)]
     assert compute_end == 6_500_000
     assert timer.take() == ([], [], None)  # the next step starts empty
@@ -194,11 +204,20 @@ def test_a_switch_is_never_made_after_the_last_step() -> None:
     from lightning_mgpu.callbacks.comm_profiler.callback import _fit_ends_here
 
     def trainer(**kw: Any) -> Any:
-        state = {"should_stop": False, "max_steps": -1, "global_step": 10, "current_epoch": 0, "max_epochs": 3,
-                 "is_last_batch": False, **kw}  # fmt: skip
+        state = {
+            "should_stop": False,
+            "max_steps": -1,
+            "global_step": 10,
+            "current_epoch": 0,
+            "max_epochs": 3,
+            "is_last_batch": False,
+            **kw,
+        }
         epoch_loop = SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=state["is_last_batch"]))
         fit_loop = SimpleNamespace(max_epochs=state["max_epochs"], epoch_loop=epoch_loop)
-        return SimpleNamespace(fit_loop=fit_loop, **{k: state[k] for k in ("should_stop", "max_steps", "global_step", "current_epoch")})
+        return SimpleNamespace(
+            fit_loop=fit_loop, **{k: state[k] for k in ("should_stop", "max_steps", "global_step", "current_epoch")}
+        )
 
     assert not _fit_ends_here(trainer())
     assert _fit_ends_here(trainer(should_stop=True))  # EarlyStopping

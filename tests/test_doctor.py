@@ -34,10 +34,19 @@ from lightning_mgpu.callbacks.doctor import (
 
 # The rules the issue names, under their stable ids.
 ISSUE_RULES = {
-    "unused-devices", "dataparallel-wrapped", "data-not-sharded", "sampler-epoch-not-set", "params-diverged",
-    "uneven-batches", "batchnorm-without-sync", "unused-parameters", "find-unused-wasted", "unsynced-logging",
-    "same-random-state", "dataloader-starving",
-}  # fmt: skip
+    "unused-devices",
+    "dataparallel-wrapped",
+    "data-not-sharded",
+    "sampler-epoch-not-set",
+    "params-diverged",
+    "uneven-batches",
+    "batchnorm-without-sync",
+    "unused-parameters",
+    "find-unused-wasted",
+    "unsynced-logging",
+    "same-random-state",
+    "dataloader-starving",
+}
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -79,7 +88,8 @@ def test_unknown_rule_id_lists_the_valid_ones() -> None:
 
 def test_disable_takes_ids_or_a_single_id() -> None:
     assert DistributedDoctor(disable=["data-not-sharded", "params-diverged"]).disabled == {
-        "data-not-sharded", "params-diverged"
+        "data-not-sharded",
+        "params-diverged",
     }
     assert DistributedDoctor(disable="uneven-batches").disabled == {"uneven-batches"}
     doctor = DistributedDoctor(disable=("unsynced-logging",))
@@ -147,8 +157,10 @@ def test_data_not_sharded_names_the_ranks_and_the_rank_zero_sampler() -> None:
     assert checks.check_data_not_sharded([None, None], [], 0) is None
     finding = checks.check_data_not_sharded(["a", "b", "a", "c"], [], 3)
     assert finding is not None and "ranks 0, 2 read identical first batches in epoch 3" in finding.seen
-    rank0 = {"description": "DistributedSampler(shuffle=True)",
-             "distributed": {"path": "loader.sampler", "rank": 0, "num_replicas": 2}}  # fmt: skip
+    rank0 = {
+        "description": "DistributedSampler(shuffle=True)",
+        "distributed": {"path": "loader.sampler", "rank": 0, "num_replicas": 2},
+    }
     finding = checks.check_data_not_sharded(["a", "a"], [rank0, rank0], 0)
     assert finding is not None and "DistributedSampler(num_replicas=2, rank=0)" in finding.seen
     assert "rank=trainer.global_rank" in finding.fix
@@ -158,8 +170,11 @@ def test_data_not_sharded_names_the_ranks_and_the_rank_zero_sampler() -> None:
 
 
 def test_epoch_order_fires_for_a_shuffling_sampler_only() -> None:
-    shuffling = {"description": "NestedSampler", "fixed_order": False,
-                 "distributed": {"path": "loader.sampler.base", "shuffle": True, "epoch": 0}}  # fmt: skip
+    shuffling = {
+        "description": "NestedSampler",
+        "fixed_order": False,
+        "distributed": {"path": "loader.sampler.base", "shuffle": True, "epoch": 0},
+    }
     finding = checks.check_epoch_order(["a", "b"], ["a", "b"], [shuffling] * 2, 1)
     assert finding is not None and finding.rule == "sampler-epoch-not-set"
     assert "loader.sampler.base" in finding.fix and "set_epoch(self.current_epoch)" in finding.fix
@@ -183,7 +198,9 @@ def _bitsums(tensors: list[torch.Tensor]) -> list[int]:
 def test_param_checksums_are_exact_and_independent_of_the_reduction_order() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(1000, 1000) * 0.02, torch.randn(10).bfloat16(), torch.randn(3, dtype=torch.float64)]
-    assert checks.check_params([_bitsums([w.clone() for w in weights]), _bitsums(weights)], ["w", "b", "d"], False) is None
+    assert (
+        checks.check_params([_bitsums([w.clone() for w in weights]), _bitsums(weights)], ["w", "b", "d"], False) is None
+    )
     # a non-contiguous view of the same values: same checksum
     assert _bitsums([weights[0].t().contiguous().t()]) == _bitsums([weights[0]])
     for index in range(3):  # one ulp anywhere shows
@@ -269,8 +286,9 @@ def test_sampler_description_finds_the_order_and_the_distributed_sampler() -> No
     assert describe(DataLoader(data, batch_size=4, shuffle=True))["fixed_order"] is False
     fixed = describe(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1, shuffle=False)))
     assert fixed["fixed_order"] is True and fixed["distributed"]["rank"] == 1
-    seeded = DistributedSamplerWrapper(RandomSampler(data, generator=torch.Generator()), num_replicas=2, rank=0,
-                                       shuffle=False)  # fmt: skip
+    seeded = DistributedSamplerWrapper(
+        RandomSampler(data, generator=torch.Generator()), num_replicas=2, rank=0, shuffle=False
+    )
     assert describe(DataLoader(data, batch_size=4, sampler=seeded))["fixed_order"] is False
 
     class Holder(BatchSampler):  # a custom batch sampler that keeps the DistributedSampler to itself
@@ -356,9 +374,15 @@ class _Wrapped(L.LightningModule):
 
 def _fit(doctor: DistributedDoctor, steps: int = 6) -> L.Trainer:
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, callbacks=[doctor], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[doctor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_Wrapped())
     return trainer
 

@@ -27,9 +27,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 TIMEOUT_S = 120
 SHARED_MISTAKES = "shared-data,dataparallel,fake-gpus,batchnorm,augment,slow-data,diverge,find-unused-wasted"
 SHARED_RULES = {
-    "data-not-sharded", "dataparallel-wrapped", "unused-devices", "batchnorm-without-sync", "same-random-state",
-    "dataloader-starving", "params-diverged", "find-unused-wasted",
-}  # fmt: skip
+    "data-not-sharded",
+    "dataparallel-wrapped",
+    "unused-devices",
+    "batchnorm-without-sync",
+    "same-random-state",
+    "dataloader-starving",
+    "params-diverged",
+    "find-unused-wasted",
+}
 SAMPLER_MISTAKES = "nested-sampler,unsynced-log,never-used"
 SAMPLER_RULES = {"sampler-epoch-not-set", "unsynced-logging", "unused-parameters"}
 
@@ -202,8 +208,11 @@ def test_correct_run_is_silent_under_strict(clean: Run) -> None:
 )
 def test_recipes_run_clean_under_the_strict_doctor(recipe: str, flags: list[str], tmp_path: Path) -> None:
     script = str(RECIPES / recipe / "train_lightning.py")
-    proc = run_python([script, *flags, "--devices", "2", "--doctor", "--out-dir", str(tmp_path / "runs")],
-                      cwd=tmp_path, timeout=TIMEOUT_S)  # fmt: skip
+    proc = run_python(
+        [script, *flags, "--devices", "2", "--doctor", "--out-dir", str(tmp_path / "runs")],
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+    )
     output = proc.stdout + proc.stderr
     assert "on 2 rank(s): no problems found" in output, output
     assert "DistributedDoctor [" not in output

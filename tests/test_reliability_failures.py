@@ -119,7 +119,9 @@ def test_a_killed_rank_under_torchrun_is_named_by_its_signal(jobs: dict[str, Job
     job = jobs["torchrun-ddp-sigkill-rank0"]
     assert_ended_promptly(job)
     summary = job.output.split("fail_fit.py FAILED", 1)[1]
-    killed = re.search(r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -9 .*\n.*\n  traceback : Signal 9 \(SIGKILL\)", summary)
+    killed = re.search(
+        r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -9 .*\n.*\n  traceback : Signal 9 \(SIGKILL\)", summary
+    )
     assert killed, job.describe()
     assert "[lightning_mgpu] rank 1: another rank's process ended" in job.output, job.describe()
 
@@ -129,9 +131,13 @@ def test_a_stuck_rank_is_ended_by_the_collective_timeout_and_then_killed(jobs: d
     way out it gives rank 1 (its child) 5 s, then kills it: nothing is left running."""
     job = jobs["lightning-ddp-stuck-rank1"]
     assert_ended_promptly(job)
-    assert job.latency_s is not None and job.latency_s >= TIMEOUT_S, job.describe()  # the timeout, not a crash, ended it
+    assert job.latency_s is not None and job.latency_s >= TIMEOUT_S, (
+        job.describe()
+    )  # the timeout, not a crash, ended it
     assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in job.output, job.describe()
-    assert f"[lightning_mgpu] rank 0: a collective did not complete within the timeout (0:00:0{TIMEOUT_S})" in job.output
+    assert (
+        f"[lightning_mgpu] rank 0: a collective did not complete within the timeout (0:00:0{TIMEOUT_S})" in job.output
+    )
     assert re.search(r"Ranks started by this process: rank 1 \(pid \d+\) still running", job.output), job.describe()
     assert re.search(r"rank 1 \(pid \d+\) still running 5 s after the fit failed .*: killing it", job.output)
 
@@ -149,8 +155,10 @@ def test_latencies_are_reported(jobs: dict[str, Job], capsys: pytest.CaptureFixt
     """Not an assertion beyond the ones above: the measured bounds, for the README's table (-s to see)."""
     with capsys.disabled():
         for name, job in jobs.items():
-            print(f"\n{name:36s} exit {job.returncode!s:>4}  failure->end {job.latency_s or float('nan'):5.1f} s  "
-                  f"wall {job.wall_s:5.1f} s", end="")
+            print(
+                f"\n{name:36s} exit {job.returncode!s:>4}  failure->end {job.latency_s or float('nan'):5.1f} s  "
+                f"wall {job.wall_s:5.1f} s",
+                end="",
+            )
         print()
     assert all(job.latency_s is not None for job in jobs.values())
-

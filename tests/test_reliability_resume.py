@@ -47,25 +47,51 @@ SECRETS = {
 GROUPS: dict[str, dict[str, Any]] = {
     "fixed_fp16": {
         "flags": ("--strategy-kwargs", json.dumps({"bucket_cap_mb": 0.02, "compression": "fp16"})),
-        "steps": 24, "every": 8, "kill_rank": 1, "kill_at": 13, "resumed_from": 8,
+        "steps": 24,
+        "every": 8,
+        "kill_rank": 1,
+        "kill_at": 13,
+        "resumed_from": 8,
     },
     "auto_powersgd": {
         "flags": (
             "--strategy-kwargs",
-            json.dumps({"bucket_cap_mb": "auto", "tune_candidates": [0.01, 0.05], "compression": "powersgd",
-                        "powersgd_start_iter": 2}),
+            json.dumps(
+                {
+                    "bucket_cap_mb": "auto",
+                    "tune_candidates": [0.01, 0.05],
+                    "compression": "powersgd",
+                    "powersgd_start_iter": 2,
+                }
+            ),
         ),
-        "steps": 200, "every": 50, "kill_rank": 1, "kill_at": 120, "resumed_from": 100,
+        "steps": 200,
+        "every": 50,
+        "kill_rank": 1,
+        "kill_at": 120,
+        "resumed_from": 100,
     },
     "hybrid": {
         "flags": ("--strategy", "hybrid", "--strategy-kwargs", json.dumps({"bucket_cap_mb": 0.02})),
-        "steps": 24, "every": 8, "kill_rank": 0, "kill_at": 13, "resumed_from": 8,
+        "steps": 24,
+        "every": 8,
+        "kill_rank": 0,
+        "kill_at": 13,
+        "resumed_from": 8,
     },
-}  # fmt: skip
+}
 
 
 def common_flags(group: dict[str, Any]) -> list[str]:
-    return [*group["flags"], "--steps", str(group["steps"]), "--ckpt-every", str(group["every"]), "--profiler", "--doctor"]
+    return [
+        *group["flags"],
+        "--steps",
+        str(group["steps"]),
+        "--ckpt-every",
+        str(group["every"]),
+        "--profiler",
+        "--doctor",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +219,9 @@ def test_no_secret_in_the_output_logs_exports_or_checkpoints(runs: dict[str, Job
     written = [p for p in job.out_dir.rglob("*") if p.is_file()]
     kinds = {p.suffix for p in written}
     assert {".ckpt", ".json", ".csv", ".png", ".wandb", ".log"} <= kinds, kinds  # W&B, CSV, profiler exports
-    assert any(p.name == "comm_profile.json" for p in written) and any(p.match("wandb/*/logs/debug.log") for p in written)
+    assert any(p.name == "comm_profile.json" for p in written) and any(
+        p.match("wandb/*/logs/debug.log") for p in written
+    )
     for name, value in SECRETS.items():
         assert value not in job.output, name
         for path in written:

@@ -67,7 +67,9 @@ def test_master_addr_localhost_gets_a_store_listening_on_loopback_only(monkeypat
 
 def test_a_gloo_interface_set_by_the_user_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    store = process_group.loopback_only_store(_environment(monkeypatch, "127.0.0.1"), 0, 1, timedelta(seconds=10), "gloo")
+    store = process_group.loopback_only_store(
+        _environment(monkeypatch, "127.0.0.1"), 0, 1, timedelta(seconds=10), "gloo"
+    )
     assert store is not None
     process_group.restore_environment()
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"

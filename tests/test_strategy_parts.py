@@ -134,7 +134,10 @@ def test_powersgd_gets_its_layout_keeper_once_and_one_bucket_at_a_time_on_gloo(o
     chain = HookChain()
     for _ in range(2):  # a re-wrap builds the chain again: the keeper (PowerSGD's memory) is kept
         hook, got_state = _build(
-            chain, hook=powerSGD_hook.powerSGD_hook, state=state, named_parameters=lambda: params,
+            chain,
+            hook=powerSGD_hook.powerSGD_hook,
+            state=state,
+            named_parameters=lambda: params,
             on_new_powersgd_keeper=made.append,
         )  # fmt: skip  (keyword arguments of one call)
         assert got_state is state and hook.__name__ == "powerSGD_hook"
@@ -276,9 +279,21 @@ def test_the_strategy_installs_the_checked_launcher() -> None:
 
 def _options(**given: Any) -> Any:
     base: dict[str, Any] = dict(
-        bucket_cap_mb=None, first_bucket_cap_mb=None, compression=None, powersgd_rank=1, powersgd_start_iter=10,
-        tune_steps=None, tune_candidates=None, tune_rounds=2, ddp_comm_hook=None, ddp_comm_wrapper=None,
-        model_averaging_period=None, process_group_backend=None, timeout=None, start_method="popen", ddp_kwargs={},
+        bucket_cap_mb=None,
+        first_bucket_cap_mb=None,
+        compression=None,
+        powersgd_rank=1,
+        powersgd_start_iter=10,
+        tune_steps=None,
+        tune_candidates=None,
+        tune_rounds=2,
+        ddp_comm_hook=None,
+        ddp_comm_wrapper=None,
+        model_averaging_period=None,
+        process_group_backend=None,
+        timeout=None,
+        start_method="popen",
+        ddp_kwargs={},
     )  # fmt: skip  (one argument set, kept together)
     base.update(given)
     return check_options(**base)

@@ -34,7 +34,9 @@ def test_defaults_leave_ddp_untouched() -> None:
         ({"first_bucket_cap_mb": 0.5}, [0.5, 25.0], 25.0, 0.5),
     ],
 )
-def test_explicit_cap_keeps_a_first_bucket(kwargs: dict[str, Any], expected_list: list[float], cap: float, first: float) -> None:
+def test_explicit_cap_keeps_a_first_bucket(
+    kwargs: dict[str, Any], expected_list: list[float], cap: float, first: float
+) -> None:
     strategy = TunedDDPStrategy(**kwargs)
     assert strategy.ddp_kwargs == {"bucket_cap_mb_list": expected_list}
     assert (strategy.bucket_cap_mb, strategy.first_bucket_cap_mb) == (cap, first)
@@ -42,7 +44,11 @@ def test_explicit_cap_keeps_a_first_bucket(kwargs: dict[str, Any], expected_list
 
 def test_other_kwargs_go_to_ddp() -> None:
     strategy = TunedDDPStrategy(bucket_cap_mb=4, static_graph=True, gradient_as_bucket_view=True)
-    assert strategy.ddp_kwargs == {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb_list": [1.0, 4.0]}
+    assert strategy.ddp_kwargs == {
+        "static_graph": True,
+        "gradient_as_bucket_view": True,
+        "bucket_cap_mb_list": [1.0, 4.0],
+    }
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,9 @@ def test_explicit_cap_keeps_the_first_bucket_where_stock_ddp_drops_it(tmp_path: 
     # 8 hidden layers of 256x256 (~0.25 MiB each): a 1 MiB first bucket holds 4 of them.
     common = ["--width", "256", "--depth", "8", "--steps", "4"]
     ours = fit_tiny(
-        tmp_path, *common, "--strategy-kwargs",
+        tmp_path,
+        *common,
+        "--strategy-kwargs",
         json.dumps({"bucket_cap_mb": 1.6, "static_graph": True, "gradient_as_bucket_view": True}),
     )
     stock = fit_tiny(tmp_path, *common, "--stock", "--strategy-kwargs", json.dumps({"bucket_cap_mb": 1.6}))
@@ -123,12 +125,29 @@ def test_two_nodes_with_torchrun_on_loopback(tmp_path: Path) -> None:
     procs = []
     for node_rank in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node_rank}",
-            "--master-addr=127.0.0.1", f"--master-port={port}",
-            str(SCRIPTS / "fit_tiny.py"), "--devices", "1", "--num-nodes", "2", "--steps", "4", "--out", str(out),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(SCRIPTS / "fit_tiny.py"),
+            "--devices",
+            "1",
+            "--num-nodes",
+            "2",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
         ]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=tmp_path, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = []
     try:
         for proc in procs:

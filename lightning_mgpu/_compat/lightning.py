@@ -19,37 +19,51 @@ import lightning.pytorch as _pl
 from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy
 
 _CONFIGURE_LAUNCHER = guarded(
-    "lightning.pytorch.strategies", "DDPStrategy._configure_launcher", required=True,
+    "lightning.pytorch.strategies",
+    "DDPStrategy._configure_launcher",
+    required=True,
     why="the Trainer asks the strategy for its launcher here; our strategies pick their own",
-)  # fmt: skip
+)
 _DDP_PRIVATE_STATE = guarded(
-    "lightning.pytorch.strategies", "DDPStrategy._get_process_group_backend", required=True,
+    "lightning.pytorch.strategies",
+    "DDPStrategy._get_process_group_backend",
+    required=True,
     why="DDPStrategy keeps its options in private attributes (_ddp_kwargs, _ddp_comm_hook, _ddp_comm_state, "
     "_ddp_comm_wrapper, _timeout, _start_method, _process_group_backend, _launcher); DDPStrategyBase exposes them",
-)  # fmt: skip
+)
 _MP_LAUNCHER = guarded(
-    "lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", required=True,
+    "lightning.pytorch.strategies.launchers.multiprocessing",
+    "_MultiProcessingLauncher",
+    required=True,
     why="Lightning's spawn/fork launcher, subclassed to check the model first and bring the tuned size home",
-)  # fmt: skip
+)
 _SCRIPT_LAUNCHER = guarded(
-    "lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", required=True,
+    "lightning.pytorch.strategies.launchers.subprocess_script",
+    "_SubprocessScriptLauncher",
+    required=True,
     why="Lightning's `python train.py` launcher, subclassed to check the model before starting ranks",
-)  # fmt: skip
+)
 _INIT_DIST = guarded(
-    "lightning.fabric.utilities.distributed", "_init_dist_connection", required=True,
+    "lightning.fabric.utilities.distributed",
+    "_init_dist_connection",
+    required=True,
     why="Lightning's process-group set-up (environment variables, rank-zero logging) that DDPStrategy calls",
-)  # fmt: skip
+)
 _STRATEGY_REGISTRY = guarded(
-    "lightning.fabric.strategies", "_StrategyRegistry", required=False,
+    "lightning.fabric.strategies",
+    "_StrategyRegistry",
+    required=False,
     why="the type of the strategy registry passed to register_strategies (annotation only)",
-)  # fmt: skip
+)
 _PATH_TYPE = guarded(
     "lightning.fabric.utilities.types", "_PATH", required=False, why="Lightning's path type (annotation only)"
-)  # fmt: skip
+)
 _SHOULD_ACCUMULATE = guarded(
-    "lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._should_accumulate", required=False,
+    "lightning.pytorch.loops.training_epoch_loop",
+    "_TrainingEpochLoop._should_accumulate",
+    required=False,
     why="whether the current batch is inside a gradient-accumulation window (re-wraps refuse to run there)",
-)  # fmt: skip
+)
 
 from lightning.fabric.strategies import _StrategyRegistry  # noqa: E402
 from lightning.fabric.utilities.distributed import _init_dist_connection  # noqa: E402

@@ -19,13 +19,17 @@ from torch.nn.parallel import DistributedDataParallel as _DDP
 _MIB = 1024 * 1024
 
 _DEFAULT_BUCKET_CAP = guarded(
-    "torch.nn.parallel.distributed", "_DEFAULT_BUCKET_CAP_MB", required=False,
+    "torch.nn.parallel.distributed",
+    "_DEFAULT_BUCKET_CAP_MB",
+    required=False,
     why="DDP's default bucket size (fallback: 25 MiB, torch's value since 1.x)",
-)  # fmt: skip
+)
 _DEFAULT_FIRST_BUCKET = guarded(
-    "torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", required=False,
+    "torch.distributed",
+    "_DEFAULT_FIRST_BUCKET_BYTES",
+    required=False,
     why="DDP's first-bucket size (fallback: 1 MiB, torch's value since 1.x)",
-)  # fmt: skip
+)
 
 DDP_DEFAULT_BUCKET_CAP_MB = float(getattr(_torch.nn.parallel.distributed, _DEFAULT_BUCKET_CAP.attribute, 25))
 """torch's default bucket size in MiB."""
@@ -33,10 +37,12 @@ DDP_DEFAULT_FIRST_BUCKET_BYTES = int(getattr(_dist, _DEFAULT_FIRST_BUCKET.attrib
 """torch's first-bucket size in bytes (1 MiB)."""
 
 _LOGGING_DATA = guarded(
-    "torch.nn.parallel", "DistributedDataParallel._get_ddp_logging_data", required=False,
+    "torch.nn.parallel",
+    "DistributedDataParallel._get_ddp_logging_data",
+    required=False,
     why="the bucket layout DDP rebuilt (sizes and parameter indices) without allocating gradient buffers; "
     "without it bucket_layout is None and bucket_cap_mb='auto' keeps DDP's default",
-)  # fmt: skip
+)
 
 
 def ddp_rebuilt_buckets(model: _DDP) -> "tuple[list[int], list[list[int]]] | None":
@@ -50,16 +56,20 @@ def ddp_rebuilt_buckets(model: _DDP) -> "tuple[list[int], list[list[int]]] | Non
         return None
     try:
         sizes = [int(s) for s in str(data["rebuilt_bucket_sizes"]).split(",")]
-        indices = [[int(i) for i in group.split()] for group in str(data["rebuilt_per_bucket_param_indices"]).split(",")]
+        indices = [
+            [int(i) for i in group.split()] for group in str(data["rebuilt_per_bucket_param_indices"]).split(",")
+        ]
     except (KeyError, ValueError):
         return None
     return sizes, indices
 
 
 _REMOVE_AUTOGRAD_HOOKS = guarded(
-    "torch._C._distributed_c10d", "Reducer._remove_autograd_hooks", required=False,
+    "torch._C._distributed_c10d",
+    "Reducer._remove_autograd_hooks",
+    required=False,
     why="detach a replaced DDP wrapper's reducer from autograd at once (fallback: it is detached when freed)",
-)  # fmt: skip
+)
 
 
 def detach_reducer(model: _DDP) -> bool:
@@ -105,9 +115,11 @@ def carry_module_hooks(old: _torch.nn.Module, new: _torch.nn.Module) -> None:
 
 
 _EXECUTION_ENGINE = guarded(
-    "torch.autograd", "Variable._execution_engine", required=True,
+    "torch.autograd",
+    "Variable._execution_engine",
+    required=True,
     why="queue a callback that runs when autograd finished the backward graph (DDP does the same)",
-)  # fmt: skip
+)
 
 
 def queue_autograd_callback(callback: "Callable[[], None]") -> None:
@@ -116,9 +128,11 @@ def queue_autograd_callback(callback: "Callable[[], None]") -> None:
 
 
 _BUCKET_ASSIGNMENT = guarded(
-    "torch.distributed", "_compute_bucket_assignment_by_size", required=False,
+    "torch.distributed",
+    "_compute_bucket_assignment_by_size",
+    required=False,
     why="DDP's own bucket assignment rule (fallback: tuning.layout.assign_buckets, a Python copy tested against it)",
-)  # fmt: skip
+)
 
 
 def ddp_bucket_assignment() -> "Callable[..., Any] | None":
@@ -127,9 +141,11 @@ def ddp_bucket_assignment() -> "Callable[..., Any] | None":
 
 
 _POWERSGD_SHOULD_COMPRESS = guarded(
-    "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook", "_should_compress", required=True,
+    "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook",
+    "_should_compress",
+    required=True,
     why="which tensors torch's PowerSGD hook compresses (the layout keeper must follow the hook's own rule)",
-)  # fmt: skip
+)
 
 
 def powersgd_should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
@@ -140,9 +156,11 @@ def powersgd_should_compress(n: int, m: int, rank: int, min_compression_rate: fl
 
 
 _STATE_DICT_METADATA = guarded(
-    "torch.nn", "Module.state_dict", required=False,
+    "torch.nn",
+    "Module.state_dict",
+    required=False,
     why="state_dict()'s OrderedDict carries _metadata (per-module versions, e.g. BatchNorm's); copies keep it",
-)  # fmt: skip
+)
 
 
 def copy_state_dict_metadata(source: object, target: object) -> None:
@@ -153,9 +171,11 @@ def copy_state_dict_metadata(source: object, target: object) -> None:
 
 
 _MODULE_APPLY = guarded(
-    "torch.nn", "Module._apply", required=True,
+    "torch.nn",
+    "Module._apply",
+    required=True,
     why="move one module's own parameters and buffers (not its children's) the way Module.to does",
-)  # fmt: skip
+)
 
 
 def apply_to_own_tensors(module: _torch.nn.Module, fn: "Callable[[_torch.Tensor], _torch.Tensor]") -> None:
@@ -182,7 +202,12 @@ _GLOBAL_MODULE_HOOKS = tuple(
         why="global nn.Module hooks (register_module_forward_hook & co.) that running a layer through its "
         "functional form would skip; fallback: assume some are registered (layers then run as themselves)",
     )
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
 )
 
 _OWN_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -18,7 +18,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.strategies.ddp_layout import reducer_named_params
-from lightning_mgpu.tuning.tuner import DONE, FINAL_STATES, RESUMED, WAITING, BucketTuner, LocalComm, TorchComm, host_clock
+from lightning_mgpu.tuning.tuner import (
+    DONE,
+    FINAL_STATES,
+    RESUMED,
+    WAITING,
+    BucketTuner,
+    LocalComm,
+    TorchComm,
+    host_clock,
+)
 
 
 class _SizedStrategy(Protocol):
@@ -74,7 +83,9 @@ class AutoBucketDriver:
         elif not module.automatic_optimization:
             tuner.skip("manual optimization: the strategy cannot tell where an optimizer step ends")
         else:
-            tuner.begin([param for _, param in reducer_named_params(model)], remaining_steps=_steps_left(module.trainer))
+            tuner.begin(
+                [param for _, param in reducer_named_params(model)], remaining_steps=_steps_left(module.trainer)
+            )
         if tuner.status in FINAL_STATES:
             rank_zero_info(f"{self.owner}: {tuner.summary()}")
 

@@ -50,7 +50,9 @@ class CheckedSubprocessScriptLauncher(SubprocessScriptLauncher):
         self.checked_strategy = strategy
 
     @override
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable[..., Any], *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any
+    ) -> Any:
         if not self.cluster_environment.creates_processes_externally:  # this process starts the others
             check_before_launch(self.checked_strategy, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -65,7 +67,9 @@ class TunedMultiProcessingLauncher(MultiProcessingLauncher):
         self.checked_strategy = strategy
 
     @override
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable[..., Any], *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any
+    ) -> Any:
         check_before_launch(self.checked_strategy, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 

@@ -78,8 +78,10 @@ def parse_args() -> argparse.Namespace:
     # where to run: Lightning starts the processes on this machine itself
     parser.add_argument("--accelerator", default="auto", help="auto, gpu or cpu")
     parser.add_argument(
-        "--devices", type=int, default=torch.cuda.device_count() or 2, help="processes per machine (default: "
-        "every GPU, or 2 CPU processes when there is none)"
+        "--devices",
+        type=int,
+        default=torch.cuda.device_count() or 2,
+        help="processes per machine (default: every GPU, or 2 CPU processes when there is none)",
     )
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (torchrun or SLURM starts them)")
     # what to show at the end, and where logs go
@@ -87,7 +89,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sample-chars", type=int, default=200, help="characters to generate after training")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/char_lm"), help="CSV logs (or W&B's files)")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases instead of CSV")
-    parser.add_argument("--doctor", action="store_true", help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)")
+    parser.add_argument(
+        "--doctor",
+        action="store_true",
+        help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)",
+    )
     parser.add_argument("--record", type=Path, default=None, help="save per-step losses and final weights (tests)")
     return parser.parse_args()
 

@@ -71,15 +71,23 @@ parser.add_argument("--devices", type=int, default=torch.cuda.device_count() or 
 parser.add_argument("--num-nodes", type=int, default=1, help="machines (with torchrun or SLURM)")
 parser.add_argument("--out-dir", default="runs/image_classifier", help="where Lightning writes its logs")
 parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases instead of CSV files")
-parser.add_argument("--doctor", action="store_true", help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)")
+parser.add_argument(
+    "--doctor",
+    action="store_true",
+    help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)",
+)
 
 
 class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 16x16 -> 8x8
-            nn.Conv2d(16, 32, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 8x8 -> 4x4
+            nn.Conv2d(3, 16, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # 16x16 -> 8x8
+            nn.Conv2d(16, 32, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
         )
         self.classifier = nn.Linear(32 * 4 * 4, NUM_CLASSES)
 

@@ -58,7 +58,11 @@ parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (auto: 
 parser.add_argument("--devices", type=int, default=torch.cuda.device_count() or 2, help="processes per node")
 parser.add_argument("--num-nodes", type=int, default=1, help="machines (with torchrun or SLURM)")
 parser.add_argument("--out-dir", default="runs/regression", help="where Lightning writes its logs")
-parser.add_argument("--doctor", action="store_true", help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)")
+parser.add_argument(
+    "--doctor",
+    action="store_true",
+    help="check for the classic multi-GPU mistakes while training (DistributedDoctor(strict=True): stops on a finding)",
+)
 
 
 class LinearRegression(L.LightningModule):

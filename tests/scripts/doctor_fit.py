@@ -48,9 +48,21 @@ from lightning_mgpu.callbacks.doctor import DistributedDoctor, DistributedDoctor
 from lightning_mgpu.strategies import TunedDDPStrategy
 
 MISTAKES = {
-    "shared-data", "rank0-sampler", "nested-sampler", "uneven", "dataparallel", "fake-gpus", "batchnorm", "augment",
-    "slow-data", "diverge", "find-unused-wasted", "never-used", "unused-needed", "unsynced-log",
-}  # fmt: skip
+    "shared-data",
+    "rank0-sampler",
+    "nested-sampler",
+    "uneven",
+    "dataparallel",
+    "fake-gpus",
+    "batchnorm",
+    "augment",
+    "slow-data",
+    "diverge",
+    "find-unused-wasted",
+    "never-used",
+    "unused-needed",
+    "unsynced-log",
+}
 
 
 class NoisyData(Dataset):

@@ -76,7 +76,9 @@ class Probe(L.Callback):
             }
             rebuilt = data.get("rebuilt_bucket_sizes")  # recorded by DDP from its third step on
             result["ddp_bucket_sizes"] = None if rebuilt is None else [int(v) for v in str(rebuilt).split(",")]
-            result["param_ready_order_bytes"] = [p.numel() * p.element_size() for p in reversed(list(pl_module.parameters()))]
+            result["param_ready_order_bytes"] = [
+                p.numel() * p.element_size() for p in reversed(list(pl_module.parameters()))
+            ]
         if isinstance(trainer.strategy, TunedDDPStrategy):
             layout = trainer.strategy.bucket_layout
             result["bucket_layout"] = None if layout is None else [b.as_dict() for b in layout]
@@ -101,7 +103,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=1, help="hidden width x width layers")
     parser.add_argument("--profiler", action="store_true", help="add CommProfiler(warmup_steps=1)")
-    parser.add_argument("--profile-schedule", default=None, help="STEPS,EVERY: the profiler's profile_steps, profile_every")
+    parser.add_argument(
+        "--profile-schedule", default=None, help="STEPS,EVERY: the profiler's profile_steps, profile_every"
+    )
     parser.add_argument("--ckpt", default=None, help="save a checkpoint here after fit")
     parser.add_argument("--stock", action="store_true", help="Lightning's own DDPStrategy(**strategy_kwargs)")
     args = parser.parse_args()
