@@ -241,7 +241,8 @@ def validate(
         model, rate = m["model"], m["rate_gbps"]
         add("loopback_profile", m, inputs["loopback_2"][model], link_from_gbps(m["achieved_gbps"]), True)
         at = inputs["at_1gbps"].get(model)
-        if rate == PROFILE_RATE and at is not None:
+        if rate == PROFILE_RATE and at is not None and m["config"]["name"] != "default":
+            # the profiled configuration itself is no prediction: only the other sizes and compressions
             overhead = float(costs[model].get("allreduce_overhead_ms", 0.0))
             add("profile_at_1gbps", m, at, link_from_profile(load_profile(at["profile"]), overhead_ms=overhead), False)
         sweep = bench_comm.get(f"{rate:g}")
