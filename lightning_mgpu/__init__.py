@@ -15,8 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_mgpu import _registration
-
-__version__ = "0.1.0"
+from lightning_mgpu._version import __version__
 
 # Every name registered, in registration order (strategies/ddp_options.py: TUNED_STRATEGY_NAMES, then hybrid);
 # written out so that reading it imports no torch. tests/test_lightning_parity.py keeps it equal to the registry.

@@ -1,6 +1,6 @@
 """``lightning-mgpu tune``: the bucket-size sweep of ``bucket_cap_mb="auto"``, run offline.
 
-Parses the flags, starts the worker (:mod:`lightning_mgpu.tuning.sweep`) in ``--nproc``
+Parses the flags, starts the worker (:mod:`lightning_mgpu.cli.tune_worker`) in ``--nproc``
 processes with ``torch.distributed.run``, and prints its table and recommendation.
 """
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "lightning_mgpu.tuning.sweep",
+        "lightning_mgpu.cli.tune_worker",
         "--target",
         args.target,
         "--out",

@@ -56,7 +56,7 @@ class BenchCommError(RuntimeError):
 # The worker process
 # ---------------------------------------------------------------------------------------
 def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, Any]:
-    from lightning_mgpu import __version__
+    from lightning_mgpu._version import __version__
 
     facts: dict[str, Any] = {
         "torch": torch.__version__,

@@ -6,8 +6,10 @@
 * :mod:`~lightning_mgpu.tuning.statistics`: distribution-free ratio intervals and spread of step times;
 * :mod:`~lightning_mgpu.tuning.decision`: medians of the slowest rank's step times, the choice (faster
   with confidence, not faster, or too noisy to decide);
-* :mod:`~lightning_mgpu.tuning.tuner`: the state machine the strategy drives during ``fit``;
-* :mod:`~lightning_mgpu.tuning.sweep`: the offline sweep behind ``lightning-mgpu tune``.
+* :mod:`~lightning_mgpu.tuning.tuner`: the state machine the strategy drives during ``fit``.
+
+The offline sweep behind ``lightning-mgpu tune`` is :mod:`lightning_mgpu.cli.tune_worker` (it drives a
+strategy, so it sits above this package).
 """
 
 from lightning_mgpu.tuning.decision import CandidateResult

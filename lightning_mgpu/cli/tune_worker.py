@@ -2,7 +2,7 @@
 
 Started by :mod:`lightning_mgpu.cli.tune` through ``torch.distributed.run``::
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 -m lightning_mgpu.tuning.sweep \\
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m lightning_mgpu.cli.tune_worker \\
         --target recipes/x.py:make_module --out result.json
 
 It builds the user's LightningModule (and data loader) from ``--target``, fits it with
