@@ -14,6 +14,7 @@ from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu import HybridParallelStrategy
+from lightning_mgpu.placement.sequential_fit import find_split_module
 from tests.conftest import SCRIPTS, run_python
 
 FIT = str(SCRIPTS / "fit_hybrid.py")
@@ -86,46 +87,45 @@ def _seq(*layers: nn.Module) -> nn.Sequential:
 
 
 def test_the_split_module_is_found_or_the_error_says_how_to_name_it() -> None:
-    strategy = HybridParallelStrategy()
     module = _Module(body=_seq(), head=nn.Linear(4, 1))
-    assert strategy._find_split_module(module)[0] == "body"
+    assert find_split_module(module, None)[0] == "body"
     with pytest.raises(ValueError, match=r"2 nn.Sequential children \(a, b\). Pass split_module="):
-        strategy._find_split_module(_Module(a=_seq(), b=_seq()))
+        find_split_module(_Module(a=_seq(), b=_seq()), None)
     with pytest.raises(ValueError, match=r"0 nn.Sequential children \(none\)"):
-        strategy._find_split_module(_Module(head=nn.Linear(4, 1)))
+        find_split_module(_Module(head=nn.Linear(4, 1)), None)
     nested = _Module(trunk=_Module(layers=_seq()), other=_seq())
-    assert HybridParallelStrategy(split_module="trunk.layers")._find_split_module(nested)[0] == "trunk.layers"
+    assert find_split_module(nested, "trunk.layers")[0] == "trunk.layers"
     with pytest.raises(ValueError, match=r"split_module='head': _Module.head is Linear, not an nn.Sequential"):
-        HybridParallelStrategy(split_module="head")._find_split_module(module)
+        find_split_module(module, "head")
     with pytest.raises(ValueError, match=r"split_module='missing': _Module.missing is nothing"):
-        HybridParallelStrategy(split_module="missing")._find_split_module(module)
+        find_split_module(module, "missing")
 
 
 def test_unsupported_models_are_refused_with_the_reason() -> None:
     strategy = HybridParallelStrategy(devices_per_replica=2, microbatches=4)
     with pytest.raises(ValueError, match=r"`body` has 1 layer\(s\) but devices_per_replica=2"):
-        strategy._check_supported(_Module(body=_seq(nn.Linear(2, 2))), "body", _seq(nn.Linear(2, 2)))
+        strategy._check_sequential(_Module(body=_seq(nn.Linear(2, 2))), "body", _seq(nn.Linear(2, 2)), warn=True)
     shared = nn.Linear(4, 4)
     body = _seq(shared, nn.ReLU())
     with pytest.raises(ValueError, match=r"parameters shared between `body` and the rest of the model.*tied\.weight"):
-        strategy._check_supported(_Module(body=body, tied=shared), "body", body)
+        strategy._check_sequential(_Module(body=body, tied=shared), "body", body, warn=True)
     sync = _seq(nn.Linear(4, 4), nn.SyncBatchNorm(4))
     with pytest.raises(ValueError, match="contains SyncBatchNorm"):
-        strategy._check_supported(_Module(body=sync), "body", sync)
+        strategy._check_sequential(_Module(body=sync), "body", sync, warn=True)
     with pytest.raises(ValueError, match="adds up to 2 layers but the split module has 3"):
-        HybridParallelStrategy(balance=[1, 1])._check_supported(_Module(body=_seq()), "body", _seq())
+        HybridParallelStrategy(balance=[1, 1])._check_sequential(_Module(body=_seq()), "body", _seq(), warn=True)
     bn = _seq(nn.Linear(4, 4), nn.BatchNorm1d(4))
     with pytest.warns(UserWarning, match=r"contains BatchNorm with microbatches=4, checkpoint='never': .*normalises each micro-batch"):
-        strategy._check_supported(_Module(body=bn), "body", bn)
+        strategy._check_sequential(_Module(body=bn), "body", bn, warn=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        HybridParallelStrategy(microbatches=1)._check_supported(_Module(body=bn), "body", bn)
+        HybridParallelStrategy(microbatches=1)._check_sequential(_Module(body=bn), "body", bn, warn=True)
     with pytest.warns(UserWarning, match=r"checkpoint='always'.*up to 2 times per step"):
-        HybridParallelStrategy(microbatches=1, checkpoint="always")._check_supported(_Module(body=bn), "body", bn)
+        HybridParallelStrategy(microbatches=1, checkpoint="always")._check_sequential(_Module(body=bn), "body", bn, warn=True)
     shared_inside = nn.Linear(4, 4)
     tied = _seq(shared_inside, nn.ReLU(), shared_inside)
     with pytest.raises(ValueError, match=r"layers 0 and 2 of `body` share a parameter"):
-        strategy._check_supported(_Module(body=tied), "body", tied)
+        strategy._check_sequential(_Module(body=tied), "body", tied, warn=True)
     with pytest.raises(ValueError, match="static_graph=True is not supported"):
         HybridParallelStrategy(static_graph=True)
 

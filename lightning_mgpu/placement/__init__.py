@@ -4,12 +4,18 @@
 planner can run anywhere, e.g. in ``lightning-mgpu plan`` before any device is touched).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from lightning_mgpu.placement.partition import partition
+
+if TYPE_CHECKING:  # what __getattr__ loads, for type checkers
+    from lightning_mgpu.placement.plan import PlacementPlan, make_plan, plan_stages
+    from lightning_mgpu.placement.profile import LayerCost, profile_layers
 
 __all__ = ["LayerCost", "PlacementPlan", "make_plan", "partition", "plan_stages", "profile_layers"]
 
 
-def __getattr__(name: str):  # the torch-dependent parts load on first use
+def __getattr__(name: str) -> Any:  # the torch-dependent parts load on first use
     if name in ("LayerCost", "profile_layers"):
         from lightning_mgpu.placement import profile
 

@@ -66,7 +66,7 @@ class StageGradients:
                     bias = layer.bias if layer.bias is not None and layer.bias.requires_grad else None
                     weight_sum = sums.setdefault(id(layer.weight), _GradSum())
                     bias_sum = sums.setdefault(id(bias), _GradSum()) if bias is not None else None
-                    x = _AccumulatingLinear.apply(x, layer.weight, layer.bias, weight_sum, bias_sum)
+                    x = _AccumulatingLinear.apply(x, layer.weight, layer.bias, weight_sum, bias_sum)  # type: ignore[no-untyped-call]  # untyped in torch
                 else:
                     x = layer(x)
             return x
@@ -123,7 +123,7 @@ class _AccumulatingLinear(torch.autograd.Function):
     instead of returning it: no weight-sized tensor per micro-batch, no extra pass."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -136,7 +136,7 @@ class _AccumulatingLinear(torch.autograd.Function):
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         x, weight = ctx.saved_tensors
         weight_sum, bias_sum = ctx.sums
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None

@@ -228,6 +228,7 @@ class Pipeline:
                     grad_out = receive(action)
                     out, inp = record.outputs[j][i], record.inputs[j][i]
                     wrt = ([inp] if inp is not None else []) + params
+                    grads: tuple[Optional[torch.Tensor], ...]
                     if out is not None and out.requires_grad and wrt:
                         grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
                     else:
@@ -254,7 +255,8 @@ class Pipeline:
         roots, grads = [], []
         for record in records:
             if record.source.requires_grad and all(g is not None for g in record.input_grads):
-                grad = torch.cat([self._copies.move(g, record.source.device) for g in record.input_grads])
+                moved = [self._copies.move(g, record.source.device) for g in record.input_grads]
+                grad = torch.cat([g for g in moved if g is not None])  # none is None: checked above
                 roots.append(record.source)
                 grads.append(grad.reshape(record.source.shape))
         if roots:

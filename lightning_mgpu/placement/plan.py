@@ -23,6 +23,7 @@ in it: measured figures are below these (``bench/pipeline.py``).
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from collections.abc import Sequence
@@ -166,7 +167,7 @@ class PlacementPlan:
                 "num_layers": end - first,
                 "names": names,
             }
-            if times is not None:
+            if times is not None and memory is not None and params is not None:
                 row.update(
                     time_ms=times[stage],
                     memory_bytes=memory[stage],
@@ -180,9 +181,10 @@ class PlacementPlan:
         text = (
             f"{self.num_stages} stages, sizes {self.sizes}, balance={self.balance!r}, microbatches={self.microbatches}"
         )
-        if self.ideal_efficiency is not None:
+        times = self.stage_time_ms
+        if self.ideal_efficiency is not None and times is not None:
             text += (
-                f"; bottleneck stage {self.bottleneck_stage} ({max(self.stage_time_ms):.3g} ms/micro-batch); "
+                f"; bottleneck stage {self.bottleneck_stage} ({max(times):.3g} ms/micro-batch); "
                 f"balance {self.balance_efficiency:.0%} x bubble {self.bubble_efficiency:.0%} = ideal efficiency "
                 f"{self.ideal_efficiency:.0%} (ideal speed-up {self.ideal_speedup:.2f}x over one device)"
             )
@@ -206,7 +208,7 @@ class PlacementPlan:
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(width=120, record=True, file=_Null())
+        console = Console(width=120, record=True, file=io.StringIO())  # recorded, not shown
         console.print(self.table())
         return console.export_text().rstrip()
 
@@ -249,11 +251,12 @@ def plan_stages(
     if isinstance(balance, str):
         if balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
-        costs = {
+        by_mode: dict[str, Sequence[float]] = {
             "time": [layer.time_ms for layer in layers],
             "memory": [layer.memory_bytes for layer in layers],
             "params": [layer.param_count for layer in layers],
-        }[balance]
+        }
+        costs = by_mode[balance]
         fits: dict[str, Any] = {}
         if capacity is not None and any(value is not None for value in capacity):
             fits = {"memory": [layer.memory_bytes for layer in layers], "capacity": list(capacity)}
@@ -275,7 +278,7 @@ def make_plan(*args: Any, **kwargs: Any) -> PlacementPlan:
     return plan_stages(*args, **kwargs)
 
 
-def _bytes(value: int) -> str:
+def _bytes(value: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
@@ -289,10 +292,3 @@ def _bar(load: Optional[float], width: int = 10) -> str:
     filled = int(round(load * width))
     return "#" * filled + "." * (width - filled) + f" {load:.0%}"
 
-
-class _Null:
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass

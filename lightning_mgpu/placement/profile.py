@@ -148,8 +148,8 @@ def profile_layers(
 def _home_device(layer: nn.Module) -> Optional[torch.device]:
     for tensor in layer.parameters():
         return tensor.device
-    for tensor in layer.buffers():
-        return tensor.device
+    for buffer in layer.buffers():
+        return buffer.device
     return None
 
 
@@ -179,7 +179,7 @@ def _profile_one(
             )
         return inp, out
 
-    def run_backward(inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> None:
+    def run_backward(inp: torch.Tensor, out: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         wrt = ([inp] if needs_input_grad else []) + params
         if wrt and out.requires_grad:
             torch.autograd.grad(out, wrt, grad, allow_unused=True)
@@ -281,7 +281,7 @@ class _Clock:
 
     def now(self) -> Any:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
             event.record()
             return event
         return time.perf_counter()
@@ -290,4 +290,4 @@ class _Clock:
         if self.cuda:
             end.synchronize()
             return float(start.elapsed_time(end))
-        return (end - start) * 1e3
+        return float(end - start) * 1e3

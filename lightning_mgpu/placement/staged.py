@@ -39,21 +39,25 @@ Refused with a clear error: a split point that is not called, called twice or ou
 order in one step; a tensor computed before a split point used after it without being
 passed to it (e.g. a skip connection around the split point): the step fails at its first
 backward, before any parameter changed (see :class:`StagedStepError`).
+
+Around it: :mod:`~lightning_mgpu.placement.handover` (a micro-batch's thread and its turns),
+:func:`~lightning_mgpu.placement.microbatch.split_batch` (the batch cut into micro-batches),
+:mod:`~lightning_mgpu.placement.staged_fit` (what a Lightning fit adds).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import get_gradient_edge
 
 from lightning_mgpu._checks import check_int
+from lightning_mgpu.placement.handover import Aborted, Cut, MicroRun, StagedStepError, current_microbatch, current_run, running
+from lightning_mgpu.placement.microbatch import map_tensors, split_batch
 from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
 from lightning_mgpu.placement.weight_pass import DeferredWeights, split_backward
 from lightning_mgpu.placement.worker import Receive, Send, StageWorkers, stage_context, thread_modes
@@ -61,157 +65,6 @@ from lightning_mgpu.placement.worker import Receive, Send, StageWorkers, stage_c
 __all__ = ["LOSS_REDUCTIONS", "StagedStep", "StagedStepError", "current_microbatch", "split_batch"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
-
-_LOCAL = threading.local()
-
-
-class StagedStepError(RuntimeError):
-    """The model's code does something the staged pipeline cannot run; the message says what and how to fix it."""
-
-
-class _Aborted(BaseException):
-    """Unwinds a micro-batch thread whose step was abandoned (another stage failed)."""
-
-
-def current_microbatch() -> Optional[tuple[int, float]]:
-    """``(index, share of the batch)`` of the micro-batch the calling thread runs, or None outside a staged step."""
-    micro = getattr(_LOCAL, "micro", None)
-    return None if micro is None else (micro.index, micro.weight)
-
-
-# ----------------------------------------------------------------------------- batches
-def split_batch(value: Any, microbatches: int) -> tuple[list[Any], list[int]]:
-    """``value`` (tensors, nested in tuples, lists and dicts) cut along the first dimension into
-    at most ``microbatches`` pieces; non-tensors are given to every piece. Returns the pieces and their sizes."""
-    sizes: set[int] = set()
-    _collect_sizes(value, sizes)
-    if not sizes:
-        raise StagedStepError(
-            "the batch holds no tensor with a batch dimension: the pipeline cuts the batch into micro-batches along "
-            "the first dimension of its tensors"
-        )
-    if len(sizes) > 1:
-        raise StagedStepError(
-            f"the batch's tensors have different first dimensions {sorted(sizes)}: the pipeline cuts every tensor "
-            "of the batch along its first dimension (the samples), so they must all have the same length"
-        )
-    (n,) = sizes
-    if n == 0:
-        raise StagedStepError("the batch is empty: there is nothing to cut into micro-batches")
-    count = min(microbatches, n)
-    pieces = [_take(value, count, i) for i in range(count)]
-    base, extra = divmod(n, count)
-    return pieces, [base + (1 if i < extra else 0) for i in range(count)]
-
-
-def _collect_sizes(value: Any, sizes: set[int]) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 0:
-            sizes.add(value.shape[0])
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _collect_sizes(item, sizes)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            _collect_sizes(item, sizes)
-
-
-def _take(value: Any, count: int, i: int) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.tensor_split(count)[i] if value.dim() > 0 else value
-    return _map(value, lambda item: _take(item, count, i), tensors_only=False)
-
-
-def _map(value: Any, fn: Callable[[Any], Any], *, tensors_only: bool = True) -> Any:
-    """``fn`` applied to every tensor (or, with ``tensors_only=False``, every direct item) in tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple):
-        items = [fn(item) if not tensors_only else _map(item, fn) for item in value]
-        if type(value) is tuple:
-            return tuple(items)
-        try:
-            return type(value)(*items)  # a named tuple
-        except TypeError:
-            return type(value)(items)
-    if isinstance(value, list):
-        return [fn(item) if not tensors_only else _map(item, fn) for item in value]
-    if isinstance(value, dict):
-        out = {key: fn(item) if not tensors_only else _map(item, fn) for key, item in value.items()}
-        try:
-            return type(value)(out)
-        except TypeError:
-            return out
-    return value
-
-
-# ----------------------------------------------------------------------------- one micro-batch
-@dataclass
-class _Cut:
-    """A tensor that crossed a split point: the original's gradient edge, and the new leaf the next stage got."""
-
-    key: tuple[int, int]  # the source's identity: (id of its grad_fn, output number)
-    source_stage: int
-    leaf: torch.Tensor
-
-
-@dataclass
-class _Micro:
-    index: int
-    weight: float
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    num_stages: int
-    owner: object = None  # the StagedStep running it (another one's hooks leave it alone)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    granted: int = -1  # the segment the thread may run
-    reached: int = 0  # the split point the thread waits at (num_stages: the function returned)
-    error: Optional[BaseException] = None
-    aborted: bool = False
-    result: Any = None
-    loss: Optional[torch.Tensor] = None
-    trains: bool = False  # the loss needs a backward
-    cuts: list[list[_Cut]] = field(default_factory=list)  # cuts[j]: the leaves made when entering stage j
-    sources: dict[tuple[int, int], tuple[int, GradientEdge]] = field(default_factory=dict)
-    leaf_stage: dict[int, int] = field(default_factory=dict)  # id(leaf) -> its stage (pass-through detection)
-    deferred: dict[int, Any] = field(default_factory=dict)  # stage -> what its W pass needs
-
-    # --- the hand-over between a stage's worker (grant, wait_reached) and the micro-batch's thread (arrive)
-    def grant(self, segment: int) -> None:
-        with self.cond:
-            self.granted = segment
-            self.cond.notify_all()
-
-    def wait_reached(self, boundary: int) -> None:
-        with self.cond:
-            while self.reached < boundary and self.error is None and not self.aborted:
-                self.cond.wait()
-            if self.error is not None:
-                raise self.error
-            if self.aborted:
-                raise _Aborted()
-
-    def arrive(self, boundary: int) -> None:
-        """Called by the micro-batch's thread at a split point: segment ``boundary - 1`` is done; wait for its turn."""
-        with self.cond:
-            self.reached = boundary
-            self.cond.notify_all()
-            if boundary >= self.num_stages:
-                return
-            while self.granted < boundary and not self.aborted:
-                self.cond.wait()
-            if self.aborted:
-                raise _Aborted()
-
-    def fail(self, exc: BaseException) -> None:
-        with self.cond:
-            self.error = exc
-            self.cond.notify_all()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.aborted = True
-            self.cond.notify_all()
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -280,11 +133,9 @@ class StagedStep:
         k, m = self.num_stages, len(pieces)
         weights = [size / total if self.loss_reduction == "mean" else 1.0 for size in sizes]
         micros = [
-            _Micro(index=i, weight=weights[i], args=tuple(piece[0]), kwargs=dict(piece[1]), num_stages=k, owner=self)
+            MicroRun(index=i, weight=weights[i], args=tuple(piece[0]), kwargs=dict(piece[1]), num_stages=k, owner=self)
             for i, piece in enumerate(pieces)
         ]
-        for micro in micros:
-            micro.cuts = [[] for _ in range(k)]
         for sums in self._sums:
             sums.clear()
         self._result_leaf = None
@@ -294,7 +145,7 @@ class StagedStep:
         running: list[Optional[Future[None]]] = [None] * m
         split_weight = any(action.kind == WEIGHT for actions in schedule for action in actions)
 
-        def start(micro: _Micro) -> None:
+        def start(micro: MicroRun) -> None:
             running[micro.index] = threads.submit(self._run_micro, micro, fn, modes)
 
         def program(j: int, actions: list[Action], receive: Receive, send: Send) -> None:
@@ -324,10 +175,9 @@ class StagedStep:
                     future.exception()  # wait: no user code keeps running after the step
         return self.combine([micro.result for micro in micros], weights, trains=any(micro.trains for micro in micros))
 
-    def _run_micro(self, micro: _Micro, fn: Callable[..., Any], modes: dict[str, Any]) -> None:
-        _LOCAL.micro = micro
+    def _run_micro(self, micro: MicroRun, fn: Callable[..., Any], modes: dict[str, Any]) -> None:
         try:
-            with stage_context(self.devices[0], self.threads_per_stage, modes):
+            with running(micro), stage_context(self.devices[0], self.threads_per_stage, modes):
                 micro.arrive(0)
                 result = fn(*micro.args, **micro.kwargs)
             if micro.reached != self.num_stages - 1:
@@ -341,19 +191,17 @@ class StagedStep:
             micro.loss = _loss_of(result)
             micro.trains = micro.loss is not None and micro.loss.requires_grad
             micro.arrive(self.num_stages)
-        except _Aborted:
+        except Aborted:
             pass
         except BaseException as exc:  # noqa: BLE001 - handed to the stage that waits for this micro-batch
             micro.fail(exc)
-        finally:
-            _LOCAL.micro = None
 
     def _hook(self, boundary: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            micro = getattr(_LOCAL, "micro", None)
+            micro = current_run()
             device = self.devices[boundary]
             if micro is None:  # not a staged step (e.g. validation): move the inputs, nothing else
-                return _map((args, kwargs), lambda t: t.to(device) if t.device != device else t)
+                return map_tensors((args, kwargs), lambda t: t.to(device) if t.device != device else t)
             if micro.owner is not self:
                 return None
             if micro.reached != boundary - 1 or micro.granted != boundary - 1:
@@ -363,7 +211,7 @@ class StagedStep:
                     "the order the split points are given. Is a split-point submodule used twice (shared blocks)?"
                 )
             cut = self._cut(micro, boundary, device)
-            new = _map((args, kwargs), cut)
+            new = map_tensors((args, kwargs), cut)
             micro.arrive(boundary)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -371,7 +219,7 @@ class StagedStep:
 
         return hook
 
-    def _cut(self, micro: _Micro, boundary: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _cut(self, micro: MicroRun, boundary: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         clone = self._in_place[boundary - 1]
         made: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -392,7 +240,7 @@ class StagedStep:
                 stage = known[0]
             leaf = tensor.detach()
             leaf = (leaf.to(device) if leaf.device != device else leaf).requires_grad_()
-            micro.cuts[boundary].append(_Cut(key=key, source_stage=stage, leaf=leaf))
+            micro.cuts[boundary].append(Cut(key=key, source_stage=stage, leaf=leaf))
             micro.leaf_stage[id(leaf)] = boundary
             made[key] = leaf.clone() if clone else leaf
             return made[key]
@@ -400,7 +248,7 @@ class StagedStep:
         return cut
 
     # ------------------------------------------------------------------ backward
-    def _roots(self, j: int, micro: _Micro, message: Optional[dict[Any, torch.Tensor]]) -> tuple[list[Any], list[torch.Tensor], dict[Any, torch.Tensor]]:
+    def _roots(self, j: int, micro: MicroRun, message: Optional[dict[Any, torch.Tensor]]) -> tuple[list[Any], list[torch.Tensor], dict[Any, torch.Tensor]]:
         """The stage's outputs that received a gradient, those gradients, and what passes on to earlier stages."""
         roots: list[Any] = []
         grads: list[torch.Tensor] = []
@@ -420,7 +268,7 @@ class StagedStep:
                 onward[key] = grad
         return roots, grads, onward
 
-    def _backward(self, j: int, micro: _Micro, message: Any, split_weight: bool) -> dict[Any, torch.Tensor]:
+    def _backward(self, j: int, micro: MicroRun, message: Any, split_weight: bool) -> dict[Any, torch.Tensor]:
         roots, grads, onward = self._roots(j, micro, message)
         own = micro.cuts[j]
         earlier = [cut for stage in range(j) for cut in micro.cuts[stage]]
@@ -457,10 +305,10 @@ class StagedStep:
         micro.cuts[j] = []
         micro.sources = {key: value for key, value in micro.sources.items() if value[0] != j}
         if j == self.num_stages - 1:
-            micro.result, micro.loss = _map(micro.result, torch.Tensor.detach), None
+            micro.result, micro.loss = map_tensors(micro.result, torch.Tensor.detach), None
         return onward
 
-    def _weight(self, j: int, micro: _Micro) -> None:
+    def _weight(self, j: int, micro: MicroRun) -> None:
         deferred: Optional[DeferredWeights] = micro.deferred.pop(j, None)
         if deferred is None:
             return

@@ -1,6 +1,9 @@
 """What the hybrid strategy needs around :class:`~lightning_mgpu.placement.staged.StagedStep` in a fit,
 kept free of Lightning: model checks, module placement, and the step function with its logging.
 
+* :func:`choose_split_points`: the split points in force, given or planned among the
+  candidate blocks (``balance``), as one :class:`~lightning_mgpu.placement.plan.PlacementPlan`
+  that every rank shares.
 * :func:`check_staged_model`: refuses, before any process starts, what the staged pipeline
   cannot run (SyncBatchNorm, activation recomputation, manual optimization, a parameter
   that two stages on different CUDA devices would both use).
@@ -18,16 +21,73 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from numbers import Number
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from lightning_mgpu._compat.torch import apply_to_own_tensors
-from lightning_mgpu.placement.split_points import stage_of_modules
-from lightning_mgpu.placement.staged import StagedStep, current_microbatch
+from lightning_mgpu.placement.handover import current_microbatch
+from lightning_mgpu.placement.plan import PlacementPlan, check_sizes, plan_stages
+from lightning_mgpu.placement.profile import LayerCost
+from lightning_mgpu.placement.split_points import block_costs, check_split_points, points_from_sizes, stage_of_modules
+from lightning_mgpu.placement.staged import StagedStep
 
-__all__ = ["check_staged_model", "place_modules", "run_logged"]
+__all__ = ["check_staged_model", "choose_split_points", "place_modules", "run_logged"]
+
+
+def choose_split_points(
+    module: nn.Module,
+    *,
+    split_points: Optional[Sequence[str]],
+    candidates: Callable[[], list[str]],
+    balance: Union[str, Sequence[int]],
+    devices: Sequence[torch.device],
+    microbatches: int,
+    rank_zero: bool,
+    broadcast: Callable[[Any], Any],
+    warn: Callable[[str], None],
+) -> tuple[list[str], PlacementPlan]:
+    """The split points in force and their plan. Given ``split_points`` are checked and used as they are; else
+    rank 0 plans ``len(devices)`` stages among ``candidates()`` by ``balance`` and ``broadcast`` hands its sizes to
+    every rank (DDP needs the same layout everywhere)."""
+    k = len(devices)
+    sizes: Optional[list[int]] = None
+    layers: list[LayerCost] = []
+    if split_points is not None:
+        points = check_split_points(module, split_points, k)
+        chosen: Union[str, list[int]] = "split_points"
+    else:
+        names = candidates()
+        if len(names) < k:
+            raise ValueError(
+                f"{type(module).__name__} has {len(names)} candidate split point(s) ({names}) but "
+                f"devices_per_replica={k}: pass split_points=[...] naming where each stage begins"
+            )
+        if not isinstance(balance, str):
+            sizes = check_sizes(balance, len(names), k)
+            chosen = list(sizes)
+        else:
+            chosen = balance
+            if rank_zero:
+                if balance != "params":
+                    warn(
+                        f"HybridParallelStrategy(balance={balance!r}) with the staged pipeline measures nothing yet: "
+                        "balancing the candidate blocks by parameter count (pass balance=[sizes] or split_points)."
+                    )
+                layers = block_costs(module, names)
+                sizes = plan_stages(layers, devices, "params", microbatches=microbatches).sizes
+            sizes = list(broadcast(sizes))
+        assert sizes is not None
+        points = points_from_sizes(names, sizes)
+    plan = PlacementPlan(
+        devices=[str(d) for d in devices],
+        sizes=sizes or [1] * k,
+        balance=chosen,
+        microbatches=microbatches,
+        layers=layers if sizes is not None and layers and sum(sizes) == len(layers) else [],
+    )
+    return points, plan
 
 
 def check_staged_model(

@@ -28,7 +28,7 @@ class CopyStreams:
             return tensor.to(device)  # device -> host (or cpu -> cpu-like): a plain, synchronous copy
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # untyped in torch
         consumer = torch.cuda.current_stream(device)
         if tensor.is_cuda:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))

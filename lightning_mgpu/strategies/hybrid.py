@@ -5,35 +5,29 @@ Each process owns ``devices_per_replica`` (K) consecutive devices of the ones th
 was given: ``Trainer(devices=8, strategy=HybridParallelStrategy(devices_per_replica=2))``
 runs 4 processes (replicas), process ``r`` on devices ``2r`` and ``2r + 1``. On CPU,
 ``accelerator="cpu", devices=4`` gives 2 processes with two "cpu" stages each; stages run
-in their own threads, so pipelining is real there too.
+in their own threads, so pipelining is real there too. K = 1 with ``microbatches=1`` is
+plain ``ddp_tuned``.
 
-What is split: one ``nn.Sequential`` of the LightningModule (``split_module``, default:
-its only ``nn.Sequential`` child). Everything else stays on the replica's first device,
-where Lightning also puts the batch; the pipelined module returns its output there, so
-the loss code does not change. The split is planned by
-:func:`~lightning_mgpu.placement.plan.plan_stages` (``balance``) from per-layer costs measured
-by :func:`~lightning_mgpu.placement.profile.profile_layers` on one micro-batch of a sample
-(``sample_input``, else the module's ``example_input_array`` pushed through the model; with
-neither, ``"time"``/``"memory"`` fall back to ``"params"`` with a warning). Rank 0 plans
-and broadcasts, so every replica has the same layout (DDP needs that).
+Two pipelines, both accumulating each parameter's gradient once per step after
+``loss.backward()``, so DDP's reducer works unchanged (no ``device_ids``: the module spans
+devices), and both exact against one process with the full batch:
 
-Inside a replica, :class:`~lightning_mgpu.placement.pipeline.Pipeline` runs the GPipe
-schedule; the stages' backward runs right after ``loss.backward()`` (``post_backward``)
-and accumulates each parameter's gradient once, so DDP's reducer works unchanged (no
-``device_ids``: the module spans devices). K = 1 with ``microbatches=1`` is plain
-``ddp_tuned``.
+* **Staged** (``split_points``, or ``schedule="1f1b"``/``"zero_bubble"``, or no single
+  ``nn.Sequential`` child): any ``nn.Module`` as it is, cut where the named submodules
+  begin; ``training_step`` runs once per micro-batch inside the pipeline, loss included
+  (:class:`~lightning_mgpu.placement.staged.StagedStep`; setup in
+  :mod:`~lightning_mgpu.placement.staged_fit`).
+* **Sequential** (an ``nn.Sequential``, ``schedule="gpipe"``): its layers are split by
+  :func:`~lightning_mgpu.placement.plan.plan_stages` (``balance``) from per-layer costs
+  measured on one micro-batch (:mod:`~lightning_mgpu.placement.sequential_fit`); the rest
+  of the model and the loss stay on the replica's first device.
 
-``state_dict`` keys never change: the ``nn.Sequential`` keeps its children (only its
-class is swapped for the fit and restored at teardown), and checkpoints are written
-with every tensor on the CPU, so they load into ``ddp_tuned``, a single device or another
-placement.
-
-Not supported (refused with a clear error): ``find_unused_parameters=True`` (the stages'
-parameters are reached by a second backward, not from the loss), ``SyncBatchNorm``
-inside the split module (its collectives would run in the stage threads in an order
-that differs between ranks), and parameters shared between the split module and the
-rest of the model. ``BatchNorm`` with ``microbatches > 1`` normalises per micro-batch
-(as in GPipe/torchgpipe): a warning says so.
+Rank 0 plans and broadcasts, so every replica has the same layout. ``state_dict`` keys
+never change, and checkpoints are written with every tensor on the CPU, so they load into
+``ddp_tuned``, a single device or another placement. Refused with a clear error:
+``find_unused_parameters=True`` and ``static_graph=True`` (the stages' gradients come from
+the pipeline's own backward), ``SyncBatchNorm``, and what each pipeline cannot run (see its
+module).
 """
 
 from __future__ import annotations
@@ -45,39 +39,28 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline, check_recompute_randomness
+from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
-from lightning_mgpu.placement.profile import LayerCost, profile_batch_size, profile_layers
+from lightning_mgpu.placement.profile import LayerCost
 from lightning_mgpu.placement.schedule import SCHEDULES
-from lightning_mgpu.placement.split_points import (
-    block_costs,
-    candidate_blocks,
-    check_split_points,
-    points_from_sizes,
+from lightning_mgpu.placement.sequential_fit import (
+    capture_input,
+    check_sequential,
+    device_capacity,
+    find_split_module,
+    install_pipeline,
+    measure_layers,
+    remove_pipeline,
 )
+from lightning_mgpu.placement.split_points import candidate_blocks, check_split_points
 from lightning_mgpu.placement.staged import StagedStep
-from lightning_mgpu.placement.staged_fit import check_staged_model, place_modules, run_logged
+from lightning_mgpu.placement.staged_fit import check_staged_model, choose_split_points, place_modules, run_logged
 from lightning_mgpu._compat.lightning import StrategyRegistryType
-from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata, is_batchnorm
+from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 __all__ = ["HybridParallelStrategy"]
 
-
-
-class _PipelinedSequential(nn.Sequential):
-    """The split ``nn.Sequential`` during a fit: same children (same state_dict), pipelined forward."""
-
-    _lightning_mgpu_pipeline: Pipeline
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Sequential's own name
-        return self._lightning_mgpu_pipeline.forward(input)
-
-
-class _Captured(Exception):
-    def __init__(self, value: torch.Tensor) -> None:
-        super().__init__("captured")
-        self.value = value
 
 
 class HybridParallelStrategy(TunedDDPStrategy):
@@ -93,6 +76,10 @@ class HybridParallelStrategy(TunedDDPStrategy):
         checkpoint: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``.
         split_module: attribute name (dotted for nested) of the ``nn.Sequential`` to split;
             default: the LightningModule's only ``nn.Sequential`` child.
+        split_points: qualified names (relative to the LightningModule) of the K - 1
+            submodules where stages 1.. begin, on an unmodified model.
+        schedule: ``"gpipe"``, ``"1f1b"`` (at most K micro-batches of activations per
+            stage) or ``"zero_bubble"`` (weight gradients deferred into the bubble).
         sample_input: one batch of the split module's input, used to measure per-layer
             time and memory for ``balance="time"``/``"memory"``.
         threads_per_stage: intra-op threads of each CPU stage (default: the process's
@@ -255,8 +242,8 @@ class HybridParallelStrategy(TunedDDPStrategy):
         if self._uses_staged(module):
             self._setup_staged(module)
             return
-        name, seq = self._find_split_module(module)
-        self._check_supported(module, name, seq)
+        name, seq = find_split_module(module, self._split_module)
+        self._check_sequential(module, name, seq, warn=True)
         # Everything but the split module goes to the replica's first device; the split module
         # stays where it is (the CPU, usually: it may not fit one device) until each stage
         # moves to its own device. Profiling moves one layer at a time.
@@ -279,9 +266,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
             checkpoint=self._checkpoint,
             threads_per_stage=self._threads_per_stage,
         )
-        self._split, self._split_class = seq, type(seq)
-        seq.__class__ = _PipelinedSequential
-        object.__setattr__(seq, "_lightning_mgpu_pipeline", self._pipeline)
+        self._split, self._split_class = seq, install_pipeline(seq, self._pipeline)
         rank_zero_info(f"{type(self).__name__}: split `{name}` as {plan.summary_line()}\n{plan}")
 
     def _uses_staged(self, module: nn.Module) -> bool:
@@ -294,54 +279,32 @@ class HybridParallelStrategy(TunedDDPStrategy):
 
     def _candidates(self, module: nn.Module) -> list[str]:
         if self._split_module is not None:
-            name, seq = self._find_split_module(module)
+            name, seq = find_split_module(module, self._split_module)
             return [f"{name}.{child}" for child, _ in seq.named_children()]
         return candidate_blocks(module)
 
     def _setup_staged(self, module: nn.Module) -> None:
-        devices, k = self.replica_devices, self._devices_per_replica
-        sizes: Optional[list[int]] = None
-        layers: list[LayerCost] = []
-        if self._split_points is not None:
-            points = check_split_points(module, self._split_points, k)
-            balance: Union[str, list[int]] = "split_points"
-        else:
-            candidates = self._candidates(module)
-            if len(candidates) < k:
-                raise ValueError(
-                    f"{type(module).__name__} has {len(candidates)} candidate split point(s) ({candidates}) but "
-                    f"devices_per_replica={k}: pass split_points=[...] naming where each stage begins"
-                )
-            balance = self._balance
-            if isinstance(balance, list):
-                check_sizes(balance, len(candidates), k)
-                sizes = list(balance)
-            elif self.global_rank == 0:
-                if balance != "params":
-                    rank_zero_warn(
-                        f"HybridParallelStrategy(balance={balance!r}) with the staged pipeline measures nothing yet: "
-                        "balancing the candidate blocks by parameter count (pass balance=[sizes] or split_points)."
-                    )
-                layers = block_costs(module, candidates)
-                sizes = plan_stages(layers, devices, "params", microbatches=self._microbatches).sizes
-            sizes = list(self.broadcast(sizes, src=0))  # type: ignore[arg-type]
-            points = points_from_sizes(candidates, sizes)
+        devices = self.replica_devices
+        points, self._plan = choose_split_points(
+            module,
+            split_points=self._split_points,
+            candidates=lambda: self._candidates(module),
+            balance=self._balance,
+            devices=devices,
+            microbatches=self._microbatches,
+            rank_zero=self.global_rank == 0,
+            broadcast=lambda sizes: self.broadcast(sizes, src=0),
+            warn=rank_zero_warn,
+        )
         check_staged_model(module, points, devices, checkpoint=self._checkpoint)
         place_modules(module, points, devices)
-        self._plan = PlacementPlan(
-            devices=[str(d) for d in devices],
-            sizes=sizes or [1] * k,
-            balance=balance if not isinstance(balance, list) else list(balance),
-            microbatches=self._microbatches,
-            layers=layers if sizes is not None and layers and sum(sizes) == len(layers) else [],
-        )
         self._split_points_used = points
         self._staged = StagedStep(
             module, points, devices, schedule=self._schedule, microbatches=self._microbatches,
             threads_per_stage=self._threads_per_stage,
         )
         rank_zero_info(
-            f"{type(self).__name__}: {k} stages beginning at {points}, schedule={self._schedule!r}, "
+            f"{type(self).__name__}: {len(devices)} stages beginning at {points}, schedule={self._schedule!r}, "
             f"microbatches={self._microbatches}"
         )
 
@@ -349,28 +312,6 @@ class HybridParallelStrategy(TunedDDPStrategy):
     def split_points(self) -> Optional[list[str]]:
         """The submodules where stages 1.. begin, when the staged pipeline runs (after setup)."""
         return self._split_points_used
-
-    def _find_split_module(self, module: nn.Module) -> tuple[str, nn.Sequential]:
-        if self._split_module is not None:
-            try:
-                found = module.get_submodule(self._split_module)
-            except AttributeError:
-                found = None
-            if not isinstance(found, nn.Sequential):
-                what = "nothing" if found is None else type(found).__name__
-                raise ValueError(
-                    f"split_module={self._split_module!r}: {type(module).__name__}.{self._split_module} is {what}, "
-                    "not an nn.Sequential. Point split_module at the nn.Sequential holding the layers to split."
-                )
-            return self._split_module, found
-        candidates = [(n, child) for n, child in module.named_children() if isinstance(child, nn.Sequential)]
-        if len(candidates) != 1:
-            names = ", ".join(n for n, _ in candidates) or "none"
-            raise ValueError(
-                f"HybridParallelStrategy needs to know which nn.Sequential of {type(module).__name__} to split: it has "
-                f"{len(candidates)} nn.Sequential children ({names}). Pass split_module='<attribute name>'."
-            )
-        return candidates[0]
 
     def check_model(self, model: Any) -> None:
         super().check_model(model)
@@ -389,51 +330,17 @@ class HybridParallelStrategy(TunedDDPStrategy):
             devices = self.replica_devices if self.parallel_devices else [torch.device("cpu")] * k
             check_staged_model(model, points or [], devices, checkpoint=self._checkpoint)
             return
-        name, seq = self._find_split_module(model)
-        self._check_supported(model, name, seq, warn=False)
+        name, seq = find_split_module(model, self._split_module)
+        self._check_sequential(model, name, seq, warn=False)
 
-    def _check_supported(self, module: nn.Module, name: str, seq: nn.Sequential, *, warn: bool = True) -> None:
-        k = self._devices_per_replica
-        if len(seq) < k:
-            raise ValueError(
-                f"`{name}` has {len(seq)} layer(s) but devices_per_replica={k}: every device needs at least one layer. "
-                f"Use devices_per_replica <= {len(seq)} or a deeper nn.Sequential."
-            )
-        if isinstance(self._balance, list):
-            check_sizes(self._balance, len(seq), k)
-        inside = {id(p) for p in seq.parameters()}
-        outside = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in inside and not n.startswith(name + ".")]
-        if outside:
-            raise ValueError(
-                f"parameters shared between `{name}` and the rest of the model are not supported by the hybrid strategy "
-                f"({', '.join(outside[:3])}): the pipeline would accumulate their gradient separately. Untie them or move "
-                "the sharing module inside the split nn.Sequential."
-            )
-        owner: dict[int, int] = {}
-        for index, layer in enumerate(seq):
-            for p in layer.parameters():
-                if owner.setdefault(id(p), index) != index:
-                    raise ValueError(
-                        f"layers {owner[id(p)]} and {index} of `{name}` share a parameter: the hybrid strategy may place "
-                        "them on different devices and would accumulate its gradient twice. Untie them or keep the "
-                        "sharing layers in one layer of the nn.Sequential (e.g. wrap them in a sub-module)."
-                    )
-        check_recompute_randomness(list(seq), self._checkpoint, self.replica_devices if self.parallel_devices else None)
-        if any(isinstance(m, nn.SyncBatchNorm) for m in seq.modules()):
-            raise ValueError(
-                f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's stage threads, in an order "
-                "that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
-            )
-        has_bn = any(is_batchnorm(m) for m in seq.modules())
-        if warn and has_bn and (self._microbatches > 1 or self._checkpoint != "never"):
-            updates = self._microbatches * (2 if self._checkpoint != "never" else 1)
-            rank_zero_warn(
-                f"`{name}` contains BatchNorm with microbatches={self._microbatches}, checkpoint={self._checkpoint!r}: "
-                "in training, BatchNorm normalises each micro-batch with that micro-batch's statistics (as in GPipe) "
-                f"and updates its running statistics up to {updates} times per step (recomputation updates them again), "
-                "so results differ from full-batch training. Use microbatches=1 and checkpoint='never', a larger "
-                "batch, or GroupNorm/LayerNorm for identical numerics."
-            )
+    def _check_sequential(self, module: nn.Module, name: str, seq: nn.Sequential, *, warn: bool) -> None:
+        warning = check_sequential(
+            module, name, seq, num_stages=self._devices_per_replica, balance=self._balance,
+            microbatches=self._microbatches, checkpoint=self._checkpoint,
+            devices=self.replica_devices if self.parallel_devices else None,
+        )
+        if warn and warning is not None:
+            rank_zero_warn(warning)
 
     def _make_plan(self, module: nn.Module, name: str, seq: nn.Sequential) -> PlacementPlan:
         devices = self.replica_devices
@@ -441,25 +348,24 @@ class HybridParallelStrategy(TunedDDPStrategy):
         layers: list[LayerCost] = []
         sizes: Optional[list[int]] = None
         if self.global_rank == 0:
-            sample = self._sample_for(module, seq) if balance in ("time", "memory") else None
-            if balance in ("time", "memory") and sample is None:
-                rank_zero_warn(
-                    f"HybridParallelStrategy(balance={balance!r}) needs a sample to measure `{name}`: set "
-                    "`example_input_array` on the LightningModule or pass sample_input=. Balancing by parameter "
-                    "count instead."
+            sample: Optional[torch.Tensor] = None
+            if balance in ("time", "memory"):
+                sample = (
+                    self._sample_input.to(self.root_device)
+                    if self._sample_input is not None
+                    else capture_input(module, seq, self.root_device)
                 )
-                balance = "params"
-            rows = None if sample is None else profile_batch_size(sample.shape[0], self._microbatches, seq)
-            micro = None if sample is None else sample[:rows]
+                if sample is None:
+                    rank_zero_warn(
+                        f"HybridParallelStrategy(balance={balance!r}) needs a sample to measure `{name}`: set "
+                        "`example_input_array` on the LightningModule or pass sample_input=. Balancing by parameter "
+                        "count instead."
+                    )
+                    balance = "params"
             threads = self._threads_per_stage or max(1, torch.get_num_threads() // len(devices))
-            layers = (
-                profile_layers(seq, micro, device=self.root_device, threads=threads)
-                if micro is not None
-                else _static_costs(seq)
-            )
-            capacity = [_capacity(device) for device in devices]
-            plan = plan_stages(layers, devices, balance, microbatches=self._microbatches, capacity=capacity)
-            sizes = plan.sizes
+            layers = measure_layers(seq, sample, microbatches=self._microbatches, device=self.root_device, threads=threads)
+            capacity = [device_capacity(device) for device in devices]
+            sizes = plan_stages(layers, devices, balance, microbatches=self._microbatches, capacity=capacity).sizes
         payload = self.broadcast({"sizes": sizes, "balance": balance, "layers": [c.as_dict() for c in layers]}, src=0)
         return PlacementPlan(
             devices=[str(d) for d in devices],
@@ -468,36 +374,6 @@ class HybridParallelStrategy(TunedDDPStrategy):
             microbatches=self._microbatches,
             layers=[LayerCost.from_dict(c) for c in payload["layers"]],  # type: ignore[union-attr, arg-type]
         )
-
-    def _sample_for(self, module: nn.Module, seq: nn.Sequential) -> Optional[torch.Tensor]:
-        if self._sample_input is not None:
-            return self._sample_input.to(self.root_device)
-        example = getattr(module, "example_input_array", None)
-        if example is None:
-            return None
-
-        def capture(_: nn.Module, args: tuple[Any, ...]) -> None:
-            raise _Captured(args[0].detach())
-
-        handle = seq.register_forward_pre_hook(capture)
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]  # e.g. BatchNorm statistics before the split
-        try:
-            with torch.random.fork_rng(devices=[d for d in {self.root_device} if d.type == "cuda"]), torch.no_grad():
-                example = _to_device(example, self.root_device)
-                if isinstance(example, (tuple, list)):
-                    module(*example)
-                elif isinstance(example, dict):
-                    module(**example)
-                else:
-                    module(example)
-        except _Captured as captured:
-            return captured.value
-        finally:
-            handle.remove()
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-        return None  # the forward never reached the split module
 
     # ------------------------------------------------------------------ training hooks
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -616,31 +492,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
             self._staged.close()
             self._staged = None
         if self._split is not None and self._split_class is not None:
-            self._split.__class__ = self._split_class
-            self._split.__dict__.pop("_lightning_mgpu_pipeline", None)
+            remove_pipeline(self._split, self._split_class)
         self._pipeline, self._split, self._split_class = None, None, None
         super().teardown()
-
-
-def _static_costs(seq: nn.Sequential) -> list[LayerCost]:
-    """Parameter counts only (no sample to run): enough for balance="params" or given sizes."""
-    costs = []
-    for index, (name, layer) in enumerate(seq.named_children()):
-        count = sum(p.numel() for p in layer.parameters())
-        nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-        costs.append(
-            LayerCost(
-                index=index, name=name, kind=type(layer).__name__, forward_ms=0.0, backward_ms=0.0, param_count=count,
-                param_bytes=nbytes, grad_bytes=nbytes, optimizer_bytes=2 * nbytes, activation_bytes=0, output_bytes=0,
-            )
-        )
-    return costs
-
-
-def _capacity(device: torch.device) -> Optional[float]:
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    return None
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
