@@ -9,6 +9,7 @@ Run them as modules, from the repository root (they import each other as ``bench
     python -m bench.pipeline --quick          # pipeline throughput against the unsplit model
     python -m bench.planner --quick           # placement.partition against the optimum and heuristics
     python -m bench.soak --quick              # memory over a long run with both callbacks
+    python -m bench.netlab --sweep --quick    # 2 nodes over a shaped link (root): options x models x rates
 
 Shared parts: :mod:`bench.common` (model, data, clock, statistics, report) and
 :mod:`bench.launcher` (the one ``torch.distributed.run`` launcher every multi-process
