@@ -5,7 +5,7 @@ nothing. This script builds the regime users live in (nodes joined by 0.1-25 Gbi
 with the kernel's own network stack: network namespaces, veth links shaped by ``tbf``,
 loopback-range addresses (:mod:`bench.netlab_lib`), torchrun per namespace
 (:mod:`bench.netlab_launch`). The lab is always torn down: on success, error, Ctrl-C, SIGTERM;
-a run killed with SIGKILL is cleaned up by the next one (or ``--cleanup``).
+a run killed with SIGKILL is cleaned up by a run 10 minutes later, or at once by ``--cleanup``.
 
     # any training script as 2 nodes over a 1 Gbit/s link (asymmetric: --gbps 10,1; 2 ranks per node: --nproc-per-node 2)
     python -m bench.netlab --gbps 1 -- recipes/char_lm/train_lightning.py --max-steps 50

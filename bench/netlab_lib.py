@@ -23,8 +23,9 @@ with the kernel's own network stack, so that the same training script runs as N 
   namespace, with ``GLOO_SOCKET_IFNAME`` set to that namespace's link.
 
 Teardown is not optional: :class:`Lab` is a context manager, registers an ``atexit`` handler,
-and :func:`handle_signals` turns SIGTERM/SIGHUP into an exception so ``finally`` runs; a run
-killed with SIGKILL leaves namespaces that the next run removes (:func:`remove_stale`).
+and :func:`handle_signals` turns SIGTERM/SIGHUP into an exception so ``finally`` runs; the
+namespaces of a run killed with SIGKILL are removed by a lab built 10 minutes later, or at
+once by ``python -m bench.netlab --cleanup`` (:func:`remove_stale`).
 Building needs root and the ``ip`` and ``tc`` commands: :func:`lab_unavailable` says why not.
 
 No torch import here. The probe is :mod:`bench.netlab_probe`, the launcher :mod:`bench.netlab_launch`.
@@ -41,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -101,13 +103,17 @@ def tbf_rate(gbps: float) -> str:
     return f"{max(1, round(gbps * 1000))}mbit"
 
 
-def remove_stale(runner: Runner = run_command) -> list[str]:
-    """Delete lab namespaces whose creating process is gone (a run killed with SIGKILL); returns their names."""
+def remove_stale(runner: Runner = run_command, *, min_age_s: float = 0.0) -> list[str]:
+    """Delete lab namespaces whose creating process is gone (a run killed with SIGKILL); returns their names.
+
+    ``min_age_s``: leave younger ones alone. A new lab passes 10 minutes: where the namespace
+    list is shared with another pid namespace (a container), a live run there looks dead here.
+    """
     removed = []
     for line in runner(["ip", "netns", "list"]).splitlines():
         name = line.split()[0] if line.strip() else ""
         match = _NAME.match(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or _alive(int(match.group(1))) or _age_s(name) < min_age_s:
             continue
         _kill_namespace_processes(name, runner)
         try:
@@ -116,6 +122,13 @@ def remove_stale(runner: Runner = run_command) -> list[str]:
         except LabError:
             pass
     return removed
+
+
+def _age_s(namespace: str) -> float:
+    try:
+        return time.time() - os.stat(f"/run/netns/{namespace}").st_mtime
+    except OSError:
+        return float("inf")
 
 
 def _alive(pid: int) -> bool:
@@ -254,7 +267,7 @@ class Lab:
         atexit.register(self.teardown)
         try:
             if self.runner is run_command:
-                remove_stale(self.runner)
+                remove_stale(self.runner, min_age_s=600)
             self._build()
         except BaseException:
             self.teardown()
