@@ -38,14 +38,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType, in_accumulation_window
 from lightning_mgpu.comm import powersgd_memory
-from lightning_mgpu.comm.compression import resolve_compression
+from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
 from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.checkpoint_io import atomic_checkpoint_io
@@ -283,6 +283,14 @@ class TunedDDPStrategy(DDPStrategyBase):
         return None if self._compression == "powersgd" else 1.0
 
     @property
+    def compression_stats(self) -> Optional[dict[str, Any]]:
+        """With ``compression="fp16"``: steps with inf/NaN gradients, the last step's largest gradient
+        magnitude and the elements lost to underflow (:class:`~lightning_mgpu.comm.compression.ScaledFp16Allreduce`);
+        None otherwise."""
+        hook = self.comm_hook
+        return hook.stats if isinstance(hook, ScaledFp16Allreduce) else None
+
+    @property
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments given to ``DistributedDataParallel``, bucket sizes included."""
         return {**self.user_ddp_kwargs, **self._bucket_kwargs()}
@@ -500,6 +508,10 @@ class TunedDDPStrategy(DDPStrategyBase):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if isinstance(self.comm_hook, ScaledFp16Allreduce):
+            note = self.comm_hook.end_step()  # inf/NaN gradients or underflow: said, never silent
+            if note is not None:
+                rank_zero_warn(note)
         if self._sizer is not None:
             self._sizer.after_optimizer_step(self)
         return output

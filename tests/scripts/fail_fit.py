@@ -23,6 +23,9 @@ Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 
   stuck     the rank sleeps for an hour in training_step: no connection closes
   mismatch  the rank enters a barrier the others never enter: every rank waits in a collective
 
+``--loss-scale 1e7`` makes the gradients huge (above float16's 65504; Adam does not mind), and
+``--torch-fp16-hook`` registers torch's own ``fp16_compress_hook``: tests/test_fp16_safety.py.
+
 The failure is written ``injected <kind> failure`` (the rank is not in the message: the launcher and
 torch must say which rank failed). With ``--once PATH`` it happens only while PATH does not exist
 (it is created first): the attempt after a ``torchrun --max-restarts`` restart runs clean.
@@ -110,9 +113,9 @@ class Indices(Dataset):
 
 
 class Net(StagedNet):
-    def __init__(self, plan: Plan, workers: int) -> None:
+    def __init__(self, plan: Plan, workers: int, loss_scale: float = 1.0) -> None:
         super().__init__(width=WIDTH, blocks=4, out_features=OUT, embed_activation="tanh", example_batch=BATCH)
-        self.plan, self.workers = plan, workers
+        self.plan, self.workers, self.loss_scale = plan, workers, loss_scale
         self._arm_stage = False
         self.body[-1].register_forward_pre_hook(self._stage_hook)
 
@@ -136,7 +139,7 @@ class Net(StagedNet):
         generator = position_generator(seen, self.global_rank)
         x = torch.randn(BATCH, 8, generator=generator)
         y = torch.sin(2 * x).repeat(1, OUT // 8) * x[:, :1]
-        loss = nn.functional.mse_loss(self(x), y)
+        loss = self.loss_scale * nn.functional.mse_loss(self(x), y)
         self.losses.append(loss.item())
         return loss
 
@@ -169,7 +172,9 @@ class Report(L.Callback):
         assert isinstance(strategy, TunedDDPStrategy)
         rank = trainer.global_rank
         callbacks = {
-            type(c).__name__: c.state_dict() for c in trainer.callbacks if isinstance(c, (CommProfiler, DistributedDoctor))
+            type(c).__name__: c.state_dict()
+            for c in trainer.callbacks
+            if isinstance(c, (CommProfiler, DistributedDoctor))
         }
         report: dict[str, Any] = {
             "rank": rank,
@@ -253,16 +258,26 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N optimizer steps")
     parser.add_argument("--resume", default=None, help="a checkpoint, or 'latest' in OUT/ckpt (none: start afresh)")
     parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2, every_n_steps=4)")
-    parser.add_argument("--doctor", action="store_true", help="DistributedDoctor(check_every_n_batches=--ckpt-every or 4)")
+    parser.add_argument(
+        "--doctor", action="store_true", help="DistributedDoctor(check_every_n_batches=--ckpt-every or 4)"
+    )
     parser.add_argument("--wandb", action="store_true", help="WandbLogger (offline) and CSVLogger under OUT")
+    parser.add_argument("--loss-scale", type=float, default=1.0, help="multiply the loss (e.g. 1e7: huge gradients)")
+    parser.add_argument(
+        "--torch-fp16-hook", action="store_true", help="torch's own fp16_compress_hook as ddp_comm_hook"
+    )
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(7, verbose=False)
     plan = Plan(args.fail, args.rank, args.at, args.once)
     workers = args.workers if args.workers is not None else int(args.fail == "worker")
-    model = Net(plan, workers)
+    model = Net(plan, workers, args.loss_scale)
     kwargs: dict[str, Any] = json.loads(args.strategy_kwargs)
+    if args.torch_fp16_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        kwargs["ddp_comm_hook"] = default_hooks.fp16_compress_hook
     if args.timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=args.timeout_s)
     if args.start_method != "popen":

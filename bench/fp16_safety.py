@@ -1,0 +1,185 @@
+"""What does making ``compression="fp16"`` safe cost per training step, and which safe design costs least?
+
+torch's ``fp16_compress_hook`` casts before dividing: gradients above 65504 become inf (NaN
+parameters, silently), below ~6e-8 become 0. Four ways of doing fp16 on the wire train the same
+8M-parameter MLP (``bench/common.py``) with 2 processes, beside plain fp32 all-reduce:
+
+    ddp_tuned      float32 all-reduce (DDP's built-in), the reference
+    fp16_torch     torch's fp16_compress_hook: unsafe, the baseline the safe ones are compared with
+    fp16_scaled    ours, ``compression="fp16"``: one scalar MAX all-reduce per bucket, every rank scales
+                   the bucket by the same power of two (peak -> 2**15), divides, casts; no partial sum
+                   can overflow; inf/NaN gradients and underflow reported (ScaledFp16Allreduce)
+    fp16_checked   divide, cast, all-reduce, then the hook *waits* for the sum, checks it (identical on
+                   every rank) and, where it overflowed, all-reduces that bucket again in float32
+    fp16_skip      divide, cast, all-reduce; where the sum is not finite the bucket is zeroed (skip the
+                   bucket's update this step) and a flag set for a warning; no extra collective, no wait
+
+``fp16_checked`` and ``fp16_skip`` are implemented here only, to be measured. The fallback must run
+in the hook body: a collective issued from a completion callback runs on gloo's worker threads and
+reaches the ranks in different orders (the reason ``comm/powersgd_memory.one_bucket_at_a_time``
+exists), so the hook waits for its fp16 sum; ``fp16_skip`` loses a bucket's update instead.
+
+Run it on a quiet machine (timings taken on a loaded one are noise):
+
+    python -m bench.fp16_safety                 # 5 rounds x 5 launches, 100 timed steps each
+    python -m bench.fp16_safety --quick         # smoke run: 1 round, 10 steps (the test runs this)
+    python -m bench.fp16_safety --accelerator cuda --nproc 2   # NCCL: the MAX all-reduce is enqueued, not waited for
+
+Method, timed span and rounds as ``bench/overhead.py`` (its docstring says why): every
+configuration is its own ``torch.distributed.run`` launch of :mod:`bench.training`'s Lightning
+loop, rounds rotate the order, the summary is the median over rounds of per-launch medians with
+their spread. Writes ``--out`` (default bench/results/fp16_safety.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from bench import launcher, rounds, training
+from bench.common import MLP_WIDTHS, backend_for, count_parameters, make_mlp, print_table, report_header, write_json
+
+MODULE = "bench.fp16_safety"
+CONFIGS = ("ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_checked", "fp16_skip")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fp16_safety.json"
+SKIPPED: list[torch.Tensor] = []  # fp16_skip's flags (one per bucket reduced), for its warning
+
+
+# No annotations on the two hooks: DDP checks a hook's annotations and rejects strings (this module's are).
+def fp16_checked_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """Divide, cast, sum; wait; where the fp16 sum is not finite, all-reduce the bucket again in float32."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    compressed = buffer.div(world_size).to(torch.float16)
+    dist.all_reduce(compressed, group=group)  # waited for: the decision needs the sum
+    low, high = torch.aminmax(compressed)
+    if bool(torch.isfinite(low) & torch.isfinite(high)):  # the same sum, the same decision on every rank
+        buffer.copy_(compressed)
+    else:
+        buffer.div_(world_size)
+        dist.all_reduce(buffer, group=group)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def fp16_skip_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """Divide, cast, sum; a bucket whose sum is not finite is zeroed and flagged."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    compressed = bucket.buffer().div(world_size).to(torch.float16)
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):  # type: ignore[no-untyped-def]
+        out = bucket.buffer()
+        reduced = fut.value()[0]
+        low, high = torch.aminmax(reduced)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        out.copy_(reduced)
+        torch.where(finite, out, torch.zeros((), dtype=out.dtype), out=out)
+        SKIPPED.append(~finite)
+        return out
+
+    return future.then(decompress)
+
+
+def register_configurations() -> None:
+    """The strategy names the worker's Trainer is given (``bench.training`` builds the Trainer by name)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_mgpu import TunedDDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    for name, init in (
+        ("fp16_torch", {"ddp_comm_hook": default_hooks.fp16_compress_hook}),
+        ("fp16_scaled", {"compression": "fp16"}),
+        ("fp16_checked", {"ddp_comm_hook": fp16_checked_hook}),
+        ("fp16_skip", {"ddp_comm_hook": fp16_skip_hook}),
+    ):
+        StrategyRegistry.register(name, TunedDDPStrategy, description=name, override=True, **init)
+    training.CONFIGS = (*training.CONFIGS, *(c for c in CONFIGS if c not in training.CONFIGS))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        register_configurations()
+        training.run_worker(args)
+        return
+
+    parameters = count_parameters(make_mlp())
+    print(
+        f"8M MLP {' -> '.join(map(str, MLP_WIDTHS))}: {parameters:,} parameters; batch {args.batch_size} per rank, "
+        f"{args.nproc} ranks on {args.accelerator} ({backend_for(args.accelerator)}), {args.threads} thread(s) per rank"
+    )
+    print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
+    started = time.perf_counter()
+    launches = rounds.run_rounds(MODULE, CONFIGS, args)
+    buckets = rounds.check_same_buckets(launches)
+    summary = rounds.summarize_rounds(launches, CONFIGS)
+    final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
+    elapsed = time.perf_counter() - started
+    header = report_header(args, CONFIGS)
+    payload = {
+        "benchmark": "fp16_safety",
+        "machine": header["machine"],
+        "settings": {
+            **header["settings"],
+            "mlp_widths": list(MLP_WIDTHS),
+            "parameters": parameters,
+            "quick": args.quick,
+            "launcher": launcher.describe(args.nproc),
+            "timed_span": "forward+loss, zero_grad, backward, optimizer.step (first on_train_batch_start callback to "
+            "first on_train_batch_end callback)",
+        },
+        "bucket_layout": buckets,
+        "final_losses": final_losses,
+        "launches": launches,
+        "summary": summary,
+        "wall_s": elapsed,
+    }
+    out = write_json(args.out, payload)
+    print_report(summary, buckets, elapsed, out)
+
+
+def print_report(summary: dict[str, dict[str, Any]], buckets: dict[str, Any], elapsed: float, out: Path) -> None:
+    rows = []
+    for config in CONFIGS:
+        entry = summary[config]
+        low, high = entry["step_ms_spread"]
+        rows.append(
+            [
+                config,
+                f"{entry['step_ms_median']:.2f}",
+                f"{entry['step_ms_p90']:.2f}",
+                f"{low:.2f}–{high:.2f} ({entry['relative_spread']:.1%})",
+                f"{entry['step_ms_median'] / summary['fp16_torch']['step_ms_median']:.3f}",
+                f"{entry['step_ms_median'] / summary['ddp_tuned']['step_ms_median']:.3f}",
+            ]
+        )
+    sizes = ", ".join(f"{size / 2**20:.2f}" for size in buckets["bucket_bytes"])
+    print()
+    print_table(
+        "Step time per configuration (median over rounds of per-launch medians)",
+        ["configuration", "step ms", "p90 ms", "spread ms (min–max, % of median)", "× fp16_torch", "× fp32"],
+        rows,
+        caption=f"DDP buckets in all launches: [{sizes}] MiB",
+    )
+    safe = {name: summary[name]["step_ms_median"] for name in ("fp16_scaled", "fp16_checked", "fp16_skip")}
+    cheapest = min(safe, key=lambda name: safe[name])
+    print(f"Cheapest safe design here: {cheapest}. Spreads wider than the differences mean: noise.")
+    print(f"\n{elapsed:.0f} s in all; wrote {out}")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    return rounds.parse_args(argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT, workers=CONFIGS)
+
+
+if __name__ == "__main__":
+    main()

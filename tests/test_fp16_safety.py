@@ -1,0 +1,182 @@
+"""``compression="fp16"`` never produces a silent NaN or a silent zero (issue 17 item 2).
+
+torch's ``fp16_compress_hook`` casts to float16 *before* dividing by the world size: a gradient
+above 65504 becomes inf (NaN parameters after the optimizer, exit 0, no warning), one below
+~6e-8 becomes 0 (training stops moving). ``ScaledFp16Allreduce`` divides first and scales each
+bucket by the power of two that maps its largest magnitude over all ranks to 2**15: no partial
+sum can overflow and small values keep their bits. Gradients that are inf/NaN already, and values
+still too small after scaling, are reported (``end_step``, ``TunedDDPStrategy.compression_stats``).
+
+In-process on a one-rank gloo group here; the 2-rank fit is in ``test_fp16_compression_on_two_ranks_*``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import TunedDDPStrategy
+from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
+from tests.scripts.fail_harness import launch_all
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Bucket:
+    """What a communication hook reads from DDP's GradBucket."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._buffer = values.clone()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+
+def reduce(hook: Any, values: list[float]) -> torch.Tensor:
+    bucket = Bucket(torch.tensor(values, dtype=torch.float32))
+    return hook(None, bucket).wait()  # type: ignore[no-any-return]
+
+
+def test_large_and_tiny_gradients_survive_where_torchs_hook_makes_inf_and_zero(one_rank_group: None) -> None:
+    large, tiny = [1.0e5, -3.0e5, 0.0, 1.0], [2.5e-9, -7.0e-10, 1.0e-12]
+    torchs_large, torchs_tiny = (
+        reduce(default_hooks.fp16_compress_hook, large),
+        reduce(default_hooks.fp16_compress_hook, tiny),
+    )
+    assert torch.isinf(torchs_large[:2]).all() and (torchs_tiny == 0).all()  # the defect
+    hook = ScaledFp16Allreduce()
+    ours_large, ours_tiny = reduce(hook, large), reduce(hook, tiny)
+    # float16's 11 significant bits, for every value within float16's range of its bucket's peak
+    torch.testing.assert_close(ours_large, torch.tensor(large), rtol=2**-11, atol=0)
+    torch.testing.assert_close(ours_tiny, torch.tensor(tiny), rtol=2**-11, atol=0)
+    assert hook.end_step() is None  # nothing to report: both buckets went through whole
+    assert hook.stats["steps"] == 1 and hook.stats["nonfinite_steps"] == 0 and hook.stats["peak"] == 3.0e5
+    assert hook.stats["underflow_checks"] == 1 and hook.stats["underflowed"] == 0 and hook.stats["nonzero_checked"] == 6
+
+
+def test_inf_or_nan_gradients_are_reported_not_hidden(one_rank_group: None) -> None:
+    hook = ScaledFp16Allreduce()
+    out = reduce(hook, [1.0, math.nan, 3.0e4])
+    assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == pytest.approx(3.0e4, rel=2**-11)  # sent unscaled, as is
+    message = hook.end_step()
+    assert message is not None and "inf or NaN" in message and "1 of 1 bucket" in message
+    assert hook.stats["nonfinite_steps"] == 1 and math.isnan(hook.stats["peak"])
+    said = [message]
+    for _ in range(7):  # 8 such steps: said at the 1st, 2nd, 4th and 8th
+        reduce(hook, [math.inf, 1.0])
+        said.append(hook.end_step())
+    assert [m is not None for m in said] == [True, True, False, True, False, False, False, True]
+    assert hook.stats["nonfinite_steps"] == 8
+
+
+def test_underflow_is_counted_and_said(one_rank_group: None) -> None:
+    hook = ScaledFp16Allreduce(underflow_every=2)
+    values = [1.0] * 100 + [1.0e-20] * 5  # 1e-20 is 2**66 below the peak: below float16 even scaled
+    assert hook.counting_underflow
+    out = reduce(hook, values)
+    assert (out[100:] == 0).all()
+    message = hook.end_step()
+    assert message is not None and "5 of 105 nonzero" in message and "bf16" in message
+    assert (
+        hook.stats["underflowed"] == 5 and hook.stats["nonzero_checked"] == 105 and hook.stats["underflow_checks"] == 1
+    )
+    assert not hook.counting_underflow  # step 2 is not counted (underflow_every=2)
+    reduce(hook, values)
+    assert hook.end_step() is None and hook.stats["underflow_checks"] == 1
+
+
+def test_compression_fp16_uses_the_safe_hook_and_bf16_needs_none() -> None:
+    spec = resolve_compression("fp16", backend="gloo", powersgd_rank=1, powersgd_start_iter=10)
+    assert spec is not None and isinstance(spec.hook, ScaledFp16Allreduce) and spec.wire_dtype == torch.float16
+    # bfloat16 has float32's exponent range: 3e38 and 1e-37 cast without overflow or underflow
+    extremes = torch.tensor([3.0e38, 1.0e-37, -2.0e-30])
+    assert torch.isfinite(extremes.to(torch.bfloat16)).all() and (extremes.to(torch.bfloat16) != 0).all()
+
+
+class Huge(L.LightningModule):
+    """A loss scaled by 1e7: gradients far above float16's 65504. Adam does not care (scale-invariant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return 1e7 * nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        return DataLoader(
+            TensorDataset(torch.randn(32, 16, generator=generator), torch.randn(32, 16, generator=generator)),
+            batch_size=8,
+        )
+
+
+def test_a_fit_with_huge_gradients_stays_finite_and_reports_its_peak(tmp_path: Path) -> None:
+    strategy = TunedDDPStrategy(compression="fp16")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    model = Huge()
+    trainer.fit(model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    stats = strategy.compression_stats
+    assert stats is not None and stats["steps"] == 4 and stats["nonfinite_steps"] == 0 and stats["peak"] > 65504
+    assert TunedDDPStrategy(compression="bf16").compression_stats is None
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_fp16_compression_on_two_ranks_with_huge_gradients_matches_fp32(tmp_path: Path) -> None:
+    """2 gloo ranks, gradients above 65504 (loss x 1e7, Adam): ours ends near the float32 run, torch's hook on NaN."""
+    common = ["--steps", "8", "--loss-scale", "1e7"]
+    jobs = launch_all(
+        {
+            "fp32": {"out_dir": tmp_path / "fp32", "flags": common},
+            "fp16": {"out_dir": tmp_path / "fp16", "flags": [*common, "--strategy-kwargs", json.dumps({"compression": "fp16"})]},
+            "torch": {"out_dir": tmp_path / "torch", "flags": [*common, "--torch-fp16-hook"]},
+        }
+    )  # fmt: skip
+    for job in jobs.values():
+        assert job.returncode == 0 and not job.timed_out, job.describe()
+    reference = jobs["fp32"].tensors(0)["params"]
+    for rank in (0, 1):
+        ours = jobs["fp16"].tensors(rank)["params"]
+        assert torch.isfinite(ours).all()
+        # float16 keeps 11 bits of each value: Adam, which normalises every element, can move a near-zero
+        # gradient's element the other way (by up to 2 x lr per step); the rest follows the float32 run.
+        difference = (ours - reference).abs()
+        assert float(difference.mean()) < 1e-4 and float((difference > 2e-3).float().mean()) < 1e-3, difference.max()
+        stats = jobs["fp16"].rank(rank)["package_state"]
+        assert stats["compression"] == "fp16"
+        assert torch.isnan(jobs["torch"].tensors(rank)["params"]).any()  # the defect this guards against
+    assert torch.equal(jobs["fp16"].tensors(0)["params"], jobs["fp16"].tensors(1)["params"])  # ranks agree
