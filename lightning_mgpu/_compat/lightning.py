@@ -300,3 +300,49 @@ def sampler_wrapped_for_distribution(sampler: object) -> object:
             f"{_DATASET_SAMPLER_WRAPPER.module}.{_DATASET_SAMPLER_WRAPPER.attribute}._sampler was"
         )
     return inner
+
+
+# ---------------------------------------------------------------------------------------
+# CommProfiler under Lightning's own DDPStrategy (strategy="ddp"): the user's communication hook
+# and wrapper that DDPStrategy keeps in private attributes, read and (for the wrapper) replaced,
+# so that the profiler's timer joins what Lightning registers instead of being refused by DDP.
+# ---------------------------------------------------------------------------------------
+from typing import Any as _StockAny, Callable as _StockCallable, Optional as _StockOptional
+
+_STOCK_REGISTER_HOOKS = guarded(
+    "lightning.pytorch.strategies", "DDPStrategy._register_ddp_hooks", required=False,
+    why="DDPStrategy registers self._ddp_comm_hook (wrapped by self._ddp_comm_wrapper) here, on CUDA only; "
+    "CommProfiler reads the hook and composes its timer into the wrapper (fallback: a user's hook on CUDA "
+    "is left alone and the buckets are not timed)",
+)  # fmt: skip
+
+
+def stock_ddp_comm_hook(strategy: _StockAny) -> "_StockOptional[_StockCallable[..., _StockAny]]":
+    """The ``ddp_comm_hook`` given to a stock ``DDPStrategy`` (None: none, or not readable here)."""
+    hook = getattr(strategy, "_ddp_comm_hook", None)
+    return hook if callable(hook) else None
+
+
+def stock_ddp_registers_comm_hook(strategy: _StockAny) -> bool:
+    """Whether stock ``DDPStrategy`` will register the user's hook itself when it wraps the model
+    (Lightning's rule: a hook was given and the device is CUDA)."""
+    if not callable(getattr(strategy, _STOCK_REGISTER_HOOKS.attribute.rsplit(".", 1)[-1], None)):
+        return False
+    return stock_ddp_comm_hook(strategy) is not None and strategy.root_device.type == "cuda"
+
+
+def replace_stock_ddp_comm_wrapper(
+    strategy: _StockAny,
+    make: "_StockCallable[[_StockOptional[_StockCallable[..., _StockAny]]], _StockCallable[..., _StockAny]]",
+) -> "_StockOptional[_StockCallable[[], None]]":
+    """Replace a stock ``DDPStrategy``'s ``ddp_comm_wrapper`` by ``make(the user's wrapper or None)``
+    before it wraps the model; returns the function that puts the user's back (None: not possible)."""
+    if not hasattr(strategy, "_ddp_comm_wrapper"):
+        return None
+    original = strategy._ddp_comm_wrapper
+    strategy._ddp_comm_wrapper = make(original)
+
+    def undo() -> None:
+        strategy._ddp_comm_wrapper = original
+
+    return undo

@@ -195,7 +195,9 @@ class BucketTimer:
     """Wraps a DDP communication hook to stamp each bucket's launch and completion.
 
     ``wire_ratio`` is bytes on the wire per byte of gradient (0.5 for fp16/bf16 casting
-    hooks, 1.0 for a plain all-reduce); ``None`` when unknown (PowerSGD).
+    hooks, 1.0 for a plain all-reduce); ``None`` when unknown (PowerSGD). PowerSGD's bytes are
+    measured per bucket instead: its state counts the elements it sends
+    (``total_numel_after_compression``) while the hook runs; the difference is this bucket's.
     """
 
     def __init__(self, clock: Clock, queue_callback: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
@@ -204,7 +206,8 @@ class BucketTimer:
         self._queue_callback = queue_callback or queue_autograd_callback
         self.wire_ratio: Optional[float] = 1.0
         self.compute_end: Optional[Stamp] = None
-        self._launches: list[tuple[int, int, int, Stamp]] = []
+        # (bucket index, bytes, parameters, launch stamp, bytes sent when the hook counted them)
+        self._launches: list[tuple[int, int, int, Stamp, Optional[int]]] = []
         self._dones: list[tuple[int, Stamp]] = []
         self._num_params: dict[tuple[int, int], int] = {}
 
@@ -227,13 +230,18 @@ class BucketTimer:
                 # finalize callback (queued after the last bucket): DDP's "compute end".
                 self._queue_callback(self._mark_compute_end)
             launch = self.clock.stamp()
+            sent_before = getattr(state, "total_numel_after_compression", None)  # PowerSGD counts what it sends
             future = hook(state, bucket)
+            sent = getattr(state, "total_numel_after_compression", None)
+            wire: Optional[int] = None  # a fixed share of the bytes (wire_ratio): PowerSGD's first steps too
+            if isinstance(sent_before, int) and isinstance(sent, int) and sent > sent_before:
+                wire = (sent - sent_before) * buffer.element_size()
 
             def on_done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
                 self._dones.append((index, self.clock.stamp()))  # gloo's thread: one stamp, one append
                 return fut.value()
 
-            self._launches.append((index, nbytes, self._num_params[key], launch))
+            self._launches.append((index, nbytes, self._num_params[key], launch, wire))
             if fused:
                 return future
             # ``then``, not ``add_done_callback``: DDP waits on the returned future, so the
@@ -247,25 +255,32 @@ class BucketTimer:
     def _mark_compute_end(self) -> None:
         self.compute_end = self.clock.stamp()
 
-    def take(self) -> tuple[list[tuple[int, int, int, Stamp]], list[tuple[int, Stamp]], Optional[Stamp]]:
+    def take(
+        self,
+    ) -> tuple[list[tuple[int, int, int, Stamp, Optional[int]]], list[tuple[int, Stamp]], Optional[Stamp]]:
         """Launches, completions and the backward-compute end recorded since the last call."""
         launches, dones, compute_end = self._launches, self._dones, self.compute_end
         self._launches, self._dones, self.compute_end = [], [], None
         return launches, dones, compute_end
 
     def intervals(
-        self, step_start: Stamp, launches: list[tuple[int, int, int, Stamp]], dones: list[tuple[int, Stamp]]
+        self,
+        step_start: Stamp,
+        launches: list[tuple[int, int, int, Stamp, Optional[int]]],
+        dones: list[tuple[int, Stamp]],
     ) -> tuple[BucketInterval, ...]:
         done_by_index = {index: stamp for index, stamp in dones}
         out = []
-        for index, nbytes, num_params, launch in launches:
+        for index, nbytes, num_params, launch, sent in launches:
             done = done_by_index.get(index)
             if done is None:  # not complete: DDP waits for every bucket, so this is a bug upstream
                 continue
             launch_ms, done_ms = self.clock.elapsed_ms(step_start, launch), self.clock.elapsed_ms(step_start, done)
             if done_ms < launch_ms:  # never let a stray stamp break training: drop it
                 continue
-            wire = int(nbytes * self.wire_ratio) if self.wire_ratio is not None else nbytes
+            wire = sent
+            if wire is None:
+                wire = int(nbytes * self.wire_ratio) if self.wire_ratio is not None else nbytes
             out.append(
                 BucketInterval(
                     index=index,

@@ -217,6 +217,7 @@ class TunedDDPStrategy(DDPStrategyBase):
         self._hooks = HookChain()
         self._pending_powersgd: Optional[dict[str, Any]] = None
         self.rewraps: list[dict[str, Any]] = []
+        self._final_bucket_layout: Optional[list[BucketInfo]] = None  # kept at teardown (bucket_layout after fit)
         """Every re-wrap of this fit (``bucket_cap_mb="auto"``): global step, batch, new size."""
 
     # ------------------------------------------------------------------ properties
@@ -298,8 +299,9 @@ class TunedDDPStrategy(DDPStrategyBase):
     @property
     def bucket_layout(self) -> Optional[list[BucketInfo]]:
         """Gradient buckets as DDP built them, in launch order; None until DDP recorded them
-        (from the third training step on), and after fit."""
-        return read_bucket_layout(self.model)
+        (from the third training step on). After fit: the last layout read before teardown."""
+        layout = read_bucket_layout(self.model)
+        return layout if layout is not None else self._final_bucket_layout
 
     @property
     def powersgd_keeper(self) -> Optional[powersgd_memory.PowerSGDLayoutKeeper]:
@@ -400,6 +402,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             self.set_comm_hook(spec.hook, spec.state)
             self._wire_dtype = spec.wire_dtype
         assert self.model is not None
+        self._final_bucket_layout = None  # a new fit: the last one's layout no longer holds
         self.model = self.wrap_model(self.model)
         self.register_comm_hooks()
 
@@ -652,6 +655,7 @@ class TunedDDPStrategy(DDPStrategyBase):
         if self._sizer is not None:
             self._sizer.teardown()
         layout = self.bucket_layout
+        self._final_bucket_layout = layout
         if layout:
             sizes = ", ".join(f"{b.bytes / MIB:.2f}" for b in layout)
             buckets = "1 gradient bucket" if len(layout) == 1 else f"{len(layout)} gradient buckets"

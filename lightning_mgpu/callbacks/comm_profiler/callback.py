@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -28,6 +29,7 @@ from lightning_mgpu._checks import check_int
 from lightning_mgpu.callbacks.comm_profiler import report
 from lightning_mgpu.callbacks.comm_profiler.schedule import SETTLE_STEPS, Phase, ProfileSchedule
 from lightning_mgpu.callbacks.comm_profiler.stats import CommStats
+from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost
 from lightning_mgpu.comm.distributed import gather_objects
 from lightning_mgpu.comm.hook_chain import CommHookHost
 from lightning_mgpu.comm.timing import BucketInterval, BucketTimer, Clock, Stamp, StepTimeline, clock_for
@@ -165,6 +167,8 @@ class CommProfiler(L.Callback):
 
     def _reset_run_state(self) -> None:
         self._timer: Optional[BucketTimer] = None
+        self._host: Optional[CommHookHost] = None
+        """Where the timer joins DDP's hook: the strategy itself, or our adapter for stock DDPStrategy."""
         self._clock: Optional[Clock] = None
         self._sync_steps_seen = 0
         self._origin = 0  # the schedule counts from here: after bucket_cap_mb="auto" has measured
@@ -198,23 +202,35 @@ class CommProfiler(L.Callback):
         self._reset_run_state()
         strategy = trainer.strategy
         self._clock = clock_for(strategy.root_device)
-        if isinstance(strategy, CommHookHost):
+        host = comm_hook_host(strategy)
+        if host is not None:
+            self._host = host
             self._timer = BucketTimer(self._clock)
-            self._timer.wire_ratio = strategy.wire_ratio
-            strategy.add_comm_hook_wrapper(self._timer.wrap, pausable=True)
+            self._timer.wire_ratio = host.wire_ratio
+            host.add_comm_hook_wrapper(self._timer.wrap, pausable=True)
+            if isinstance(host, StockDDPHookHost) and not host.measures:
+                self._not_measured(strategy, "its communication hook could not be joined")
         else:
-            rank_zero_warn(
-                f"CommProfiler: the strategy is {type(strategy).__name__}; communication is measured only with "
-                "TunedDDPStrategy (strategy='ddp_tuned', 'ddp_tuned_fp16', ...). Step, forward, backward and "
-                "optimizer times are still reported; the comm/* bucket figures will be 0."
-            )
+            self._not_measured(strategy, "it has no DDP gradient buckets to time (e.g. FSDP's collectives)")
         self._stats = self._new_stats()
+
+    def _not_measured(self, strategy: Any, why: str) -> None:
+        self._timer, self._host = None, None
+        rank_zero_warn(
+            f"CommProfiler: communication is not measured under {type(strategy).__name__}: {why}. Step, forward "
+            "and optimizer times are reported; communication figures are reported as 'not measured' (null in "
+            "comm_profile.json, not logged). Strategies measured: ddp_tuned (and its presets), hybrid, stock ddp."
+        )
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The forward ends when DDP's wrapper returns (training_step, loss included): the
         # instant DDP itself starts its backward-compute clock, so the figures compare.
         model = trainer.strategy.model
+        if isinstance(self._host, StockDDPHookHost) and not self._host.attach(model):
+            self._host.detach()
+            self._not_measured(trainer.strategy, "another communication hook is already registered on its DDP")
+            self._stats = self._new_stats()
         if self._clock is not None and isinstance(model, DistributedDataParallel):
             self._forward_hook = model.register_forward_hook(lambda *_: self._stamp("forward_end"))
 
@@ -236,11 +252,11 @@ class CommProfiler(L.Callback):
 
     def _switch(self, trainer: L.Trainer, on: bool) -> None:
         """Put the profiler's hook into DDP or take it out (between steps, on every rank alike)."""
-        strategy = trainer.strategy
-        if self._timer is None or not isinstance(strategy, CommHookHost):
+        host = self._host
+        if self._timer is None or host is None:
             self._timing_on = on  # nothing to switch: step timings only
             return
-        if not strategy.set_comm_hook_wrappers(on):
+        if not host.set_comm_hook_wrappers(on):
             return  # bucket_cap_mb="auto" is still measuring: keep the hook as it is for now
         self._timing_on = on
         self.switches.append((trainer.global_step, on))
@@ -261,8 +277,7 @@ class CommProfiler(L.Callback):
         if self._wrapper is not None and self._wrapper() is not model and isinstance(model, torch.nn.Module):
             self._wrapper = weakref.ref(model)  # re-wrapped (by us or by bucket_cap_mb="auto")
             self._settle_left = SETTLE_STEPS
-        strategy = trainer.strategy
-        self._tuning = isinstance(strategy, CommHookHost) and strategy.tuning_active
+        self._tuning = self._host is not None and self._host.tuning_active
         self._marks = {}
         self._stamp("start")
         self._marks["start_ns"] = _host_ns()
@@ -273,6 +288,8 @@ class CommProfiler(L.Callback):
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self._clock is not None and "forward_end" not in self._marks:  # no DDP wrapper to hook
             self._stamp("forward_end")
+        if isinstance(self._host, StockDDPHookHost):
+            self._host.prescale(loss)  # our averaging all-reduce under stock DDP: the 1/n on the loss
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -318,7 +335,8 @@ class CommProfiler(L.Callback):
             self._record(trainer.global_rank, *self._pending)
             self._pending = None
         unlogged = self._stats.unlogged_steps
-        if unlogged and (unlogged >= self.every_n_steps or window_ended):
+        # also at the fit's last step: a short fit (fewer profiled steps than every_n_steps) logs too
+        if unlogged and (unlogged >= self.every_n_steps or window_ended or _fit_ends_here(trainer)):
             self._log(trainer, pl_module)
         if (following != "off") != self._timing_on and not _fit_ends_here(trainer):
             self._switch(trainer, on=following != "off")
@@ -363,6 +381,13 @@ class CommProfiler(L.Callback):
         if self._pending is not None:
             self._record(trainer.global_rank, *self._pending)
             self._pending = None
+        if self._stats.unlogged_steps:  # the same on every rank (one schedule): a collective all enter
+            # a fit that ended otherwise (early stopping, max_time, a CUDA step read late): straight to
+            # the loggers (self.log is not allowed in on_train_end)
+            per_rank = gather_objects(self._stats.take_unlogged(), trainer.world_size)
+            metrics = self._stats.metrics(per_rank, world_size=trainer.world_size)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
         gathered = gather_objects(self._stats.local_report(), trainer.world_size)
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         profile = self._stats.profile(
@@ -386,6 +411,11 @@ class CommProfiler(L.Callback):
                 rank_zero_info(f"CommProfiler: wrote {', '.join(report.EXPORTED_FILES)} to {self.export_dir}")
             report.log_to_wandb(trainer, profile, self.export_dir)
 
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if isinstance(self._host, StockDDPHookHost):
+            self._host.detach()  # the user's ddp_comm_wrapper back on the strategy
+
     # ------------------------------------------------------------------ state
 
     @override
@@ -396,6 +426,16 @@ class CommProfiler(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._sync_steps_seen = int(state_dict.get("sync_steps_seen", 0))
         self._origin = int(state_dict.get("schedule_origin", 0))
+
+
+def comm_hook_host(strategy: Any) -> Optional[CommHookHost]:
+    """Where ``CommProfiler``'s timer joins DDP's communication hook: a strategy that offers it
+    (``ddp_tuned``, ``hybrid``), our adapter for Lightning's own ``DDPStrategy``, else None."""
+    if isinstance(strategy, CommHookHost):
+        return strategy
+    if isinstance(strategy, DDPStrategy):
+        return StockDDPHookHost(strategy)
+    return None
 
 
 def _fit_ends_here(trainer: L.Trainer) -> bool:

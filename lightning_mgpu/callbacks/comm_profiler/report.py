@@ -16,6 +16,8 @@ from typing import Any, Optional, Union
 import lightning as L
 
 _MIB = 1024 * 1024
+NOT_MEASURED = "not measured"
+"""What the console shows for a figure the profiler could not see (null in comm_profile.json)."""
 
 
 def _fmt(value: Optional[float], unit: str = "", digits: int = 2) -> str:
@@ -32,26 +34,45 @@ def print_summary(profile: dict[str, Any]) -> None:
     table.add_column("per step (median, slowest rank)")
     table.add_column("value", justify="right")
     step = s["step_ms"]["median"] or 1.0
+
+    def ms(value: Optional[float], share: bool = False) -> str:
+        """A time, or "not measured": a figure the profiler could not see is never shown as 0."""
+        if value is None:
+            return NOT_MEASURED
+        return f"{value:.2f} ms" + (f" ({100 * value / step:.0f}%)" if share else "")
+
+    def wire() -> str:
+        if s["wire_bytes_per_step"] is None:
+            return NOT_MEASURED
+        ratio = s.get("compression_ratio")
+        return f"{s['wire_bytes_per_step'] / _MIB:.2f} MiB" + (f" (compression {ratio:.1f}x)" if ratio else "")
+
+    def bandwidth() -> str:
+        if s["busbw_gbps"] is None:
+            return NOT_MEASURED
+        fraction = s.get("busbw_fraction")
+        return f"{s['busbw_gbps']:.3f} GB/s (algbw {s['algbw_gbps']:.3f})" + (
+            f", {100 * fraction:.0f}% of this machine's peak" if fraction else ""
+        )
+
+    gradient = (
+        NOT_MEASURED
+        if s["bytes_per_step"] is None
+        else f"{s['bytes_per_step'] / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)"
+    )
+    exposed = s["exposed_comm_ms"]
     rows = [
         ("step", f"{s['step_ms']['median']:.2f} ms (p90 {s['step_ms']['p90']:.2f})"),
-        ("forward", f"{s['forward_ms']:.2f} ms ({100 * s['forward_ms'] / step:.0f}%)"),
-        ("backward compute", f"{s['backward_compute_ms']:.2f} ms ({100 * s['backward_compute_ms'] / step:.0f}%)"),
-        ("communication span", f"{s['comm_ms']:.2f} ms"),
-        ("  hidden behind backward", f"{100 * s['overlap_ratio']:.0f}%"),
-        ("  exposed (step waits)", f"{s['exposed_comm_ms']:.2f} ms ({100 * s['exposed_comm_ms'] / step:.0f}% of step)"),
-        ("optimizer", f"{s['optimizer_ms']:.2f} ms"),
-        ("gradient bytes", f"{s['bytes_per_step'] / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)"),
-        (
-            "bytes on the wire",
-            f"{s['wire_bytes_per_step'] / _MIB:.2f} MiB"
-            + (f" (compression {s['compression_ratio']:.1f}x)" if s.get("compression_ratio") else ""),
-        ),
-        (
-            "bus bandwidth",
-            f"{s['busbw_gbps']:.3f} GB/s (algbw {s['algbw_gbps']:.3f})"
-            + (f", {100 * s['busbw_fraction']:.0f}% of this machine's peak" if s.get("busbw_fraction") else ""),
-        ),
-        ("straggler skew", f"{s['straggler_ms']:.2f} ms"),
+        ("forward", ms(s["forward_ms"], share=True)),
+        ("backward compute", ms(s["backward_compute_ms"], share=True)),
+        ("communication span", ms(s["comm_ms"])),
+        ("  hidden behind backward", NOT_MEASURED if s["overlap_ratio"] is None else f"{100 * s['overlap_ratio']:.0f}%"),
+        ("  exposed (step waits)", NOT_MEASURED if exposed is None else f"{exposed:.2f} ms ({100 * exposed / step:.0f}% of step)"),
+        ("optimizer", ms(s["optimizer_ms"])),
+        ("gradient bytes", gradient),
+        ("bytes on the wire", wire()),
+        ("bus bandwidth", bandwidth()),
+        ("straggler skew", ms(s["straggler_ms"])),
     ]
     for name, value in rows:
         table.add_row(name, value)

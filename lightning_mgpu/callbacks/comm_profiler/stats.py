@@ -9,7 +9,12 @@ slowest-rank combination, bus bandwidth, overlap, the per-bucket table and the
 
 Across ranks, times take the slowest rank's median (a collective finishes when its last
 rank does), the overlap ratio the smallest, and bandwidth comes from the slowest rank's
-communication span.
+communication span. A bucket's row is one rank's own (its median step for that bucket, from the
+rank that finished the bucket last), so launch + duration = done in every row.
+
+What was not measured is never reported as zero: without timed buckets (a strategy whose
+communication the profiler cannot see, e.g. FSDP), the communication figures are None in the
+profile ("not measured" on the console) and are not logged at all.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def p90(values: Sequence[float]) -> float:
 
 _TIMES = ("step_ms", "forward_ms", "backward_compute_ms", "comm_ms", "exposed_comm_ms", "optimizer_ms")
 
+ALWAYS_MEASURED = ("comm/step_ms", "comm/forward_ms", "comm/optimizer_ms")
+"""Logged whatever the strategy: they need no view of the communication."""
+
 
 def rank_medians(steps: Sequence[StepBreakdown]) -> RankMedians:
     """One rank's medians: the times of :data:`_TIMES`, overlap, bytes, and compute (forward + backward compute)."""
@@ -58,12 +66,14 @@ def combine_ranks(
     world_size: int,
     wire_ratio: Optional[float],
     peak_busbw_gbps: Optional[float] = None,
+    measures_comm: bool = True,
 ) -> dict[str, float]:
     """The logged metrics (keys of :data:`~.metrics.METRICS`) from every rank's :func:`rank_medians`.
 
-    ``wire_ratio``: bytes on the wire per gradient byte when it is a fixed ratio (None: not
-    known, e.g. PowerSGD or no hook measured; then no ``comm/compression_ratio``).
-    ``peak_busbw_gbps``: the machine's peak from ``bench-comm`` (gives ``comm/busbw_fraction``).
+    ``wire_ratio``: kept for callers; the wire bytes themselves come with each bucket (a fixed
+    share of the gradient, or what PowerSGD actually sent). ``peak_busbw_gbps``: the machine's
+    peak from ``bench-comm`` (gives ``comm/busbw_fraction``). ``measures_comm=False``: only
+    :data:`ALWAYS_MEASURED` (the rest was not seen, and is not reported as zero).
     """
     slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
     metrics = {
@@ -78,10 +88,12 @@ def combine_ranks(
         "comm/wire_bytes_per_step": slowest["wire_bytes"],
         "comm/straggler_ms": slowest["compute_ms"] - min(r["compute_ms"] for r in per_rank),
     }
+    if not measures_comm:
+        return {key: metrics[key] for key in ALWAYS_MEASURED}
     algbw = algbw_gbps(slowest["wire_bytes"], slowest["comm_ms"] / 1e3) if slowest["comm_ms"] > 0 else 0.0
     metrics["comm/algbw_gbps"] = algbw
     metrics["comm/busbw_gbps"] = algbw * bus_factor("all_reduce", world_size)
-    if wire_ratio is not None and slowest["wire_bytes"] > 0:
+    if slowest["wire_bytes"] > 0:
         metrics["comm/compression_ratio"] = slowest["bytes"] / slowest["wire_bytes"]
     if peak_busbw_gbps:
         metrics["comm/busbw_fraction"] = metrics["comm/busbw_gbps"] / peak_busbw_gbps
@@ -89,23 +101,35 @@ def combine_ranks(
 
 
 def combine_buckets(
-    per_rank: Sequence[Sequence[Mapping[str, Any]]], *, world_size: int, wire_ratio: Optional[float]
+    per_rank: Sequence[Sequence[Mapping[str, Any]]], *, world_size: int, wire_ratio: Optional[float] = None
 ) -> list[dict[str, Any]]:
-    """The per-bucket table: rank 0's layout, each bucket's slowest-rank medians and bandwidth.
+    """The per-bucket table: rank 0's layout, each bucket's row from the rank that finished it last.
 
-    ``per_rank``: every rank's :meth:`CommStats.local_buckets` (launch, done and duration in ms
-    from the start of backward). Bandwidth counts ``bytes * wire_ratio`` (``None``: the bytes).
+    ``per_rank``: every rank's :meth:`CommStats.local_buckets` (one consistent row per bucket:
+    launch, done, duration in ms from the start of backward, and the bytes sent). The row is
+    taken whole from one rank, never column by column, so that it agrees with itself.
+    Bandwidth counts the bytes sent (``wire_bytes``; ``wire_ratio`` only for rows without them).
     """
     factor = bus_factor("all_reduce", world_size)
     table = []
     for position, bucket in enumerate(per_rank[0]):
-        # the slowest rank's medians: the collective finishes when its last rank does
+        # the collective finishes when its last rank does: that rank's row
         ranks = [buckets[position] for buckets in per_rank if len(buckets) > position]
-        slowest = {key: max(r[key] for r in ranks) for key in ("launch_ms", "done_ms", "duration_ms")}
-        wire = bucket["bytes"] * (wire_ratio or 1.0)
-        duration = slowest["duration_ms"]
+        row = max(ranks, key=lambda r: r["done_ms"])
+        wire = row.get("wire_bytes", bucket["bytes"] * (wire_ratio or 1.0))
+        duration = row["duration_ms"]
         algbw = algbw_gbps(wire, duration / 1e3) if duration > 0 else 0.0
-        table.append({**bucket, **slowest, "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
+        table.append(
+            {
+                **bucket,
+                "launch_ms": row["launch_ms"],
+                "done_ms": row["done_ms"],
+                "duration_ms": duration,
+                "wire_bytes": int(wire),
+                "algbw_gbps": algbw,
+                "busbw_gbps": algbw * factor,
+            }
+        )
     return table
 
 
@@ -141,8 +165,8 @@ class CommStats:
         self._steps: deque[StepBreakdown] = deque(maxlen=history)
         self._step_numbers: deque[int] = deque(maxlen=history)
         self._unlogged: list[StepBreakdown] = []
-        # per (layout, bucket index): (launch, done) in ms from the start of backward
-        self._bucket_times: dict[tuple[int, int], deque[tuple[float, float]]] = {}
+        # per (layout, bucket index): (launch, done) in ms from the start of backward, and bytes sent
+        self._bucket_times: dict[tuple[int, int], deque[tuple[float, float, int]]] = {}
         self._bucket_params: dict[tuple[int, int], int] = {}
         self._layout: tuple[int, ...] = ()
         self._timelines: list[StepTimeline] = []
@@ -165,7 +189,9 @@ class CommStats:
             if key not in self._bucket_times:  # a new layout (DDP rebuilt): fresh statistics
                 self._bucket_times[key] = deque(maxlen=self.history)
                 self._bucket_params[key] = bucket.num_params
-            self._bucket_times[key].append((bucket.launch_ms - backward_start, bucket.done_ms - backward_start))
+            self._bucket_times[key].append(
+                (bucket.launch_ms - backward_start, bucket.done_ms - backward_start, bucket.wire_bytes)
+            )
         self._layout = layout
         return breakdown
 
@@ -201,29 +227,37 @@ class CommStats:
         """The metrics to log from every rank's :meth:`take_unlogged`; the straggler figure is
         kept for the summary (every rank computes the same from the same gathered values)."""
         metrics = combine_ranks(
-            per_rank, world_size=world_size, wire_ratio=self.wire_ratio, peak_busbw_gbps=self.peak_busbw_gbps
+            per_rank,
+            world_size=world_size,
+            wire_ratio=self.wire_ratio,
+            peak_busbw_gbps=self.peak_busbw_gbps,
+            measures_comm=self.measures_comm,
         )
-        self._straggler_ms.append(metrics["comm/straggler_ms"])
+        if "comm/straggler_ms" in metrics:
+            self._straggler_ms.append(metrics["comm/straggler_ms"])
         return metrics
 
     # ------------------------------------------------------------------ end of fit
 
     def local_buckets(self) -> list[dict[str, Any]]:
-        """Medians per bucket of the layout in force at the end (DDP may rebuild once):
-        launch and completion in ms from the start of backward, and duration."""
+        """One row per bucket of the layout in force at the end (DDP may rebuild once): the step
+        whose duration is this rank's median for that bucket, whole (launch and completion in ms
+        from the start of backward, duration = done - launch, bytes sent)."""
         layout = self._layout
         out = []
         for index, nbytes in enumerate(layout):
             key = (hash(layout), index)
-            times = list(self._bucket_times.get(key, ()))
+            times = sorted(self._bucket_times.get(key, ()), key=lambda t: t[1] - t[0])
+            launch, done, wire = times[(len(times) - 1) // 2] if times else (0.0, 0.0, 0)
             out.append(
                 {
                     "index": index,
                     "bytes": nbytes,
                     "num_params": self._bucket_params.get(key, 0),
-                    "launch_ms": median([launch for launch, _ in times]),
-                    "done_ms": median([done for _, done in times]),
-                    "duration_ms": median([done - launch for launch, done in times]),
+                    "launch_ms": launch,
+                    "done_ms": done,
+                    "duration_ms": done - launch,
+                    "wire_bytes": wire,
                 }
             )
         return out
@@ -257,15 +291,21 @@ class CommStats:
         per_rank = [report["medians"] for report in gathered if report["medians"] is not None]
         if not per_rank:
             return None
-        metrics = combine_ranks(
-            per_rank, world_size=world_size, wire_ratio=self.wire_ratio, peak_busbw_gbps=self.peak_busbw_gbps
+        metrics: dict[str, Optional[float]] = dict(
+            combine_ranks(
+                per_rank, world_size=world_size, wire_ratio=self.wire_ratio, peak_busbw_gbps=self.peak_busbw_gbps
+            )
         )
+        if not self.measures_comm:  # not seen: null in the profile, never a fabricated 0
+            metrics = {key: (value if key in ALWAYS_MEASURED else None) for key, value in metrics.items()}
         rank0_steps = gathered[0]["steps"]
         buckets = combine_buckets(
             [report["buckets"] for report in gathered], world_size=world_size, wire_ratio=self.wire_ratio
         )
         # the median of what was logged during the fit; the end-of-fit figure if nothing was
-        straggler = median(list(self._straggler_ms)) if self._straggler_ms else metrics["comm/straggler_ms"]
+        straggler = metrics["comm/straggler_ms"]
+        if self._straggler_ms and self.measures_comm:
+            straggler = median(list(self._straggler_ms))
         summary = {
             "steps": len(rank0_steps),
             "step_ms": {"median": metrics["comm/step_ms"], "p90": p90([s[1] for s in rank0_steps])},
@@ -275,8 +315,8 @@ class CommStats:
             "exposed_comm_ms": metrics["comm/exposed_ms"],
             "overlap_ratio": metrics["comm/overlap_ratio"],
             "optimizer_ms": metrics["comm/optimizer_ms"],
-            "bytes_per_step": int(metrics["comm/bytes_per_step"]),
-            "wire_bytes_per_step": int(metrics["comm/wire_bytes_per_step"]),
+            "bytes_per_step": _int_or_none(metrics["comm/bytes_per_step"]),
+            "wire_bytes_per_step": _int_or_none(metrics["comm/wire_bytes_per_step"]),
             "compression_ratio": metrics.get("comm/compression_ratio"),
             "algbw_gbps": metrics["comm/algbw_gbps"],
             "busbw_gbps": metrics["comm/busbw_gbps"],
@@ -290,10 +330,27 @@ class CommStats:
             "backend": backend,
             "device_type": device_type,
             "summary": summary,
-            "ranks": [{"rank": rank, **medians} for rank, medians in enumerate(per_rank)],
+            "ranks": [{"rank": rank, **_seen(medians, self.measures_comm)} for rank, medians in enumerate(per_rank)],
             "buckets": buckets,
             "steps": [
-                {"step": n, "step_ms": step_ms, "comm_ms": comm_ms, "exposed_comm_ms": exposed}
+                {
+                    "step": n,
+                    "step_ms": step_ms,
+                    "comm_ms": comm_ms if self.measures_comm else None,
+                    "exposed_comm_ms": exposed if self.measures_comm else None,
+                }
                 for n, step_ms, comm_ms, exposed in rank0_steps
             ],
         }
+
+
+_STEP_ONLY = ("step_ms", "forward_ms", "optimizer_ms")
+
+
+def _seen(medians: Mapping[str, float], measures_comm: bool) -> dict[str, Optional[float]]:
+    """One rank's medians, with what was not measured as None."""
+    return {key: (value if measures_comm or key in _STEP_ONLY else None) for key, value in medians.items()}
+
+
+def _int_or_none(value: Optional[float]) -> Optional[int]:
+    return None if value is None else int(value)

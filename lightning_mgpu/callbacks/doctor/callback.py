@@ -182,6 +182,12 @@ class DistributedDoctor(L.Callback):
         model = trainer.strategy.model
         assert model is not None  # fit has wrapped the module by on_train_start
         self.parameter_watch.attach(model, pl_module, count_use=in_window and wanted)
+        if trainer.world_size > 1 and self.parameter_watch.ddp is None:
+            # e.g. FSDP / ModelParallelStrategy: each rank holds a shard, there are no replicas to compare
+            # and no DDP reducer to ask; say so rather than "no problems found" without having looked
+            why = f"the model is not replicated by DDP under {type(trainer.strategy).__name__} (e.g. sharded by FSDP)"
+            for rule in ("params-diverged", "unused-parameters", "find-unused-wasted"):
+                self._cannot_check(rule, why, version=False)
         if self._setup_info.augment.get("workers", 0) > 0:
             # Lightning made the first epoch's iterator (its workers' base seed drawn) before this hook,
             # and the LightningModule's on_train_start (where a rank may reseed) runs after it.
@@ -274,7 +280,7 @@ class DistributedDoctor(L.Callback):
         reported = sorted({f.rule for f in self.findings})
         verdict = f"{len(reported)} rule(s) fired: {', '.join(reported)}" if reported else "no problems found"
         if self.not_checked:
-            verdict += f"; not checked on this Lightning version: {', '.join(sorted(self.not_checked))}"
+            verdict += f"; not checked in this run: {', '.join(sorted(self.not_checked))}"
         rank_zero_info(
             f"{_OWNER}: {self.ledger.checks} checks over {self.ledger.batches_seen} batches on {trainer.world_size} "
             f"rank(s): {verdict}"
@@ -355,10 +361,13 @@ class DistributedDoctor(L.Callback):
             return {}
         return values
 
-    def _cannot_check(self, rule: str, why: str) -> None:
+    def _cannot_check(self, rule: str, why: str, *, version: bool = True) -> None:
+        """Note (and say once) that ``rule`` is not checked in this run; ``version``: because of this
+        Lightning version (a probe cannot see), else because of the run itself (e.g. the strategy)."""
         if self.enabled(rule) and rule not in self.not_checked:
             self.not_checked.add(rule)
-            rank_zero_warn(f"{_OWNER}: {rule} is not checked in this run: {why} on this Lightning version.")
+            where = " on this Lightning version" if version else ""
+            rank_zero_warn(f"{_OWNER}: {rule} is not checked in this run: {why}{where}.")
 
     def _report(self, trainer: L.Trainer, found: list[Finding]) -> None:
         new = self.ledger.record(found, trainer.global_step)
