@@ -11,6 +11,9 @@ ceiling DDP's gradient buckets are measured against::
 For each message size (``--min-bytes`` to ``--max-bytes``, multiplied by ``--factor`` each
 step) every rank all-reduces (sum, in place) a float32 tensor of that size:
 
+0. once, before the first size: :data:`SWEEP_WARMUP` untimed all-reduces of the smallest size
+   (the group's first collectives pay one-time costs that would otherwise land in the first
+   size's times: a 1 KiB "latency" five times the 4 KiB one; skipped with ``--warmup 0``);
 1. ``warmup`` untimed all-reduces (connections, allocator, NCCL channels settle);
 2. a barrier, then a batch of ``iters`` back-to-back all-reduces with a timestamp
    between each: host clock (``time.perf_counter_ns``) on CPU, where gloo's
@@ -298,6 +301,20 @@ def _line_up(device: torch.device) -> None:
         dist.barrier()
 
 
+SWEEP_WARMUP = 50
+"""Untimed all-reduces of the smallest size before the sweep starts (see step 0 above)."""
+
+
+def warm_up_group(nbytes: int, *, device: torch.device, count: int = SWEEP_WARMUP) -> None:
+    """``count`` untimed all-reduces of ``nbytes`` on every rank, then the ranks lined up: the
+    group's one-time start-up costs (gloo's pairs and buffers, the allocator, worker threads,
+    NCCL's communicator) paid before anything is timed."""
+    buffer = torch.zeros(max(1, nbytes // ELEMENT_BYTES), dtype=torch.float32, device=device)
+    for _ in range(count):
+        dist.all_reduce(buffer)
+    _line_up(device)
+
+
 def measure_size(
     nbytes: int, *, iters: int, warmup: int, rank: int, world_size: int, device: torch.device
 ) -> tuple[float, int]:
@@ -387,6 +404,7 @@ __all__ = [
     "summarize_rows",
     "time_iterations",
     "timed_iterations",
+    "warm_up_group",
     "warmup_iterations",
     "write_report",
 ]

@@ -36,6 +36,7 @@ from lightning_mgpu.comm.allreduce_bench import (
     size_row,
     summarize_rows,
     timed_iterations,
+    warm_up_group,
     warmup_iterations,
 )
 from lightning_mgpu.comm.bandwidth import bus_factor
@@ -100,6 +101,8 @@ def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_pa
     else:
         dist.init_process_group(str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
+        if settings.warmup > 0:  # the group's start-up costs, before the first (smallest) size is timed
+            warm_up_group(min(settings.sizes), device=device)
         rows = []
         for nbytes in settings.sizes:
             iters = timed_iterations(nbytes, settings.iters)
