@@ -303,6 +303,57 @@ def sampler_wrapped_for_distribution(sampler: object) -> object:
 
 
 # ---------------------------------------------------------------------------------------
+# Preemption (strategies/preemption.py): Lightning 2.6's SIGTERM handler runs a collective
+# broadcast inside the signal handler (a deadlock when only some ranks get the signal, or get it
+# mid-collective), and its SLURM requeue handler saves a checkpoint there (a barrier, again inside
+# the handler). Our strategies replace both, on the Trainer's own signal connector, by a function
+# that only sets a flag; the ranks agree on it at the next step boundary.
+# ---------------------------------------------------------------------------------------
+from typing import Any as _PreemptAny, Callable as _PreemptCallable, Optional as _PreemptOptional
+
+_SIGTERM_NOTIFIER = guarded(
+    "lightning.pytorch.trainer.connectors.signal_connector",
+    "_SignalConnector._sigterm_notifier_fn",
+    required=False,
+    why="the SIGTERM handler Trainer._signal_connector (an instance attribute: the class is declared) registers "
+    "when fit starts; it broadcasts from inside the handler. Shadowed per trainer by a flag-only function "
+    "(fallback: our own handlers from on_train_start on, Lightning's before that)",
+)
+_SLURM_REQUEUE_HANDLER = guarded(
+    "lightning.pytorch.trainer.connectors.signal_connector",
+    "_SignalConnector._slurm_sigusr_handler_fn",
+    required=False,
+    why="the SLURM requeue-signal handler (auto_requeue): saves a checkpoint and requeues from inside the handler; "
+    "shadowed the same way",
+)
+
+
+def route_preemption_signals(
+    trainer: _PreemptAny, notify: "_PreemptCallable[[int], None]"
+) -> "_PreemptOptional[_PreemptCallable[[], None]]":
+    """Make the handlers ``trainer``'s signal connector registers at the start of a fit call only
+    ``notify(signum)`` (call this before they are registered, e.g. from ``strategy.setup``). Returns
+    the function that undoes it; None when this Lightning keeps them elsewhere (nothing changed)."""
+    connector = getattr(trainer, "_signal_connector", None)
+    names = [entry.attribute.rsplit(".", 1)[-1] for entry in (_SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER)]
+    if connector is None or not all(callable(getattr(connector, name, None)) for name in names):
+        return None
+
+    def flag_only(signum: _PreemptAny, frame: _PreemptAny) -> None:
+        notify(int(signum))
+
+    # Instance attributes shadow the methods; register_signal_handlers reads them when fit starts.
+    for name in names:
+        setattr(connector, name, flag_only)
+
+    def undo() -> None:
+        for name in names:
+            vars(connector).pop(name, None)
+
+    return undo
+
+
+# ---------------------------------------------------------------------------------------
 # CommProfiler under Lightning's own DDPStrategy (strategy="ddp"): the user's communication hook
 # and wrapper that DDPStrategy keeps in private attributes, read and (for the wrapper) replaced,
 # so that the profiler's timer joins what Lightning registers instead of being refused by DDP.

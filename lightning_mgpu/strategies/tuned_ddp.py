@@ -38,6 +38,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -49,6 +50,7 @@ from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compres
 from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.checkpoint_io import atomic_checkpoint_io
+from lightning_mgpu.strategies.preemption import Preemption
 from lightning_mgpu.strategies.checkpoint_state import (
     CHECKPOINT_KEY,
     check_package,
@@ -214,6 +216,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             **kwargs,
         )
         self._wire_dtype: Optional[torch.dtype] = None
+        self._preemption = Preemption()
         self._hooks = HookChain()
         self._pending_powersgd: Optional[dict[str, Any]] = None
         self.rewraps: list[dict[str, Any]] = []
@@ -381,6 +384,12 @@ class TunedDDPStrategy(DDPStrategyBase):
         super().setup_environment()
         destroy_process_group_at_exit()
 
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:  # SIGTERM stops every rank at a step boundary (preemption.py)
+            self._preemption.attach(trainer, self)
+
     def wrap_model(self, model: Module, **extra: Any) -> DistributedDataParallel:
         """``model`` in a new ``DistributedDataParallel`` with this strategy's options (and ``extra``)."""
         device_ids = self.determine_ddp_device_ids()
@@ -492,6 +501,7 @@ class TunedDDPStrategy(DDPStrategyBase):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._preemption.on_train_start()
         self.rewraps = []
         if self._sizer is not None:
             self._sizer.on_train_start(self)
@@ -671,3 +681,5 @@ class TunedDDPStrategy(DDPStrategyBase):
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()
+        # Last: a preemption signal no step boundary acted on goes to the handler from before the fit.
+        self._preemption.detach()

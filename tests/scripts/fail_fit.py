@@ -22,6 +22,9 @@ Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 
   sigkill   the rank kills itself with SIGKILL
   stuck     the rank sleeps for an hour in training_step: no connection closes
   mismatch  the rank enters a barrier the others never enter: every rank waits in a collective
+  sigterm   the rank sends itself SIGTERM (preemption of one rank) and goes on with its step
+  sigterm_group  the rank sends SIGTERM to its whole process group (every rank, and the launcher), as
+            ``kill -TERM -PGID`` or a scheduler does
 
 ``--loss-scale 1e7`` makes the gradients huge (above float16's 65504; Adam does not mind), and
 ``--torch-fp16-hook`` registers torch's own ``fp16_compress_hook``: tests/test_fp16_safety.py.
@@ -58,7 +61,19 @@ from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrateg
 from lightning_mgpu.callbacks.doctor import DistributedDoctor
 from tests.scripts.models import StagedNet, position_generator
 
-KINDS = ("none", "step", "callback", "loader", "worker", "stage", "sigkill", "stuck", "mismatch")
+KINDS = (
+    "none",
+    "step",
+    "callback",
+    "loader",
+    "worker",
+    "stage",
+    "sigkill",
+    "stuck",
+    "mismatch",
+    "sigterm",
+    "sigterm_group",
+)
 BATCHES_PER_EPOCH = 6  # per rank: epochs end and start inside the short fits, and step 8 is mid-epoch
 BATCH, WIDTH, OUT = 16, 64, 16  # every tensor a multiple of 64 bytes: same rounding in any bucket layout
 INDICES_PER_BATCH = 4
@@ -87,6 +102,12 @@ class Plan:
         print(f"[fail_fit] injecting {kind} (pid {os.getpid()}) at {time.time():.3f}", file=sys.stderr, flush=True)
         if kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if kind == "sigterm_group":
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+            return
         if kind == "stuck":
             time.sleep(3600)
         if kind == "mismatch":
@@ -132,7 +153,7 @@ class Net(StagedNet):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         seen = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1  # restored on resume
-        for kind in ("step", "sigkill", "stuck", "mismatch"):
+        for kind in ("step", "sigkill", "stuck", "mismatch", "sigterm", "sigterm_group"):
             if self.plan.due(kind, self.global_rank, seen):
                 self.plan.fire(kind)
         self._arm_stage = self.plan.due("stage", self.global_rank, seen)
