@@ -7,7 +7,8 @@ into the JSON the command prints with ``--json``::
      "counts": {"ok": int, "warn": int, "fail": int},
      "checks": [{"name": str, "status": str, "value": str, "fix": str|null, "details": {...}}, ...]}
 
-What it checks: versions (Python, torch, Lightning, CUDA, NCCL, driver), visible devices and
+What it checks: versions (Python, torch, Lightning, CUDA, NCCL, driver), whether torchvision (if
+installed) pairs with torch (a mismatched one breaks ``import lightning``), visible devices and
 ``CUDA_VISIBLE_DEVICES``, the distributed backends, a real 2-process gloo all_reduce over
 127.0.0.1 (and an NCCL one across every GPU when there are at least 2), the launcher
 environment (torchrun, SLURM or none), ``MASTER_ADDR``/``MASTER_PORT``, ``/dev/shm``, the
@@ -15,6 +16,7 @@ open-file limit and the distributed-related environment variables (values that l
 secrets are masked: API keys, tokens, passwords).
 
 * :mod:`~lightning_mgpu.envcheck.checks`: :class:`Check` and the machine checks;
+* :mod:`~lightning_mgpu.envcheck.packages`: torch and torchvision pairing (versions and builds);
 * :mod:`~lightning_mgpu.envcheck.variables`: the shell's variables (launcher, master, secrets masked);
 * :mod:`~lightning_mgpu.envcheck.smoke`: the multi-process all_reduce check;
 * :mod:`~lightning_mgpu.envcheck.smoke_worker`: one rank of it, run as ``python -m``.
@@ -39,6 +41,7 @@ from lightning_mgpu.envcheck.checks import (
     check_versions,
     parse_visible_devices,
 )
+from lightning_mgpu.envcheck.packages import check_torchvision
 from lightning_mgpu.envcheck.smoke import SMOKE_BYTES, SMOKE_TIMEOUT_S, check_smoke, run_allreduce_smoke
 from lightning_mgpu.envcheck.variables import (
     check_environment,
@@ -54,7 +57,13 @@ def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = 
     """Every check, in the order the table shows them; ``smoke=False`` skips the multi-process ones."""
     import torch
 
-    checks = check_versions()
+    vision = check_torchvision()  # before Lightning is imported: a mismatched torchvision breaks that import
+    try:
+        checks = check_versions()
+    except Exception as error:  # noqa: BLE001 - the report must come out whatever broke the import
+        fix = vision.fix or "pip install --force-reinstall lightning, then run lightning-mgpu doctor again"
+        checks = [Check("lightning", "fail", f"import lightning fails: {str(error)[:200]}", fix=fix)]
+    checks.append(vision)
     checks += check_devices(environ)
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     checks.append(check_backends(gpu_count))
@@ -99,6 +108,7 @@ __all__ = [
     "check_open_files",
     "check_shm",
     "check_smoke",
+    "check_torchvision",
     "check_versions",
     "collect",
     "detect_launcher",
