@@ -35,9 +35,24 @@ def register(subparsers: Any) -> None:
         type=positive_seconds(MAX_TIMEOUT_S),
         default=SMOKE_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"limit for each all_reduce test, start-up included (default {SMOKE_TIMEOUT_S:g})",
+        help=f"limit for each all_reduce test, start-up included (default {SMOKE_TIMEOUT_S:g}); with --selftest, "
+        "for each path (default 300)",
     )
     parser.add_argument("--rules", action="store_true", help="list the DistributedDoctor callback's rules and exit")
+    parser.add_argument(
+        "--selftest",
+        action="store_true",
+        help="run every CUDA path of the package on the GPUs there are (NCCL DDP, CUDA-event profiling, AMP with "
+        "each compression, hybrid across cuda:0 and the CPU and across GPUs, the pipeline's copy streams), each in "
+        "its own process, and report pass/fail with timings; without a GPU it says so and exits 0",
+    )
+    parser.add_argument(
+        "--selftest-device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: run the self-test's code on CPU stand-ins (gloo, bf16-mixed, CPU stages), to check the "
+        "self-test itself (default cuda)",
+    )
     parser.set_defaults(func=run, subparser=parser)
 
 
@@ -46,7 +61,13 @@ def run(args: argparse.Namespace) -> int:
         print_rules()
         return 0
     started = time.perf_counter()
-    checks = envcheck.collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
+    if args.selftest:
+        from lightning_mgpu.cli._selftest import PATH_TIMEOUT_S, run_selftest
+
+        timeout = args.timeout if args.timeout != SMOKE_TIMEOUT_S else PATH_TIMEOUT_S
+        checks = run_selftest(device=args.selftest_device, timeout=timeout)
+    else:
+        checks = envcheck.collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
     result = envcheck.report(checks, time.perf_counter() - started)
     if args.json:
         print(json.dumps(result, indent=2))
