@@ -1,85 +1,210 @@
-"""Pipeline throughput: a compute-bound ``nn.Sequential`` split in 2 stages, M micro-batches.
+"""Pipeline throughput and activation memory: our schedules against the unsplit model and torch's pipelining.
 
-    python -m bench.pipeline                 # full run (about 3 minutes on 2 cores)
+    python -m bench.pipeline                 # full run: MLP and GPT, M = 1, 2, 4, 8 (quiet machine, ~15 min on 2 cores)
     python -m bench.pipeline --quick         # smoke test
-    python -m bench.pipeline --retain-freed-memory   # glibc keeps freed blocks (see below)
+    python -m bench.pipeline --models mlp --microbatches 8 --retain-freed-memory   # the issue's targets only
 
 (from the repository root: see ``bench/__init__.py``).
 
-On this 2-core machine a "device" is one CPU core: the unsplit model runs one training
-step (forward + backward) with 1 intra-op thread; the pipeline runs the same model split
-into K = 2 balanced stages (:func:`lightning_mgpu.placement.partition` on profiled
-per-layer times), each stage in its own worker thread with 1 intra-op thread, for
-M = 1, 2, 4, 8 micro-batches, under each schedule (``--schedules``): ``fill-drain`` (the
-``nn.Sequential`` pipeline, loss outside it) and the staged pipeline's ``gpipe``, ``1f1b``
-and ``zero_bubble`` (loss inside, :class:`lightning_mgpu.placement.staged.StagedStep`). Throughput is samples per second of training steps; the
-speed-up is against the unsplit model, next to GPipe's bound ``M*K / (M + K - 1)``
-(perfect balance, no overheads). The unsplit model with 2 intra-op threads (both cores
-given to one device) is printed too, for honesty: it is what one would otherwise do with
-two cores.
+On this 2-core machine a "device" is one CPU core. Two models (:mod:`bench.pipeline_models`):
+the 8 x ``Linear(1024)`` + GELU MLP and a GPT-2-style transformer (tied embeddings). Each
+runs, with the same batch and loss:
 
-Micro-batching on CPU allocates large tensors per micro-batch (boundary activations and
-their gradients; weight gradients too, for layers other than plain ``nn.Linear``, which
-accumulate in place); with glibc's default settings large freed blocks go back to the OS and
-come back as page faults (the "faults/step" column). ``--retain-freed-memory`` calls
-:func:`bench.allocator.retain_freed_memory` first (for every
-configuration alike), which is what a CPU user of the hybrid strategy would do.
+* unsplit, one intra-op thread (the speed-up's reference: one device), and with 2 threads
+  (both cores given to one device: what one would otherwise do with two cores);
+* split into K = 2 stages by the plan (per-layer times measured on one micro-batch; the
+  GPT's per-block times by :func:`~lightning_mgpu.placement.block_profile.profile_blocks`),
+  each stage one worker thread with one intra-op thread, for each M of ``--microbatches``
+  and each of our schedules: ``fill-drain`` (the ``nn.Sequential`` pipeline, loss outside;
+  MLP only), and the staged pipeline's ``gpipe``, ``1f1b``, ``zero_bubble`` (loss inside,
+  :class:`~lightning_mgpu.placement.staged.StagedStep`; the GPT cut at a split point of
+  the unmodified model);
+* ``torch gpipe`` / ``torch 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` /
+  ``Schedule1F1B`` on 2 gloo ranks of one thread each, the same stages and M
+  (:mod:`bench.pipeline_torch`), launched once per round.
 
-Configurations are interleaved round by round (ABC ABC ...) and each figure is the median
-over rounds of the median step time within a round. Writes ``bench/results/pipeline.json``.
-Target (issue 5): at M = 8 at least 1.4x the unsplit model.
+Throughput is samples per second of training steps; the speed-up is against the unsplit
+model on one core, next to GPipe's bound ``M*K / (M + K - 1)``. Configurations are
+interleaved round by round (ABC ABC ..., torch's launch last in each round) and each figure
+is the median over rounds of the median step time within a round.
+
+Peak activation memory per stage is MEASURED for every configuration in one extra,
+untimed step (:mod:`bench.pipeline_memory`: live bytes of the tensors autograd saves for
+backward, per stage, through ``saved_tensors_hooks``), beside the plan's estimate (one
+micro-batch's saved activations per stage, profiled, times the most micro-batches the
+schedule keeps in flight on that stage: ``PlacementPlan.peak_activation_bytes``).
+
+Micro-batching on CPU allocates large tensors per micro-batch; with glibc's defaults large
+freed blocks go back to the OS and come back as page faults (the "faults/step" column).
+``--retain-freed-memory`` calls :func:`bench.allocator.retain_freed_memory` first, for every
+configuration alike (torch's ranks too), which is what a CPU user of the pipeline would do.
+
+Targets (issue 16, MLP at M = 8, K = 2): ``zero_bubble`` >= 1.70x the unsplit model;
+``1f1b``'s peak activation memory <= 40% of ``gpipe``'s with throughput within 5%; ours >=
+torch's pipelining for the same schedule (MLP and GPT). Writes ``bench/results/pipeline.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
 
-from bench.common import machine_facts, print_table, write_json
 from bench.allocator import retain_freed_memory
+from bench.common import machine_facts, print_table, write_json
+from bench.launcher import launch
+from bench.pipeline_memory import ActivationMeter, Metered
+from bench.pipeline_models import MODELS, BenchModel, build
+from lightning_mgpu.placement.block_profile import profile_blocks
 from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import plan_stages
+from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
 from lightning_mgpu.placement.profile import profile_layers
 from lightning_mgpu.placement.split_points import points_from_sizes
-from lightning_mgpu.placement.staged import StagedStep
 
 ROOT = Path(__file__).resolve().parents[1]
-
 STAGES = 2
 MICROBATCHES = (1, 2, 4, 8)
+OUR_SCHEDULES = ("fill-drain", "gpipe", "1f1b", "zero_bubble")
+TORCH_SCHEDULES = ("gpipe", "1f1b")
 
 
-def make_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers)
+class Config:
+    """One timed configuration of ours: its step, how to measure its memory, its plan."""
+
+    def __init__(self, name: str, step: Callable[[], None], memory: Callable[[], list[int]], *,
+                 schedule: Optional[str] = None, microbatches: Optional[int] = None,
+                 plan: Optional[PlacementPlan] = None, close: Callable[[], None] = lambda: None) -> None:
+        self.name, self.step, self.memory, self.close = name, step, memory, close
+        self.schedule, self.microbatches, self.plan = schedule, microbatches, plan
 
 
-def split(model: nn.Sequential, sample: torch.Tensor, microbatches: int) -> tuple[list[int], Any]:
+# ----------------------------------------------------------------------------- plans
+def candidates_of(bench: BenchModel) -> list[str]:
+    if bench.name == "mlp":
+        return [name for name, _ in bench.model.named_children()]
+    return [f"transformer.h.{i}" for i in range(len(bench.model.transformer.h))]  # type: ignore[union-attr, arg-type]
+
+
+def make_plan(bench: BenchModel, microbatches: int) -> PlacementPlan:
+    """K = 2 stages balanced by time measured on one micro-batch (layers of the MLP, blocks of the GPT)."""
     torch.set_num_threads(1)
-    micro = sample[: max(1, sample.shape[0] // microbatches)]
-    plan = plan_stages(
-        profile_layers(model, micro, repeats=3, warmup=1), ["cpu"] * STAGES, "time", microbatches=microbatches
-    )
-    return plan.sizes, plan
+    micro = bench.batch[: max(1, bench.batch.shape[0] // microbatches)]
+    if bench.name == "mlp":
+        layers = profile_layers(bench.model, micro, repeats=3, warmup=1)  # type: ignore[arg-type]
+    else:
+        step = bench.step_fn()
+        layers = profile_blocks(bench.model, candidates_of(bench), lambda: step(bench.model, micro), repeats=3)
+    return plan_stages(layers, ["cpu"] * STAGES, "time", microbatches=microbatches)
 
 
-def stages_of(model: nn.Sequential, sizes: list[int]) -> list[nn.Sequential]:
-    out, start = [], 0
-    for size in sizes:
-        out.append(model[start : start + size])
-        start += size
-    return out
+# ----------------------------------------------------------------------------- configurations
+def unsplit(bench: BenchModel, threads: int) -> Config:
+    model, fn, x = bench.model, bench.step_fn(), bench.batch
+
+    def step() -> None:
+        torch.set_num_threads(threads)
+        model.zero_grad(set_to_none=True)
+        fn(model, x).backward()
+
+    def memory() -> list[int]:
+        meter = ActivationMeter(1, [*model.parameters(), x])
+        with meter.recording(0):
+            loss = fn(model, x)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return meter.peak
+
+    return Config(f"unsplit, {threads} {'core' if threads == 1 else 'threads'}", step, memory)
+
+
+def fill_drain(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
+    model, x = bench.model, bench.batch
+
+    def stages(meter: Optional[ActivationMeter] = None) -> list[torch.nn.Module]:
+        out, start = [], 0
+        for j, size in enumerate(plan.sizes):
+            part = model[start : start + size]  # type: ignore[index]
+            out.append(part if meter is None else Metered(part, meter, j))
+            start += size
+        return out
+
+    pipe = Pipeline(stages(), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
+
+    def run(engine: Pipeline) -> None:
+        torch.set_num_threads(1)
+        model.zero_grad(set_to_none=True)
+        engine.forward(x).sum().backward()
+        engine.backward()
+
+    def memory() -> list[int]:
+        meter = ActivationMeter(STAGES, [*model.parameters(), x])
+        metered = Pipeline(stages(meter), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
+        try:
+            run(metered)  # the stages wrapped: the nn.Linear fast path is off here (same saved tensors)
+        finally:
+            metered.close()
+        return meter.peak
+
+    return Config(f"fill-drain M={m}", lambda: run(pipe), memory, schedule="fill-drain", microbatches=m, plan=plan,
+                  close=pipe.close)
+
+
+def staged(bench: BenchModel, plan: PlacementPlan, schedule: str, m: int) -> Config:
+    from lightning_mgpu.placement.staged import StagedStep
+
+    model, fn, x = bench.model, bench.step_fn(), bench.batch
+    points = points_from_sizes(candidates_of(bench), plan.sizes)
+    engine = StagedStep(model, points, ["cpu"] * STAGES, schedule=schedule, microbatches=m, threads_per_stage=1,
+                        loss_reduction=bench.loss_reduction)
+
+    def step() -> None:
+        torch.set_num_threads(1)
+        model.zero_grad(set_to_none=True)
+        engine.run(fn, model, x).backward()
+        engine.accumulate()
+
+    def memory() -> list[int]:
+        meter = ActivationMeter(STAGES, [*model.parameters(), x])
+        handles = [
+            model.get_submodule(point).register_forward_pre_hook(lambda *_, j=j: meter.set_stage(j))
+            for j, point in enumerate(points, start=1)
+        ]
+
+        def metered(net: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            with meter.recording(0):
+                return fn(net, batch)
+
+        try:
+            model.zero_grad(set_to_none=True)
+            engine.run(metered, model, x).backward()
+            engine.accumulate()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return meter.peak
+
+    return Config(f"{schedule} M={m}", step, memory, schedule=schedule, microbatches=m, plan=plan, close=engine.close)
+
+
+def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
+    configs = [unsplit(bench, 1), unsplit(bench, 2)]
+    for m in args.microbatches:
+        plan = make_plan(bench, m)
+        for schedule in args.schedules:
+            if schedule == "fill-drain":
+                if bench.name == "mlp":  # the nn.Sequential pipeline takes an nn.Sequential only
+                    configs.append(fill_drain(bench, plan, m))
+            else:
+                configs.append(staged(bench, plan, schedule, m))
+    return configs
 
 
 def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float]:
@@ -93,170 +218,225 @@ def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
 
 
+# ----------------------------------------------------------------------------- torch's pipelining
+def torch_config(args: argparse.Namespace, plans: dict[str, dict[int, PlacementPlan]], measure_memory: bool) -> dict[str, Any]:
+    return {
+        "models": args.models,
+        "settings": {name: model_settings(args, name) for name in args.models},
+        "microbatches": args.microbatches,
+        "schedules": [s for s in TORCH_SCHEDULES if s in args.torch_schedules],
+        "sizes": {name: {str(m): plan.sizes for m, plan in by_m.items()} for name, by_m in plans.items()},
+        "steps": args.steps,
+        "measure_memory": measure_memory,
+        "retain_freed_memory": args.retain_freed_memory,
+    }
+
+
+def run_torch_round(args: argparse.Namespace, config: dict[str, Any], workdir: Path, round_index: int) -> list[dict[str, Any]]:
+    path = workdir / f"torch_config_{round_index}.json"
+    path.write_text(json.dumps(config))
+    finished = launch(
+        "bench.pipeline_torch", ["--config", str(path)], nproc=STAGES, threads=1,
+        report=workdir / f"torch_report_{round_index}.json", label=f"torch pipelining, round {round_index + 1}",
+        timeout=args.torch_timeout,
+    )
+    return list(finished.report["rows"])
+
+
+# ----------------------------------------------------------------------------- the run
+def model_settings(args: argparse.Namespace, name: str) -> dict[str, int]:
+    if name == "mlp":
+        return {"width": args.mlp_width, "depth": args.mlp_depth, "batch": args.mlp_batch}
+    return {"vocab": args.gpt_vocab, "context": args.gpt_context, "width": args.gpt_width, "heads": args.gpt_heads,
+            "depth": args.gpt_depth, "batch": args.gpt_batch}
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.retain_freed_memory and not retain_freed_memory():
         print("warning: could not change the C allocator's settings (not glibc?)", file=sys.stderr)
-    model = make_model(args.width, args.depth)
-    x = torch.randn(args.batch, args.width)
     threads_before = torch.get_num_threads()
-
-    def unsplit(threads: int) -> Callable[[], None]:
-        def step() -> None:
-            torch.set_num_threads(threads)
-            model.zero_grad(set_to_none=True)
-            model(x).sum().backward()
-
-        return step
-
-    configs: dict[str, Callable[[], None]] = {"unsplit, 1 core": unsplit(1), "unsplit, 2 threads": unsplit(2)}
-    pipelines: dict[str, Any] = {}
-    plans = {}
-    names = [name for name, _ in model.named_children()]
-    for m in args.microbatches:
-        sizes, plan = split(model, x, m)
-        plans[m] = plan
-        for schedule in args.schedules:
-            if schedule == "fill-drain":  # the nn.Sequential pipeline, loss outside it
-                pipe: Any = Pipeline(stages_of(model, sizes), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
-
-                def step(pipe: Any = pipe) -> None:
-                    torch.set_num_threads(1)
-                    model.zero_grad(set_to_none=True)
-                    pipe.forward(x).sum().backward()
-                    pipe.backward()
-
-            else:  # the staged pipeline (any module, loss inside): gpipe, 1f1b, zero_bubble
-                pipe = StagedStep(
-                    model, points_from_sizes(names, sizes), ["cpu"] * STAGES, schedule=schedule, microbatches=m,
-                    threads_per_stage=1, loss_reduction="sum",
-                )
-
-                def step(pipe: Any = pipe) -> None:
-                    torch.set_num_threads(1)
-                    model.zero_grad(set_to_none=True)
-                    pipe.run(lambda net, batch: net(batch).sum(), model, x).backward()
-                    pipe.accumulate()
-
-            configs[f"{schedule} M={m}"] = step
-            pipelines[f"{schedule} M={m}"] = pipe
+    benches = {name: build(name, model_settings(args, name)) for name in args.models}
+    configs = {name: configs_for(bench, args) for name, bench in benches.items()}
+    plans = {
+        name: {c.microbatches: c.plan for c in group if c.plan is not None and c.microbatches is not None}
+        for name, group in configs.items()
+    }
     torch.set_num_threads(threads_before)
 
-    per_round: dict[str, list[float]] = {name: [] for name in configs}
-    faults: dict[str, list[float]] = {name: [] for name in configs}
-    for round_index in range(args.rounds):
-        order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
-        for name in order:
-            ms, page_faults = time_steps(configs[name], args.steps)
-            per_round[name].append(ms)
-            faults[name].append(page_faults)
-        if not args.quiet:
-            print(
-                f"round {round_index + 1}/{args.rounds}: "
-                + ", ".join(f"{n} {per_round[n][-1]:.1f} ms" for n in configs),
-                flush=True,
-            )
-    for pipe in pipelines.values():
-        pipe.close()
-    plans = {m: plan for m, plan in plans.items()}
+    per_round: dict[tuple[str, str], list[float]] = {(n, c.name): [] for n, group in configs.items() for c in group}
+    faults: dict[tuple[str, str], list[float]] = {key: [] for key in per_round}
+    torch_rows: dict[tuple[str, str], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
+        for round_index in range(args.rounds):
+            for name, group in configs.items():
+                order = group if round_index % 2 == 0 else list(reversed(group))
+                for config in order:
+                    ms, page_faults = time_steps(config.step, args.steps)
+                    per_round[(name, config.name)].append(ms)
+                    faults[(name, config.name)].append(page_faults)
+            if args.torch_schedules:
+                rows = run_torch_round(args, torch_config(args, plans, measure_memory=round_index == 0), Path(tmp), round_index)
+                for row in rows:
+                    key = (row["model"], f"torch {row['schedule']} M={row['microbatches']}")
+                    entry = torch_rows.setdefault(key, {**row, "rounds": []})
+                    entry["rounds"].append(statistics.median(row["step_ms"]))
+                    if row["peak_activation_bytes"] is not None:
+                        entry["peak_activation_bytes"] = row["peak_activation_bytes"]
+            if not args.quiet:
+                print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
+                    f"{n}/{c} {v[-1]:.1f} ms" for (n, c), v in per_round.items()), flush=True)
+        peaks = {(name, c.name): c.memory() for name, group in configs.items() for c in group}
+    for group in configs.values():
+        for config in group:
+            config.close()
+    torch.set_num_threads(threads_before)
 
-    base = statistics.median(per_round["unsplit, 1 core"])
-    results = []
-    for name in configs:
-        ms = statistics.median(per_round[name])
-        m = int(name.split("=")[1]) if " M=" in name else None
-        results.append(
-            {
-                "config": name,
-                "schedule": name.split(" M=")[0] if m else None,
-                "microbatches": m,
-                "step_ms": ms,
-                "step_ms_rounds": per_round[name],
-                "samples_per_s": args.batch / ms * 1e3,
-                "speedup": base / ms,
-                "gpipe_bound": (m * STAGES / (m + STAGES - 1)) if m else None,
-                "plan_ideal_speedup": plans[m].ideal_speedup if m else None,
-                "stage_sizes": plans[m].sizes if m else None,
-                "page_faults_per_step": statistics.median(faults[name]),
-            }
-        )
-    m8 = next((r for r in results if r["microbatches"] == 8 and r["schedule"] == "fill-drain"), None)
+    results: list[dict[str, Any]] = []
+    for name, group in configs.items():
+        base = statistics.median(per_round[(name, "unsplit, 1 core")])
+        batch = benches[name].batch.shape[0]
+        for config in group:
+            ms = statistics.median(per_round[(name, config.name)])
+            results.append(_row(name, config.name, "ours", config.schedule, config.microbatches, per_round[(name, config.name)],
+                                base, batch, config.plan, peaks[(name, config.name)], statistics.median(faults[(name, config.name)])))
+            assert ms > 0
+        for (model_name, label), entry in torch_rows.items():
+            if model_name == name:
+                m = entry["microbatches"]
+                results.append(_row(name, label, "torch.distributed.pipelining", entry["schedule"], m, entry["rounds"], base, batch,
+                                    plans[name].get(m), entry.get("peak_activation_bytes"), None))
     payload = {
         "benchmark": "pipeline",
         "settings": vars(args),
-        "machine": machine_facts(backend="none", world_size=1, device_type="cpu", threads_per_rank=1),
+        "models": {name: bench.description for name, bench in benches.items()},
+        "machine": machine_facts(backend="gloo", world_size=1, device_type="cpu", threads_per_rank=1),
         "stages": STAGES,
         "results": results,
-        "target": {
-            "microbatches": 8,
-            "min_speedup": 1.4,
-            "speedup": m8 and m8["speedup"],
-            "met": bool(m8 and m8["speedup"] >= 1.4),
-        },
+        "targets": targets(results),
     }
-    rows = [
-        [
-            r["config"],
-            f"{r['step_ms']:.1f}",
-            f"{r['samples_per_s']:.0f}",
-            f"{r['speedup']:.2f}x",
-            f"{r['gpipe_bound']:.2f}x" if r["gpipe_bound"] else "-",
-            f"{r['plan_ideal_speedup']:.2f}x" if r["plan_ideal_speedup"] else "-",
-            f"{r['page_faults_per_step']:.0f}",
-        ]
-        for r in results
-    ]
-    caption = (
-        f"{args.depth} x (Linear {args.width} + GELU), batch {args.batch}, {args.rounds} interleaved rounds x {args.steps} steps; "
-        "speed-up vs 'unsplit, 1 core' (one device)."
-    )
-    if m8:
-        caption += f" Target at M=8: >= 1.40x -> {m8['speedup']:.2f}x ({'met' if m8['speedup'] >= 1.4 else 'NOT met'})."
-    print_table(
-        "Pipeline throughput, 2 stages on 2 CPU cores",
-        ["config", "step ms", "samples/s", "speed-up", "GPipe bound", "plan ideal", "faults/step"],
-        rows,
-        caption=caption,
-    )
+    report(payload, args)
     if args.out:
         print(f"wrote {write_json(args.out, payload)}")
     return payload
 
 
+def _row(model: str, config: str, engine: str, schedule: Optional[str], m: Optional[int], rounds: list[float], base: float,
+         batch: int, plan: Optional[PlacementPlan], peak: Optional[list[int]], faults: Optional[float]) -> dict[str, Any]:
+    ms = statistics.median(rounds)
+    estimate_schedule = {"fill-drain": "gpipe"}.get(schedule or "", schedule)
+    return {
+        "model": model,
+        "config": config,
+        "engine": engine,
+        "schedule": schedule,
+        "microbatches": m,
+        "step_ms": ms,
+        "step_ms_rounds": rounds,
+        "samples_per_s": batch / ms * 1e3,
+        "speedup": base / ms,
+        "gpipe_bound": (m * STAGES / (m + STAGES - 1)) if m else None,
+        "plan_ideal_speedup": plan.ideal_speedup if plan else None,
+        "stage_sizes": plan.sizes if plan else None,
+        "peak_activation_bytes": peak,
+        "estimated_activation_bytes": plan.peak_activation_bytes(estimate_schedule) if plan and estimate_schedule else None,
+        "page_faults_per_step": faults,
+    }
+
+
+def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets at M = 8 (None where this run has no M = 8)."""
+
+    def find(model: str, engine: str, schedule: str) -> Optional[dict[str, Any]]:
+        return next((r for r in results if r["model"] == model and r["engine"] == engine and r["schedule"] == schedule
+                     and r["microbatches"] == 8), None)
+
+    out: dict[str, Any] = {}
+    zb, gp, ofob = (find("mlp", "ours", s) for s in ("zero_bubble", "gpipe", "1f1b"))
+    out["zero_bubble_speedup"] = {"want": ">= 1.70", "got": zb and zb["speedup"], "met": bool(zb and zb["speedup"] >= 1.70)}
+    ratio = None
+    if gp and ofob and gp["peak_activation_bytes"] and ofob["peak_activation_bytes"]:
+        ratio = max(ofob["peak_activation_bytes"]) / max(gp["peak_activation_bytes"])
+    out["1f1b_memory_vs_gpipe"] = {"want": "<= 0.40", "got": ratio, "met": ratio is not None and ratio <= 0.40}
+    speed = ofob["samples_per_s"] / gp["samples_per_s"] if gp and ofob else None
+    out["1f1b_throughput_vs_gpipe"] = {"want": ">= 0.95", "got": speed, "met": speed is not None and speed >= 0.95}
+    for model in ("mlp", "gpt"):
+        for schedule in TORCH_SCHEDULES:
+            ours, theirs = find(model, "ours", schedule), find(model, "torch.distributed.pipelining", schedule)
+            value = ours["samples_per_s"] / theirs["samples_per_s"] if ours and theirs else None
+            out[f"{model}_{schedule}_vs_torch"] = {"want": ">= 1.00", "got": value, "met": value is not None and value >= 1.0}
+    return out
+
+
+def _sizes(values: Optional[list[int]]) -> str:
+    def one(value: int) -> str:
+        return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.0f} KiB"
+
+    return " / ".join(one(v) for v in values) if values else "-"
+
+
+def report(payload: dict[str, Any], args: argparse.Namespace) -> None:
+    for name, description in payload["models"].items():
+        rows = [
+            [
+                r["config"], f"{r['step_ms']:.1f}", f"{r['samples_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                f"{r['gpipe_bound']:.2f}x" if r["gpipe_bound"] else "-", _sizes(r["peak_activation_bytes"]),
+                _sizes(r["estimated_activation_bytes"]),
+                f"{r['page_faults_per_step']:.0f}" if r["page_faults_per_step"] is not None else "-",
+            ]
+            for r in payload["results"] if r["model"] == name
+        ]
+        print_table(
+            f"Pipeline, {name}: 2 stages on 2 CPU cores",
+            ["config", "step ms", "samples/s", "speed-up", "GPipe bound", "peak activations (measured)",
+             "peak activations (plan)", "faults/step"],
+            rows,
+            caption=f"{description}; {args.rounds} interleaved rounds x {args.steps} steps; speed-up vs 'unsplit, 1 core'; "
+            "activation peaks per stage (stage 0 / stage 1).",
+        )
+    lines = [f"{key}: want {t['want']}, got {t['got']:.2f} -> {'met' if t['met'] else 'NOT met'}"
+             for key, t in payload["targets"].items() if t["got"] is not None]
+    print("Targets at M=8:\n  " + ("\n  ".join(lines) if lines else "(no M=8 in this run)"))
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=8, help="number of Linear+GELU blocks")
-    parser.add_argument("--batch", type=int, default=1024, help="samples per training step (split into micro-batches)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--mlp-width", type=int, default=1024)
+    parser.add_argument("--mlp-depth", type=int, default=8, help="number of Linear+GELU blocks")
+    parser.add_argument("--mlp-batch", type=int, default=1024, help="samples per training step (split into micro-batches)")
+    parser.add_argument("--gpt-width", type=int, default=256)
+    parser.add_argument("--gpt-depth", type=int, default=8, help="transformer blocks")
+    parser.add_argument("--gpt-heads", type=int, default=4)
+    parser.add_argument("--gpt-vocab", type=int, default=256)
+    parser.add_argument("--gpt-context", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--gpt-batch", type=int, default=16, help="sequences per training step")
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
-    parser.add_argument(
-        "--schedules",
-        nargs="+",
-        default=["fill-drain", "gpipe", "1f1b", "zero_bubble"],
-        choices=["fill-drain", "gpipe", "1f1b", "zero_bubble"],
-        help="fill-drain: the nn.Sequential pipeline (loss outside); the others: the staged pipeline (loss inside)",
-    )
+    parser.add_argument("--schedules", nargs="+", default=list(OUR_SCHEDULES), choices=OUR_SCHEDULES,
+                        help="fill-drain: the nn.Sequential pipeline (loss outside, MLP only); the others: the staged pipeline")
+    parser.add_argument("--torch-schedules", nargs="*", default=list(TORCH_SCHEDULES), choices=TORCH_SCHEDULES,
+                        help="torch.distributed.pipelining's schedules run as the reference (none: skip it)")
+    parser.add_argument("--torch-timeout", type=float, default=1800, help="seconds one round of torch's pipelining may take")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
-    parser.add_argument(
-        "--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)"
-    )
-    parser.add_argument(
-        "--retain-freed-memory",
-        action="store_true",
-        help="keep freed CPU memory for reuse (bench.allocator.retain_freed_memory), for every configuration",
-    )
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)")
+    parser.add_argument("--retain-freed-memory", action="store_true",
+                        help="keep freed CPU memory for reuse (bench.allocator.retain_freed_memory), for every configuration")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        args.width, args.depth, args.batch, args.rounds, args.steps = 64, 4, 64, 1, 2
-        args.microbatches = [1, 2]
-    for name in ("width", "depth", "batch", "rounds", "steps"):
+        args.mlp_width, args.mlp_depth, args.mlp_batch = 64, 4, 64
+        args.gpt_width, args.gpt_depth, args.gpt_heads, args.gpt_vocab, args.gpt_context, args.gpt_batch = 32, 4, 2, 64, 16, 8
+        args.rounds, args.steps, args.microbatches = 1, 2, [1, 2]
+    for name in ("mlp_width", "mlp_depth", "mlp_batch", "gpt_width", "gpt_depth", "gpt_heads", "gpt_vocab", "gpt_context",
+                 "gpt_batch", "rounds", "steps"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(m < 1 for m in args.microbatches):
         parser.error(f"--microbatches must all be >= 1, got {args.microbatches}")
+    if args.gpt_width % args.gpt_heads:
+        parser.error(f"--gpt-width ({args.gpt_width}) must be a multiple of --gpt-heads ({args.gpt_heads})")
     return args
 
 

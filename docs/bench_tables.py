@@ -238,6 +238,8 @@ def buckets() -> str:
 def pipeline() -> str:
     """``bench/pipeline.py``, with glibc's default allocator settings and with ``--retain-freed-memory``."""
     plain, retain = load("pipeline"), load("pipeline_retain")
+    if "targets" in plain:
+        return _pipeline_schedules(plain, retain)
     kept = {row["config"]: row for row in retain["results"]}
     target_m = plain["target"]["microbatches"]
     rows = []
@@ -274,6 +276,57 @@ def pipeline() -> str:
         f"{_machine(plain)}."
     )
     return f"{table(header, rows, right=(1, 2, 3, 4, 5, 6))}\n\n{verdict}"
+
+
+def _mib_per_stage(values: Any) -> str:
+    return " / ".join(f"{v / 2**20:.1f}" for v in values) if values else "–"
+
+
+def _pipeline_schedules(plain: Any, retain: Any) -> str:
+    """The schedules' run (issue 16): both models, ours and torch's pipelining, measured activation peaks."""
+    kept = {(row["model"], row["config"]): row for row in retain.get("results", [])} if "targets" in retain else {}
+    rows = []
+    for row in plain["results"]:
+        other = kept.get((row["model"], row["config"]), {})
+        bold = "**" if row["microbatches"] == 8 else ""
+        rows.append(
+            (
+                row["model"],
+                row["config"],
+                f"{row['step_ms']:.0f}",
+                f"{bold}{row['speedup']:.2f}×{bold}",
+                f"{other['speedup']:.2f}×" if other else "–",
+                "–" if row["gpipe_bound"] is None else f"{row['gpipe_bound']:.2f}×",
+                _mib_per_stage(row["peak_activation_bytes"]),
+                _mib_per_stage(row["estimated_activation_bytes"]),
+            )
+        )
+    header = (
+        "model",
+        "configuration",
+        "step ms",
+        "speed-up",
+        "speed-up (retain)",
+        "GPipe bound M·K/(M+K−1)",
+        "peak activations MiB, measured (stage 0 / 1)",
+        "plan's estimate",
+    )
+    verdicts = "; ".join(
+        f"{key.replace('_', ' ')} {t['want']}: {t['got']:.2f} {_mark(t['met'])}"
+        for key, t in plain["targets"].items()
+        if t["got"] is not None
+    )
+    verdict = (
+        f"Targets at M = 8 (K = {plain['stages']}): {verdicts or 'no M = 8 in this run'}. "
+        f"{plain['settings']['rounds']} interleaved rounds × {plain['settings']['steps']} steps, medians; "
+        f"{_machine(plain)}."
+    )
+    return f"{table(header, rows, right=(2, 3, 4, 5, 6, 7))}\n\n{verdict}"
+
+
+def _pipeline_headline(pipe: Any) -> str:
+    speedup = pipe["targets"]["zero_bubble_speedup"]["got"] if "targets" in pipe else pipe["target"]["speedup"]
+    return "–" if speedup is None else f"{speedup:.2f}× the unsplit model"
 
 
 def planner_random() -> str:
@@ -442,8 +495,9 @@ def headlines() -> str:
             "[doctor](docs/benchmarks.md#what-distributeddoctor-costs)",
         ),
         (
-            f"`hybrid` pipeline, M = {pipe['target']['microbatches']}, K = {pipe['stages']} on CPU cores",
-            f"{pipe['target']['speedup']:.2f}× the unsplit model",
+            f"`hybrid` pipeline, M = 8, K = {pipe['stages']} on CPU cores"
+            + (", zero-bubble" if "targets" in pipe else ""),
+            _pipeline_headline(pipe),
             "[pipeline](docs/benchmarks.md#pipeline-throughput)",
         ),
         (

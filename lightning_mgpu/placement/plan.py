@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 from lightning_mgpu._checks import check_int
 from lightning_mgpu.placement.partition import partition
 from lightning_mgpu.placement.profile import LayerCost
+from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
 
 __all__ = ["BALANCE_MODES", "PlacementPlan", "check_sizes", "make_plan", "plan_stages"]
 
@@ -103,6 +104,16 @@ class PlacementPlan:
         if times is None or max(times) <= 0:
             return None
         return sum(times) / len(times) / max(times)
+
+    def peak_activation_bytes(self, schedule: str = "gpipe") -> Optional[list[int]]:
+        """Per stage, the saved activations it holds at its peak under ``schedule``: one micro-batch's
+        (the layers' profiled ``activation_bytes``) times the most micro-batches the schedule keeps in flight
+        on that stage (:func:`~lightning_mgpu.placement.schedule.peak_in_flight`). None without a profile."""
+        per_microbatch = self._stage_sum("activation_bytes")
+        if per_microbatch is None:
+            return None
+        in_flight = peak_in_flight(make_schedule(schedule, self.num_stages, self.microbatches))
+        return [int(size * count) for size, count in zip(per_microbatch, in_flight)]
 
     @property
     def bubble_efficiency(self) -> float:

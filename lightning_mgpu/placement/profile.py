@@ -128,6 +128,8 @@ def profile_layers(
     )
     costs: list[LayerCost] = []
     x = sample.detach().to(target)
+    if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+        x = x.clone()  # a micro-batch sliced from a larger batch: its saved bytes are its own, not the batch's
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(check_int("threads", threads))
@@ -204,7 +206,7 @@ def _profile_one(
         backwards = [clock.elapsed_ms(a, b) for a, b in backward_times]
         forward_ms, backward_ms = statistics.median(forwards), statistics.median(backwards)
         spread = _interquartile([f + b for f, b in zip(forwards, backwards)])
-        saved = _saved_bytes(run_forward)
+        saved = _saved_bytes(run_forward, layer)
         with torch.no_grad():
             out = layer(x)
     finally:
@@ -242,7 +244,10 @@ def _starts_in_place(module: nn.Module) -> bool:
     return bool(getattr(module, "inplace", False))
 
 
-def _saved_bytes(run_forward: Any) -> int:
+def _saved_bytes(run_forward: Any, layer: nn.Module) -> int:
+    # Parameters are saved for backward too, often as views (nn.Linear saves weight.t()): they are the
+    # stage's parameter memory, counted once in param_bytes, not activations of each micro-batch.
+    parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: set[tuple[int, int]] = set()
     total = 0
 
@@ -253,7 +258,7 @@ def _saved_bytes(run_forward: Any) -> int:
             key = (storage.data_ptr(), storage.nbytes())
         except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
             key = (id(tensor), tensor.numel() * tensor.element_size())
-        if key not in seen and not (isinstance(tensor, nn.Parameter)):
+        if key not in seen and key[0] not in parameters:
             seen.add(key)
             total += key[1]
         return tensor

@@ -1,0 +1,130 @@
+"""Peak activation memory per pipeline stage, measured: the bytes autograd holds for backward, live, per stage.
+
+What a pipeline schedule changes is how many micro-batches' activations a stage keeps at
+once: the tensors autograd saves in the forward for the backward, alive from the forward
+until the micro-batch's backward (zero-bubble: its weight pass) frees the graph. On a CPU
+there is no per-device allocator to ask (``torch.cuda.max_memory_allocated`` has no CPU
+counterpart), the process's RSS mixes both stages (they are threads of one process) and
+glibc keeps or returns freed blocks at will, and ``tracemalloc`` sees only Python's own
+allocations, not tensors. So :class:`ActivationMeter` counts exactly those tensors:
+
+* a ``torch.autograd.graph.saved_tensors_hooks`` pack hook, active in every thread that
+  runs a stage's forward, records each saved tensor's storage (by address, each storage
+  once however many saved tensors view it; parameters and the batch left out) against the stage running
+  in that thread, and returns a small holder;
+* autograd drops the holder when it frees that saved tensor (after the backward that used
+  it, or when the graph is released): the holder's finaliser takes the storage's bytes off
+  the stage's live count;
+* each stage's peak of live bytes is the figure reported.
+
+It measures real tensors over a real step of each engine (ours and torch's pipelining),
+not an estimate; it leaves out the transient buffers of a single operation, gradients in
+flight, and the engines' own bookkeeping (a few tensors per micro-batch at the cut, which
+the next stage's first operation saves anyway). Measuring adds a Python call per saved
+tensor, so it runs in its own, untimed step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ActivationMeter", "Metered"]
+
+
+class _Held:
+    """What autograd keeps in place of a saved tensor while the meter runs; counted until it is dropped."""
+
+    __slots__ = ("meter", "stage", "key", "tensor")
+
+    def __init__(self, meter: ActivationMeter, stage: int, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        self.meter, self.stage, self.key, self.tensor = meter, stage, key, tensor
+
+    def __del__(self) -> None:
+        self.meter.release(self.stage, self.key)
+
+
+class ActivationMeter:
+    """Live and peak bytes of saved activations for ``num_stages`` stages (see the module docstring)."""
+
+    def __init__(self, num_stages: int, not_activations: Iterable[torch.Tensor]) -> None:
+        """``not_activations``: tensors whose storage is never counted (the parameters, and the batch, which the
+        caller holds whatever the schedule: the micro-batches are views of it)."""
+        self.live = [0] * num_stages
+        self.peak = [0] * num_stages
+        self._counts: dict[tuple[int, tuple[int, int]], int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._excluded = {t.untyped_storage().data_ptr() for t in not_activations}
+
+    def reset_peak(self) -> None:
+        """Start the peaks again from what is live now (e.g. after a warm-up step)."""
+        with self._lock:
+            self.peak = list(self.live)
+
+    # --- which stage the calling thread runs
+    def set_stage(self, stage: int) -> None:
+        self._local.stage = stage
+
+    @contextmanager
+    def recording(self, stage: int) -> Iterator[None]:
+        """Count what the calling thread's forwards save from here on, against ``stage`` (until :meth:`set_stage`)."""
+        previous = getattr(self._local, "stage", None)
+        self._local.stage = stage
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._local.stage = previous
+
+    # --- the hooks
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        stage = getattr(self._local, "stage", None)
+        storage = tensor.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        if stage is None or address in self._excluded or nbytes == 0:
+            return tensor
+        key = (address, nbytes)
+        with self._lock:
+            count = self._counts.get((stage, key), 0)
+            self._counts[(stage, key)] = count + 1
+            if count == 0:
+                self.live[stage] += nbytes
+                self.peak[stage] = max(self.peak[stage], self.live[stage])
+        # Hold a detached alias (same storage): holding the tensor itself would, for a saved output, tie the
+        # holder to the output's grad_fn, the node that saved it, a cycle through C++ that is never freed
+        # when that node is not run again (zero-bubble's input-side nodes after a retained B).
+        return _Held(self, stage, key, tensor.detach())
+
+    @staticmethod
+    def _unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held  # type: ignore[no-any-return]
+
+    def release(self, stage: int, key: tuple[int, int]) -> None:
+        with self._lock:
+            count = self._counts[(stage, key)] - 1
+            if count:
+                self._counts[(stage, key)] = count
+            else:
+                del self._counts[(stage, key)]
+                self.live[stage] -= key[1]
+
+
+class Metered(nn.Module):
+    """A stage module whose forward runs under ``meter.recording(stage)`` (for engines that run a stage's
+    forward in a thread or process we do not otherwise reach: the fill-drain pipeline, torch's pipelining)."""
+
+    def __init__(self, inner: nn.Module, meter: ActivationMeter, stage: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.meter = meter
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.meter.recording(self.stage):
+            return self.inner(*args, **kwargs)

@@ -1,0 +1,65 @@
+"""Profiling the candidate blocks of an unmodified model (placement/block_profile.py) and the plan's activation
+estimate per schedule (PlacementPlan.peak_activation_bytes). In-process, no threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mgpu.placement.block_profile import profile_blocks
+from lightning_mgpu.placement.plan import PlacementPlan
+from lightning_mgpu.placement.profile import LayerCost
+from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
+from lightning_mgpu.placement.split_points import block_costs
+from tests.scripts.split_models import ResidualCNN
+
+BLOCKS = [f"blocks.{i}" for i in range(4)]
+
+
+def test_blocks_of_a_residual_cnn_are_measured_and_the_model_is_left_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = ResidualCNN()
+    x = torch.randn(4, 3, 8, 8)
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    costs = profile_blocks(model, BLOCKS, lambda: model(x), repeats=3, warmup=1)
+    assert [c.name for c in costs] == BLOCKS
+    assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs)
+    # identical blocks on identical shapes save identical tensors: conv inputs, BatchNorm's, the in-place ReLUs' outputs
+    middle = {c.activation_bytes for c in costs[1:3]}
+    assert len(middle) == 1 and middle.pop() >= 4 * 8 * 8 * 8 * 4
+    assert costs[0].activation_bytes > costs[1].activation_bytes  # the stem runs in block 0's span
+    assert costs[3].activation_bytes > costs[1].activation_bytes  # so do the pooling and the head in block 3's
+    want = block_costs(model, BLOCKS)
+    assert [c.param_count for c in costs] == [c.param_count for c in want]
+    for buffer, before in zip(model.buffers(), stats):
+        torch.testing.assert_close(buffer, before, rtol=0, atol=0)  # BatchNorm's running statistics restored
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_candidate_that_does_not_run_once_is_refused() -> None:
+    model = ResidualCNN()
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(ValueError, match=r"entered 3 of the 4 candidate blocks"):
+        profile_blocks(model, BLOCKS, lambda: model.blocks[1:](model.stem(x)), repeats=1, warmup=0)
+
+
+def _layer(index: int, activation: int) -> LayerCost:
+    return LayerCost(index=index, name=str(index), kind="Linear", forward_ms=1.0, backward_ms=2.0, param_count=0,
+                     param_bytes=0, grad_bytes=0, optimizer_bytes=0, activation_bytes=activation, output_bytes=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_the_plan_estimates_a_stage_peak_as_one_microbatch_times_the_schedule_in_flight(schedule: str) -> None:
+    layers = [_layer(0, 100), _layer(1, 20), _layer(2, 30), _layer(3, 5)]
+    plan = PlacementPlan(devices=["cpu", "cpu"], sizes=[2, 2], balance=[2, 2], microbatches=8, layers=layers)
+    in_flight = peak_in_flight(make_schedule(schedule, 2, 8))
+    assert plan.peak_activation_bytes(schedule) == [120 * in_flight[0], 35 * in_flight[1]]
+    if schedule == "gpipe":
+        assert in_flight == [8, 8]
+    elif schedule == "1f1b":
+        assert in_flight == [2, 1]
+    else:
+        assert in_flight == [3, 2]
+    assert PlacementPlan(devices=["cpu"], sizes=[1], balance="params").peak_activation_bytes(schedule) is None
