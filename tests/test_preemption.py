@@ -113,6 +113,28 @@ def test_a_late_signal_with_the_default_handler_ends_the_process_after_the_fit(
         signal.signal(signal.SIGTERM, original)
 
 
+class Failing(Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("the step failed")  # before any step boundary could act on the signal
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_signal_that_comes_while_the_fit_fails_leaves_the_error_to_end_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raised: list[int] = []
+    original = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    try:
+        with pytest.raises(RuntimeError, match="the step failed"):  # the error is what the caller sees...
+            trainer(tmp_path, steps=5).fit(Failing())
+        assert raised == []  # ...not a SIGTERM that would end the process before it is printed
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
 def test_the_exit_status_names_the_signal() -> None:
     error = Preempted(signal.SIGUSR1, "message")
     assert error.code == 138 and str(error) == "message" and preemption.signal_name(15) == "SIGTERM"

@@ -29,7 +29,9 @@ What our strategies do instead, on every rank:
 
 A signal that arrives when no step boundary is left (after the last step, during the final
 validation) is delivered again at teardown to the handler that was there before the fit (by
-default: the process ends), once the fit is done with it: deferred, never swallowed.
+default: the process ends), once the fit is done with it: deferred, never swallowed. When the fit
+is failing anyway (e.g. torchrun's SIGTERM to the ranks that survive a lost one), the error ends
+it: delivering the signal then would kill the process before its error is printed.
 """
 
 from __future__ import annotations
@@ -200,8 +202,20 @@ class Preemption:
             dist.destroy_process_group(self._group)
         self._group = None
         pending, self.received = self.received, None
+        failing = self._trainer is not None and self._trainer.interrupted  # teardown after an exception
         self._trainer, self._host = None, None
         if pending is None or self.stopped_by is not None:
+            return
+        if failing:
+            # The fit is ending with an error, and so is the process unless the caller catches it: a
+            # signal delivered now would end it before the error is printed (e.g. torchrun's SIGTERM to
+            # the ranks that survive a lost one).
+            print(
+                f"{_NOTE} rank {self._rank}: {signal_name(pending)} came while the fit was failing; the error "
+                "below ends it.",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         previous = self._before_fit.get(pending)
         previous = signal.SIG_DFL if previous is None else previous  # None: not set from Python, the default
