@@ -27,7 +27,8 @@ stage begins (``split_points``, torch's convention) and a schedule, and runs a f
   its cut leaves and the parameters; with ``zero_bubble``, ``B`` computes only the cut
   leaves' gradients and ``W`` the parameters' (:mod:`~lightning_mgpu.placement.weight_pass`).
   Each stage sums its parameters' gradients over the micro-batches; a parameter used by
-  several stages (tied embeddings) gets the sum of every stage's part. Nothing is
+  several stages (tied embeddings) gets the sum of every stage's part (on stages of different
+  devices through a differentiable copy: :mod:`~lightning_mgpu.placement.shared_params`). Nothing is
   accumulated into ``.grad`` until :meth:`StagedStep.accumulate`, which does it with one
   ``torch.autograd.backward`` per parameter set, so each gradient accumulator (and DDP's
   hook on it) fires exactly once per step, after DDP prepared its reducer.
@@ -58,6 +59,7 @@ from torch.autograd.graph import get_gradient_edge
 from lightning_mgpu._checks import check_int
 from lightning_mgpu.placement.handover import Aborted, Cut, MicroRun, StagedStepError, current_microbatch, current_run, running
 from lightning_mgpu.placement.microbatch import map_tensors, split_batch
+from lightning_mgpu.placement.shared_params import SharedParameterCopies
 from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
 from lightning_mgpu.placement.weight_pass import DeferredWeights, split_backward
 from lightning_mgpu.placement.worker import Receive, Send, StageWorkers, stage_context, thread_modes
@@ -73,7 +75,10 @@ class StagedStep:
 
     ``devices[j]``: stage ``j``'s device (``len(split_points) + 1`` of them). Modules are not
     moved here (the strategy places them). ``schedule``: a name of
-    :data:`~lightning_mgpu.placement.schedule.SCHEDULES`.
+    :data:`~lightning_mgpu.placement.schedule.SCHEDULES`. A parameter used by modules of stages on
+    different devices (tied embeddings) is used through a differentiable copy on the using stage's
+    device (:mod:`~lightning_mgpu.placement.shared_params`); ``copy_shared=True`` copies it even where
+    the devices are the same (how the tests run that path on CPU stages).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class StagedStep:
         microbatches: int = 1,
         threads_per_stage: Optional[int] = None,
         loss_reduction: str = "mean",
+        copy_shared: bool = False,
     ) -> None:
         self.split_points = list(split_points)
         self.devices = [torch.device(device) for device in devices]
@@ -118,6 +124,8 @@ class StagedStep:
         self._handles = [
             module.register_forward_pre_hook(self._hook(n + 1), with_kwargs=True) for n, module in enumerate(self.modules)
         ]
+        # after the split-point hooks: a split point that also uses a shared parameter gets its copy once its turn came
+        self._shared = SharedParameterCopies(root, self.split_points, self.devices, always=copy_shared)
 
     @property
     def num_stages(self) -> int:
@@ -408,6 +416,7 @@ class StagedStep:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._shared.close()
         self._workers.close()
         if self._threads is not None:
             self._threads.shutdown(wait=True)

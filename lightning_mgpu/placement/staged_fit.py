@@ -5,8 +5,8 @@ kept free of Lightning: model checks, module placement, and the step function wi
   candidate blocks (``balance``), as one :class:`~lightning_mgpu.placement.plan.PlacementPlan`
   that every rank shares.
 * :func:`check_staged_model`: refuses, before any process starts, what the staged pipeline
-  cannot run (SyncBatchNorm, activation recomputation, manual optimization, a parameter
-  that two stages on different CUDA devices would both use).
+  cannot run (SyncBatchNorm, activation recomputation, manual optimization; a parameter
+  that stages on different devices both use, only where this torch cannot copy it).
 * :func:`place_modules`: every module's own tensors on its stage's device
   (:func:`~lightning_mgpu.placement.split_points.stage_of_modules`).
 * :func:`run_logged`: runs a LightningModule-like object's ``training_step`` through the
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.torch import apply_to_own_tensors
+from lightning_mgpu._compat.torch import apply_to_own_tensors, can_replace_parameters
 from lightning_mgpu.placement.handover import current_microbatch
 from lightning_mgpu.placement.plan import PlacementPlan, check_sizes, plan_stages
 from lightning_mgpu.placement.profile import LayerCost
@@ -120,24 +120,33 @@ def check_staged_model(
             names.setdefault(id(param), f"{name}.{pname}" if name else pname)
     for key, where in used.items():
         on = {devices[stage] for stage in where}
-        if len(on) > 1 and any(device.type == "cuda" for device in on):
+        if len(on) > 1 and not can_replace_parameters():
             raise ValueError(
-                f"parameter {names[key]} belongs to modules of stages {sorted(where)} on different devices {sorted(map(str, on))}: "
-                "a parameter shared across GPU stages (tied embeddings) is not supported yet on GPUs; on CPU devices "
-                "it is (one parameter, gradients of every stage summed). Choose split points that keep the sharing "
-                "modules in one stage, or untie them."
+                f"parameter {names[key]} belongs to modules of stages {sorted(where)} on different devices "
+                f"{sorted(map(str, on))}: this torch ({torch.__version__}) cannot run a module with a copy of a "
+                "parameter on its own device. Choose split points that keep the sharing modules in one stage, "
+                "or untie them."
             )
 
 
 def place_modules(module: nn.Module, split_points: Sequence[str], devices: Sequence[torch.device]) -> None:
-    """Move every module's own parameters and buffers to its stage's device (definition order decides the stage)."""
+    """Move every module's own parameters and buffers to its stage's device (definition order decides the stage);
+    a parameter or buffer registered by several modules (tied embeddings) goes with the first of them, and the
+    others use a copy (:mod:`~lightning_mgpu.placement.shared_params`)."""
     stages = stage_of_modules(module, split_points)
+    placed: set[int] = set()
     for name, sub in module.named_modules():
-        apply_to_own_tensors(sub, _mover(devices[stages.get(name, 0)]))
+        apply_to_own_tensors(sub, _mover(devices[stages.get(name, 0)], placed))
 
 
-def _mover(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda tensor: tensor.to(device)
+def _mover(device: torch.device, placed: set[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) in placed:
+            return tensor
+        placed.add(id(tensor))
+        return tensor.to(device)
+
+    return move
 
 
 def run_logged(staged: StagedStep, owner: Any, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
