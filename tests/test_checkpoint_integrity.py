@@ -22,11 +22,12 @@ import os
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -66,11 +67,29 @@ def trainer(root: Path, strategy: TunedDDPStrategy, steps: int = 2) -> L.Trainer
     )  # fmt: skip
 
 
+def _release(environ: dict[str, str]) -> None:
+    """Lightning's DDP on one device leaves the process group up and its launcher's variables in
+    ``os.environ``: undone, so that the tests after an in-process fit see a clean process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+@pytest.fixture(autouse=True)
+def _clean_process() -> Iterator[None]:
+    environ = dict(os.environ)
+    yield
+    _release(environ)
+
+
 @pytest.fixture(scope="module")
 def real_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint written by a real fit (TunedDDPStrategy, one CPU device, Adam state included)."""
     root = tmp_path_factory.mktemp("fit")
+    environ = dict(os.environ)
     trainer(root, TunedDDPStrategy()).fit(Tiny())
+    _release(environ)
     path = root / "ckpt" / "epoch=0-step=2.ckpt"
     assert path.stat().st_size > 40_000
     return path

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,6 +30,18 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
 from tests.scripts.fail_harness import launch_all
+
+
+@pytest.fixture(autouse=True)
+def _clean_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Lightning's DDP on one device (the in-process fits here) leaves the process group up and its
+    launcher's variables in ``os.environ``: undone after each test, so the next one sees a clean process."""
+    environ = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized() and "one_rank_group" not in request.fixturenames:
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture
