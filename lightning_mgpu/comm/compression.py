@@ -23,7 +23,7 @@ registration and rejects them as strings; it also refuses any hook *named*
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -136,7 +136,7 @@ class ScaledFp16Allreduce:
         world_size = dist.get_world_size(group)
         buffer = bucket.buffer()
         if buffer.numel() == 0:  # nothing to scale (every rank's bucket holds the same parameters)
-            return default_hooks.allreduce_hook(group, bucket)
+            return default_hooks.allreduce_hook(cast(dist.ProcessGroup, group), bucket)
         low, high = torch.aminmax(buffer.detach())
         peak = torch.maximum(low.abs(), high.abs()).reshape(1).to(torch.float32)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # the same peak, hence scale, on every rank
