@@ -108,6 +108,40 @@ def test_secret_looking_values_are_masked(name: str, value: str, masked: bool) -
     assert (value not in shown) is masked
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "shown"),
+    [
+        ("WANDB_BASE_URL", "https://alice:hunter2pass@h", "https://alice:****@h"),
+        ("HF_ENDPOINT", "https://bob:s3cr3t@hub.example.org/path", "https://bob:****@hub.example.org/path"),
+        ("PIP_INDEX_URL", "https://user:pa:ss@pypi.example.org/simple", "https://user:****@pypi.example.org/simple"),
+        ("GIT_URL", "https://ghp_a9F3k2LmQ8zX7pW1vB6nT4yR0c@github.com/o/r", "****(53 chars)"),  # a key-like token
+        (
+            "PIP_EXTRA_INDEX_URL",
+            "https://deploy_token_for_ci_builds@gitlab.example.org/simple",
+            "https://****@gitlab.example.org/simple",
+        ),
+        ("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p", "/tmp/nccl.%h.%p"),
+        ("WANDB_BASE_URL", "https://api.wandb.ai", "https://api.wandb.ai"),
+        ("MASTER_ADDR", "git@node-1", "git@node-1"),
+        ("MY_PRIVATE_KEY", "-----BEGIN", "****(10 chars)"),
+        ("AWS_SECRET_ACCESS_KEY", "abc", "****(3 chars)"),
+        ("GITHUB_TOKEN", "ghp_x", "****(5 chars)"),
+        ("SOME_CREDENTIALS_FILE", "/home/me/creds.json", "****(19 chars)"),
+        ("DATABASE_PASSWORD", "pw", "****(2 chars)"),
+    ],
+)
+def test_realistic_variables_never_show_a_secret(name: str, value: str, shown: str) -> None:
+    assert envcheck.mask(name, value) == shown
+
+
+def test_url_passwords_are_masked_in_the_table_and_in_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"WANDB_BASE_URL": "https://alice:hunter2pass@h", "NCCL_DEBUG": "INFO"}
+    listed = envcheck.relevant_environment({**env, "MASTER_ADDR": "https://carol:pw123@x"})
+    assert "hunter2pass" not in repr(listed) and "pw123" not in repr(listed)
+    check = envcheck.detect_launcher({"MASTER_ADDR": "https://carol:pw123@x", "MASTER_PORT": "1"})
+    assert "pw123" not in repr(check.details)
+
+
 def test_environment_lists_only_distributed_variables() -> None:
     env = {"HOME": "/root", "NCCL_DEBUG": "INFO", "WANDB_API_KEY": SECRET, "RANK": "0", "SLURM_PROCID": "3"}
     assert envcheck.relevant_environment(env) == {

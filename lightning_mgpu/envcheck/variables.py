@@ -63,8 +63,29 @@ def looks_secret(name: str, value: str) -> bool:
     return False
 
 
+_URL_CREDENTIALS = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/\s]*)(?::(?P<password>[^@/\s]*))?@"
+)
+
+
+def mask_url_credentials(value: str) -> str:
+    """``https://alice:hunter2@host`` -> ``https://alice:****@host``; a user name alone (``git@``-style
+    tokens put the secret there: ``https://ghp_xxx@github.com``) is masked too unless it is short and plain."""
+
+    def hide(match: re.Match[str]) -> str:
+        user, password = match["user"], match["password"]
+        if password is not None:
+            return f"{match['scheme']}{user}:****@"
+        return f"{match['scheme']}****@" if looks_secret("", user) or len(user) > 16 else match[0]
+
+    return _URL_CREDENTIALS.sub(hide, value)
+
+
 def mask(name: str, value: str) -> str:
-    return f"****({len(value)} chars)" if value and looks_secret(name, value) else value
+    """``value`` as it may be shown: fully masked if it looks secret, else with URL credentials masked."""
+    if value and looks_secret(name, value):
+        return f"****({len(value)} chars)"
+    return mask_url_credentials(value)
 
 
 def relevant_environment(environ: Mapping[str, str]) -> dict[str, str]:
