@@ -203,3 +203,27 @@ def test_callback_contract(
     # ... and goes on from where the checkpoint left off
     assert trainer.global_step == 2 * STEPS
     assert contract.outcome(resumed, trainer) == contract.resumed
+
+
+@pytest.mark.timeout(120)
+def test_an_unusable_profiler_export_dir_fails_the_fit_before_the_first_step(
+    tmp_path: Path, one_rank_process_group: None
+) -> None:
+    """It used to fail in on_train_end, after training, skipping the code after fit."""
+    not_a_dir = tmp_path / "profile.json"
+    not_a_dir.write_text("{}")
+    steps: list[int] = []
+
+    class Counting(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            steps.append(1)
+
+    profiler = CommProfiler(export_dir=not_a_dir)
+    with pytest.raises(ValueError, match=r"export_dir=.*profile\.json.* is not a directory"):
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy="ddp_tuned", max_steps=2, callbacks=[profiler, Counting()],
+            default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip  (the Trainer's settings, kept together)
+        trainer.fit(TinyModel(), _loader())
+    assert steps == []

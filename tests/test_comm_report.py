@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 from lightning_mgpu.callbacks.comm_profiler import report
 from lightning_mgpu.callbacks.comm_profiler.stats import CommStats
@@ -60,3 +61,39 @@ def test_write_all_exports_every_file(tmp_path: Path) -> None:
 def test_an_empty_trace_is_still_a_valid_trace(tmp_path: Path) -> None:
     report.write_chrome_trace(tmp_path / "trace.json", [])
     assert json.loads((tmp_path / "trace.json").read_text()) == {"traceEvents": []}
+
+
+def _many_buckets(rank: int, step: int, count: int) -> dict[str, Any]:
+    buckets = [
+        {"index": i, "bytes": 4096, "wire_bytes": 4096, "num_params": 1, "launch_ms": 2.0 + i * 0.01,
+         "done_ms": 2.5 + i * 0.01}
+        for i in range(count)
+    ]  # fmt: skip  (one synthetic bucket per line)
+    return {"step": step, "rank": rank, "start_ns": step * 50_000_000, "forward_end_ms": 1.0,
+            "compute_end_ms": 2.0 + count * 0.01, "backward_end_ms": 3.0 + count * 0.01,
+            "optimizer_start_ms": 3.5 + count * 0.01, "step_ms": 4.0 + count * 0.01, "buckets": buckets}  # fmt: skip  (one timeline record)
+
+
+def test_the_timeline_png_is_drawn_in_bounded_work_for_any_size(tmp_path: Path) -> None:
+    """2 ranks x 2,000 buckets and 8+ ranks x 500 took minutes when every bucket was its own artist; the
+    drawing is now bounded (ranks sampled, neighbouring buckets merged) and the figure says so."""
+    big = [_many_buckets(rank, step, 2000) for rank in range(2) for step in range(3)]
+    drawn = report.write_timeline_png(tmp_path / "big.png", big)
+    assert drawn["bars_per_step"] <= report.MAX_BARS_PER_STEP and drawn["ranks"] == [0, 1]
+    assert "2000 buckets per step drawn as" in drawn["note"]
+    wide = [_many_buckets(rank, step, 500) for rank in range(12) for step in range(3)]
+    drawn = report.write_timeline_png(tmp_path / "wide.png", wide)
+    assert len(drawn["ranks"]) == report.MAX_RANKS_DRAWN and drawn["ranks"][0] == 0 and drawn["ranks"][-1] == 11
+    assert drawn["note"].startswith(f"{report.MAX_RANKS_DRAWN} of 12 ranks shown")
+    assert (tmp_path / "big.png").stat().st_size > 0 and (tmp_path / "wide.png").stat().st_size > 0
+    small = report.write_timeline_png(tmp_path / "small.png", [_many_buckets(0, 1, 3)])
+    assert small == {"ranks": [0], "bars_per_step": 3, "note": ""}  # nothing merged, nothing said
+
+
+def test_an_unusable_export_dir_is_named_before_training(tmp_path: Path) -> None:
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("x")
+    assert "is not a directory" in (report.export_dir_problem(a_file) or "")
+    assert "cannot be written" in (report.export_dir_problem(a_file / "sub") or "")
+    fresh = tmp_path / "new" / "profiles"
+    assert report.export_dir_problem(fresh) is None and fresh.is_dir() and list(fresh.iterdir()) == []

@@ -201,6 +201,13 @@ class CommProfiler(L.Callback):
             return
         self._reset_run_state()
         strategy = trainer.strategy
+        if self.export_dir is not None:
+            # Rank 0 writes the files after training: a directory it cannot write must fail the fit now,
+            # on every rank alike, not after the last step (and skip the code after fit).
+            problem = report.export_dir_problem(self.export_dir) if trainer.is_global_zero else None
+            problem = strategy.broadcast(problem, src=0)
+            if problem is not None:
+                raise ValueError(f"CommProfiler: export_dir={str(self.export_dir)!r} {problem}")
         self._clock = clock_for(strategy.root_device)
         host = comm_hook_host(strategy)
         if host is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -66,8 +67,14 @@ def print_summary(profile: dict[str, Any]) -> None:
         ("forward", ms(s["forward_ms"], share=True)),
         ("backward compute", ms(s["backward_compute_ms"], share=True)),
         ("communication span", ms(s["comm_ms"])),
-        ("  hidden behind backward", NOT_MEASURED if s["overlap_ratio"] is None else f"{100 * s['overlap_ratio']:.0f}%"),
-        ("  exposed (step waits)", NOT_MEASURED if exposed is None else f"{exposed:.2f} ms ({100 * exposed / step:.0f}% of step)"),
+        (
+            "  hidden behind backward",
+            NOT_MEASURED if s["overlap_ratio"] is None else f"{100 * s['overlap_ratio']:.0f}%",
+        ),
+        (
+            "  exposed (step waits)",
+            NOT_MEASURED if exposed is None else f"{exposed:.2f} ms ({100 * exposed / step:.0f}% of step)",
+        ),
         ("optimizer", ms(s["optimizer_ms"])),
         ("gradient bytes", gradient),
         ("bytes on the wire", wire()),
@@ -97,6 +104,19 @@ def print_summary(profile: dict[str, Any]) -> None:
 
 EXPORTED_FILES = ("comm_profile.json", "comm_buckets.csv", "comm_timeline.png", "comm_trace.json")
 """What :func:`write_all` writes into ``export_dir``."""
+
+
+def export_dir_problem(export_dir: Path) -> Optional[str]:
+    """Why rank 0 could not write its files into ``export_dir`` (None: it can). Creates the directory."""
+    if export_dir.exists() and not export_dir.is_dir():
+        return "exists and is not a directory: pass a directory path (it is created if missing)"
+    try:
+        export_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=export_dir, prefix=".comm_profiler_probe_"):
+            pass
+    except OSError as error:
+        return f"cannot be written ({error.strerror or error}): pass a writable directory"
+    return None
 
 
 def write_all(export_dir: Path, profile: dict[str, Any], timelines: list[dict[str, Any]]) -> None:
@@ -198,36 +218,76 @@ def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: int = 3) -> None:
-    """Per rank, a few steps: compute phases on one lane, buckets on the lanes below."""
+MAX_RANKS_DRAWN = 8
+"""The timeline draws at most this many ranks (evenly sampled, rank 0 and the last included)."""
+MAX_BARS_PER_STEP = 120
+"""Beyond this many buckets in a step, neighbouring buckets are drawn merged (first launch to last done)."""
+MAX_LABELLED_BARS = 40
+
+
+def _sample_ranks(ranks: list[int], limit: int) -> list[int]:
+    if len(ranks) <= limit:
+        return ranks
+    picks = {ranks[round(i * (len(ranks) - 1) / (limit - 1))] for i in range(limit)}
+    return sorted(picks)
+
+
+def _bucket_bars(buckets: list[dict[str, Any]], limit: int) -> list[tuple[float, float, str]]:
+    """(launch_ms, duration_ms, label) per bar: one per bucket, or ``limit`` groups of neighbours."""
+    ordered = sorted(buckets, key=lambda b: b["index"])
+    if len(ordered) <= limit:
+        return [(b["launch_ms"], b["done_ms"] - b["launch_ms"], f"b{b['index']}") for b in ordered]
+    bars = []
+    size = -(-len(ordered) // limit)
+    for start in range(0, len(ordered), size):
+        group = ordered[start : start + size]
+        launch, done = min(b["launch_ms"] for b in group), max(b["done_ms"] for b in group)
+        bars.append((launch, done - launch, f"b{group[0]['index']}-{group[-1]['index']}"))
+    return bars
+
+
+def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: int = 3) -> dict[str, Any]:
+    """Per rank, a few steps: compute phases on one lane, buckets on the lanes below.
+
+    Drawn in bounded time whatever the size: at most :data:`MAX_RANKS_DRAWN` ranks and
+    :data:`MAX_BARS_PER_STEP` bars per step (neighbouring buckets merged beyond it), one
+    drawing call per lane and step; the figure says what was sampled or merged. Returns
+    what was drawn (ranks, bars per step, the note).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    ranks = sorted({t["rank"] for t in timelines})
+    all_ranks = sorted({t["rank"] for t in timelines})
+    ranks = _sample_ranks(all_ranks, MAX_RANKS_DRAWN)
     fig, axes = plt.subplots(
         len(ranks) or 1, 1, figsize=(12, 1.9 + 1.5 * max(1, len(ranks))), squeeze=False, sharex=True
     )
     colors = PHASE_COLORS
     origin = min((t["start_ns"] for t in timelines), default=0)
+    most_bars, most_buckets = 0, 0
     for axis, rank in zip(axes[:, 0], ranks or [0]):
         steps = [t for t in timelines if t["rank"] == rank][:max_steps]
         for t in steps:
             base = (t["start_ns"] - origin) / 1e6
             for name, start, end in _phases(t):
                 axis.broken_barh([(base + start, max(0.0, end - start))], (10, 8), facecolors=colors[name])
-            for b in t["buckets"]:
-                lane = 0 if b["index"] % 2 == 0 else -9
-                axis.broken_barh(
-                    [(base + b["launch_ms"], b["done_ms"] - b["launch_ms"])],
-                    (lane, 8),
-                    facecolors="#DD8452",
-                    edgecolors="black",
-                    linewidth=0.4,
-                )
-                axis.text(base + b["launch_ms"], lane + 4, f"b{b['index']}", va="center", fontsize=7)
+            bars = _bucket_bars(t["buckets"], MAX_BARS_PER_STEP)
+            most_bars, most_buckets = max(most_bars, len(bars)), max(most_buckets, len(t["buckets"]))
+            for lane, lane_bars in ((0, bars[0::2]), (-9, bars[1::2])):
+                if lane_bars:
+                    axis.broken_barh(
+                        [(base + launch, duration) for launch, duration, _ in lane_bars],
+                        (lane, 8),
+                        facecolors="#DD8452",
+                        edgecolors="black",
+                        linewidth=0.4,
+                    )
+            if len(bars) <= MAX_LABELLED_BARS:
+                for index, (launch, _, label) in enumerate(bars):
+                    axis.text(base + launch, (0 if index % 2 == 0 else -9) + 4, label, va="center", fontsize=7)
         axis.set_yticks([14, 0, -5])
         axis.set_yticklabels(["compute", "comm", ""])
         axis.set_ylabel(f"rank {rank}")
@@ -242,10 +302,18 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
         fontsize=8,
         frameon=False,
     )
-    fig.suptitle("Where each step's time goes, per rank: compute lane above, gradient buckets below")
+    notes = []
+    if len(ranks) < len(all_ranks):
+        notes.append(f"{len(ranks)} of {len(all_ranks)} ranks shown")
+    if most_buckets > most_bars:
+        notes.append(f"up to {most_buckets} buckets per step drawn as {most_bars} bars of neighbouring buckets")
+    note = "; ".join(notes)
+    title = "Where each step's time goes, per rank: compute lane above, gradient buckets below"
+    fig.suptitle(title + (f"\n({note})" if note else ""))
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return {"ranks": ranks, "bars_per_step": most_bars, "note": note}
 
 
 def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Optional[Path]) -> None:
