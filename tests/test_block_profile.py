@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_mgpu.placement.block_profile import profile_blocks
 from lightning_mgpu.placement.plan import PlacementPlan
 from lightning_mgpu.placement.profile import LayerCost
 from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
-from lightning_mgpu.placement.split_points import block_costs
+from lightning_mgpu.placement.split_points import block_costs, candidate_blocks
+from lightning_mgpu.placement.staged_fit import block_profiler, choose_split_points
 from tests.scripts.split_models import ResidualCNN
 
 BLOCKS = [f"blocks.{i}" for i in range(4)]
@@ -63,3 +65,48 @@ def test_the_plan_estimates_a_stage_peak_as_one_microbatch_times_the_schedule_in
     else:
         assert in_flight == [3, 2]
     assert PlacementPlan(devices=["cpu"], sizes=[1], balance="params").peak_activation_bytes(schedule) is None
+
+
+class _Wide(nn.Module):
+    """Same parameters whatever ``k``; ``k`` times the saved activations (tanh saves its k-fold output)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x).unsqueeze(1).expand(-1, self.k, -1)).mean(1)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Wide(256), _Wide(1), _Wide(1), _Wide(1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _choose(model: nn.Module, balance: str, warnings: list[str]) -> tuple[list[str], PlacementPlan]:
+    return choose_split_points(
+        model, split_points=None, candidates=lambda: candidate_blocks(model), balance=balance,
+        devices=[torch.device("cpu")] * 2, microbatches=2, rank_zero=True, broadcast=lambda sizes: sizes,
+        warn=warnings.append, measure=block_profiler(model, 2),
+    )
+
+
+def test_the_fit_balances_candidate_blocks_by_measured_memory_not_parameter_counts() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    model.example_input_array = torch.randn(16, 8)
+    warnings: list[str] = []
+    points, plan = _choose(model, "memory", warnings)
+    assert points == ["blocks.1"] and plan.sizes == [1, 3] and not warnings  # the wide block alone
+    assert plan.layers[0].activation_bytes > 100 * plan.layers[1].activation_bytes
+    assert _choose(model, "params", warnings)[0] == ["blocks.2"]  # equal parameters: two blocks each
+    del model.example_input_array
+    points, plan = _choose(model, "memory", warnings)
+    assert points == ["blocks.2"] and "set `example_input_array`" in warnings[-1]

@@ -2,8 +2,9 @@
 kept free of Lightning: model checks, module placement, and the step function with its logging.
 
 * :func:`choose_split_points`: the split points in force, given or planned among the
-  candidate blocks (``balance``), as one :class:`~lightning_mgpu.placement.plan.PlacementPlan`
-  that every rank shares.
+  candidate blocks (``balance``: time and memory measured by :func:`block_profiler` on the
+  module's ``example_input_array``, where the module is before placement), as one
+  :class:`~lightning_mgpu.placement.plan.PlacementPlan` that every rank shares.
 * :func:`check_staged_model`: refuses, before any process starts, what the staged pipeline
   cannot run (SyncBatchNorm, activation recomputation, manual optimization; a parameter
   that stages on different devices both use, only where this torch cannot copy it).
@@ -27,13 +28,45 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.torch import apply_to_own_tensors, can_replace_parameters
+from lightning_mgpu.placement.block_profile import profile_blocks
 from lightning_mgpu.placement.handover import current_microbatch
+from lightning_mgpu.placement.microbatch import map_tensors, split_batch
 from lightning_mgpu.placement.plan import PlacementPlan, check_sizes, plan_stages
-from lightning_mgpu.placement.profile import LayerCost
+from lightning_mgpu.placement.profile import LayerCost, profile_batch_size
 from lightning_mgpu.placement.split_points import block_costs, check_split_points, points_from_sizes, stage_of_modules
 from lightning_mgpu.placement.staged import StagedStep
 
-__all__ = ["check_staged_model", "choose_split_points", "place_modules", "run_logged"]
+__all__ = ["block_profiler", "check_staged_model", "choose_split_points", "place_modules", "run_logged"]
+
+
+def block_profiler(module: nn.Module, microbatches: int) -> Optional[Callable[[list[str]], list[LayerCost]]]:
+    """``measure(candidates)`` for :func:`choose_split_points`: the candidate blocks profiled
+    (:func:`~lightning_mgpu.placement.block_profile.profile_blocks`) on one micro-batch of the module's
+    ``example_input_array`` (at least 2 samples with BatchNorm), run through its forward where the module is now;
+    None without an ``example_input_array``."""
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        return None
+    _, sizes = split_batch(example, 1)
+    rows = profile_batch_size(sizes[0], microbatches, module)
+    piece = map_tensors(example, lambda t: t[:rows] if t.dim() > 0 else t)
+
+    def run() -> Any:
+        if isinstance(piece, (tuple, list)):
+            return module(*piece)
+        if isinstance(piece, dict):
+            return module(**piece)
+        return module(piece)
+
+    def measure(candidates: list[str]) -> list[LayerCost]:
+        was_training = module.training
+        module.train()
+        try:
+            return profile_blocks(module, candidates, run)
+        finally:
+            module.train(was_training)
+
+    return measure
 
 
 def choose_split_points(
@@ -47,10 +80,12 @@ def choose_split_points(
     rank_zero: bool,
     broadcast: Callable[[Any], Any],
     warn: Callable[[str], None],
+    measure: Optional[Callable[[list[str]], list[LayerCost]]] = None,
 ) -> tuple[list[str], PlacementPlan]:
     """The split points in force and their plan. Given ``split_points`` are checked and used as they are; else
     rank 0 plans ``len(devices)`` stages among ``candidates()`` by ``balance`` and ``broadcast`` hands its sizes to
-    every rank (DDP needs the same layout everywhere)."""
+    every rank (DDP needs the same layout everywhere). ``measure(candidates)``: their measured costs (see
+    :func:`block_profiler`), for ``balance="time"``/``"memory"``; without it those fall back to parameter counts."""
     k = len(devices)
     sizes: Optional[list[int]] = None
     layers: list[LayerCost] = []
@@ -70,13 +105,26 @@ def choose_split_points(
         else:
             chosen = balance
             if rank_zero:
-                if balance != "params":
+                by = balance
+                if balance != "params" and measure is None:
                     warn(
-                        f"HybridParallelStrategy(balance={balance!r}) with the staged pipeline measures nothing yet: "
-                        "balancing the candidate blocks by parameter count (pass balance=[sizes] or split_points)."
+                        f"HybridParallelStrategy(balance={balance!r}) needs a sample to measure the candidate blocks: "
+                        "set `example_input_array` on the LightningModule (one batch of its forward's input). "
+                        "Balancing them by parameter count instead."
                     )
+                    by = "params"
                 layers = block_costs(module, names)
-                sizes = plan_stages(layers, devices, "params", microbatches=microbatches).sizes
+                if by != "params" and measure is not None:
+                    try:
+                        layers = measure(names)
+                    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+                        warn(
+                            f"HybridParallelStrategy(balance={balance!r}): measuring the candidate blocks on "
+                            f"`example_input_array` failed ({type(exc).__name__}: {exc}); balancing them by "
+                            "parameter count instead."
+                        )
+                        by = "params"
+                sizes = plan_stages(layers, devices, by, microbatches=microbatches).sizes
             sizes = list(broadcast(sizes))
         assert sizes is not None
         points = points_from_sizes(names, sizes)

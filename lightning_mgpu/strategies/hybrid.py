@@ -43,18 +43,12 @@ from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline
 from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
 from lightning_mgpu.placement.profile import LayerCost
 from lightning_mgpu.placement.schedule import SCHEDULES
-from lightning_mgpu.placement.sequential_fit import (
-    capture_input,
-    check_sequential,
-    device_capacity,
-    find_split_module,
-    install_pipeline,
-    measure_layers,
-    remove_pipeline,
-)
+from lightning_mgpu.placement.sequential_fit import (capture_input, check_sequential, device_capacity,
+                                                    find_split_module, install_pipeline, measure_layers, remove_pipeline)
 from lightning_mgpu.placement.split_points import candidate_blocks, check_split_points
 from lightning_mgpu.placement.staged import StagedStep
-from lightning_mgpu.placement.staged_fit import check_staged_model, choose_split_points, place_modules, run_logged
+from lightning_mgpu.placement.staged_fit import (block_profiler, check_staged_model, choose_split_points,
+                                                place_modules, run_logged)
 from lightning_mgpu._compat.lightning import StrategyRegistryType
 from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
@@ -295,6 +289,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
             rank_zero=self.global_rank == 0,
             broadcast=lambda sizes: self.broadcast(sizes, src=0),
             warn=rank_zero_warn,
+            measure=block_profiler(module, self._microbatches),
         )
         check_staged_model(module, points, devices, checkpoint=self._checkpoint)
         place_modules(module, points, devices)
@@ -303,9 +298,10 @@ class HybridParallelStrategy(TunedDDPStrategy):
             module, points, devices, schedule=self._schedule, microbatches=self._microbatches,
             threads_per_stage=self._threads_per_stage,
         )
+        measured = any(layer.time_ms > 0 for layer in self._plan.layers)
         rank_zero_info(
             f"{type(self).__name__}: {len(devices)} stages beginning at {points}, schedule={self._schedule!r}, "
-            f"microbatches={self._microbatches}"
+            f"microbatches={self._microbatches}" + (f"\n{self._plan}" if measured else "")
         )
 
     @property
