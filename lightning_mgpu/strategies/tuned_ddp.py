@@ -27,28 +27,22 @@ re-wrapping (``rewrap``), checkpoint state (``checkpoint_state``) and failure no
 from __future__ import annotations
 
 import gc
-import sys
-import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType, in_accumulation_window
+from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType
 from lightning_mgpu.comm import powersgd_memory
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
-from lightning_mgpu.comm.hook_chain import CommHookWrapper, HookChain
-from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.checkpoint_io import atomic_checkpoint_io
 from lightning_mgpu.strategies.preemption import Preemption
 from lightning_mgpu.strategies.checkpoint_state import (
@@ -58,24 +52,20 @@ from lightning_mgpu.strategies.checkpoint_state import (
     restore_powersgd_state,
     restore_tuned_size,
 )
-from lightning_mgpu.strategies.ddp_layout import BucketInfo, read_bucket_layout, reducer_named_params
+from lightning_mgpu.strategies.ddp_layout import BucketInfo, read_bucket_layout
+from lightning_mgpu.strategies.hooked_ddp import HookedDDPStrategy
 from lightning_mgpu.strategies.ddp_options import (
     DDP_DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
     DEFAULT_POWERSGD_RANK,
     DEFAULT_POWERSGD_START_ITER,
     MIB,
-    SUPPORTS_INIT_SYNC,
     bucket_kwargs,
-    check_backend_registered,
     TUNED_STRATEGY_NAMES,
     check_options,
     first_cap_for,
 )
 from lightning_mgpu.strategies.auto_buckets import AutoBucketDriver
-from lightning_mgpu.strategies.launchers import checked_launcher
-from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous, restore_environment
-from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
 from lightning_mgpu.tuning.tuner import BucketTuner
 
 if TYPE_CHECKING:
@@ -90,7 +80,7 @@ __all__ = [
 ]
 
 
-class TunedDDPStrategy(DDPStrategyBase):
+class TunedDDPStrategy(HookedDDPStrategy):
     """DDP with sized gradient buckets and gradient compression on every backend.
 
     Args:
@@ -198,7 +188,9 @@ class TunedDDPStrategy(DDPStrategyBase):
         self._tuner: Optional[BucketTuner] = None
         self._sizer: Optional[AutoBucketDriver] = None
         if options.tuning is not None:
-            self._tuner = BucketTuner(options.tuning, default_mb=DDP_DEFAULT_BUCKET_CAP_MB, first_cap_for=self._first_cap_for)
+            self._tuner = BucketTuner(
+                options.tuning, default_mb=DDP_DEFAULT_BUCKET_CAP_MB, first_cap_for=self._first_cap_for
+            )
             self._sizer = AutoBucketDriver(self._tuner, owner=type(self).__name__, rewrap=self._rewrap)
         super().__init__(
             accelerator=accelerator,
@@ -217,7 +209,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         )
         self._wire_dtype: Optional[torch.dtype] = None
         self._preemption = Preemption()
-        self._hooks = HookChain()
         self._pending_powersgd: Optional[dict[str, Any]] = None
         self.rewraps: list[dict[str, Any]] = []
         self._final_bucket_layout: Optional[list[BucketInfo]] = None  # kept at teardown (bucket_layout after fit)
@@ -259,6 +250,7 @@ class TunedDDPStrategy(DDPStrategyBase):
         return None if self._tuner is None else self._tuner.status
 
     @property
+    @override
     def tuning_active(self) -> bool:
         """True while ``bucket_cap_mb="auto"`` measures candidates."""
         return self._tuner is not None and self._tuner.active
@@ -295,6 +287,7 @@ class TunedDDPStrategy(DDPStrategyBase):
         return hook.stats if isinstance(hook, ScaledFp16Allreduce) else None
 
     @property
+    @override
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments given to ``DistributedDataParallel``, bucket sizes included."""
         return {**self.user_ddp_kwargs, **self._bucket_kwargs()}
@@ -305,11 +298,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         (from the third training step on). After fit: the last layout read before teardown."""
         layout = read_bucket_layout(self.model)
         return layout if layout is not None else self._final_bucket_layout
-
-    @property
-    def powersgd_keeper(self) -> Optional[powersgd_memory.PowerSGDLayoutKeeper]:
-        """With ``compression="powersgd"``: the keeper of PowerSGD's memory (None before DDP is set up)."""
-        return self._hooks.powersgd_keeper
 
     @property
     @override
@@ -326,25 +314,10 @@ class TunedDDPStrategy(DDPStrategyBase):
     def checkpoint_io(self, io: CheckpointIO) -> None:
         DDPStrategyBase.checkpoint_io.fset(self, io)  # type: ignore[attr-defined]
 
-    @property
-    def prescaler(self) -> Any:
-        """The prescaled all-reduce in use (a wrapper asked for a Python hook and nothing else did), or None."""
-        return self._hooks.prescaler
-
     # ------------------------------------------------------------------ setup lifecycle
 
     def _bucket_kwargs(self) -> dict[str, Any]:
         return bucket_kwargs(cap=self._bucket_cap_mb, given_first=self._first_bucket_cap_mb)
-
-    @override
-    def configure_launcher(self) -> None:
-        super().configure_launcher()
-        self.set_launcher(checked_launcher(self, self.launcher))
-
-    def check_model(self, model: "pl.LightningModule") -> None:
-        """Checks of the arguments that need the LightningModule. Lightning's own launchers run them in
-        the launching process before they start the other ranks, so that a mistake is one clear error
-        rather than one traceback per rank (each rank checks again at setup). Subclasses extend it."""
 
     def launcher_results(self) -> Optional[dict[str, Any]]:
         """After a spawn: the tuned size, for the launching process."""
@@ -357,47 +330,11 @@ class TunedDDPStrategy(DDPStrategyBase):
             self._bucket_cap_mb = results["bucket_cap_mb"]
             self._tuner.adopt(results["tuning"])
 
-    def process_group_device(self) -> Optional[torch.device]:
-        """The device NCCL binds its communicator to (``init_process_group(device_id=...)``); None on CPU.
-        A strategy whose process spans several GPUs returns None: a bound NCCL group refuses
-        collectives on any other device."""
-        return self.root_device if self.root_device.type != "cpu" else None
-
-    @override
-    def setup_distributed(self) -> None:
-        # DDPStrategy.setup_distributed, with a rendezvous that listens on the loopback interface
-        # only when every rank runs on this machine, and survives torchrun's restarts (process_group.py).
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        check_backend_registered(self.resolved_backend())  # names registered after construction count
-        kwargs: dict[str, Any] = {"device_id": self.process_group_device()}
-        with rendezvous(
-            self.cluster_environment, self.global_rank, self.world_size, self.collective_timeout, self.resolved_backend()
-        ) as store:
-            if store is not None:  # torchrun restarts only: init_process_group is otherwise called as Lightning does
-                kwargs["store"] = store
-            self.init_process_group(**kwargs)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
-
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # SIGTERM stops every rank at a step boundary (preemption.py)
             self._preemption.attach(trainer, self)
-
-    def wrap_model(self, model: Module, **extra: Any) -> DistributedDataParallel:
-        """``model`` in a new ``DistributedDataParallel`` with this strategy's options (and ``extra``)."""
-        device_ids = self.determine_ddp_device_ids()
-        kwargs = {**self.ddp_kwargs, **extra}
-        if device_ids is None:
-            return DistributedDataParallel(module=model, device_ids=None, **kwargs)
-        with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]  # see torch's notes on CUDA streams and DDP
-            return DistributedDataParallel(module=model, device_ids=device_ids, **kwargs)
 
     @override
     def configure_ddp(self) -> None:
@@ -414,87 +351,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         self._final_bucket_layout = None  # a new fit: the last one's layout no longer holds
         self.model = self.wrap_model(self.model)
         self.register_comm_hooks()
-
-    # ------------------------------------------------------------------ the communication hook (CommHookHost)
-
-    def add_comm_hook_wrapper(self, wrapper: CommHookWrapper, *, pausable: bool = False) -> None:
-        """Wrap the communication hook DDP will use (the compression hook, or plain
-        all-reduce) with ``wrapper(hook) -> hook``; e.g. ``CommProfiler`` times buckets so.
-
-        DDP accepts one hook, registered when the model is wrapped: call this before
-        ``fit`` reaches ``strategy.setup`` (a callback's ``setup`` hook is early enough).
-        A ``pausable`` wrapper is one that :meth:`set_comm_hook_wrappers` may switch off
-        between steps: DDP then runs the hook it wraps, as if it were not there.
-        """
-        if isinstance(self.model, DistributedDataParallel):
-            raise RuntimeError(
-                "add_comm_hook_wrapper() was called after DDP registered its communication hook; "
-                "call it from a callback's setup() hook, before training starts."
-            )
-        self._hooks.add(wrapper, pausable=pausable)
-
-    @property
-    def has_own_comm_hook(self) -> bool:
-        """True when DDP runs a Python communication hook whatever the pausable wrappers
-        (compression, ``ddp_comm_hook``, ``ddp_comm_wrapper``, a wrapper that is not pausable);
-        False when without them it would use its built-in C++ all-reduce."""
-        if self._compression is not None:  # its hook is set when DDP is configured
-            return True
-        return self._hooks.needs_python_hook(base_hook=self.comm_hook, user_wrapper=self.comm_wrapper)
-
-    @property
-    def comm_hook_wrappers_on(self) -> bool:
-        """Whether the pausable wrappers (:meth:`add_comm_hook_wrapper`) are switched on."""
-        return self._hooks.wrappers_on
-
-    def set_comm_hook_wrappers(self, on: bool) -> bool:
-        """Switch the pausable wrappers added by :meth:`add_comm_hook_wrapper` on or off, between
-        optimizer steps; e.g. ``CommProfiler`` profiles a window of steps so.
-
-        DDP cannot unregister a hook. With a Python hook in any case (:attr:`has_own_comm_hook`)
-        the wrappers stay registered behind a gate that calls the hook they wrap while they are
-        off. Otherwise the model is re-wrapped in a new DDP (no weight broadcast), which runs
-        DDP's built-in C++ all-reduce while the wrappers are off and the timed hook when they
-        are on. Like any new DDP wrapper, the new one uses its initial bucket layout for one step
-        and rebuilds it at the start of the next. Returns whether the wrappers are now ``on`` as
-        asked; False (nothing changed) while ``bucket_cap_mb="auto"`` is still measuring, so that
-        every candidate is timed with the same hook, and when this torch's DDP cannot be built
-        without broadcasting the weights again (no ``init_sync``).
-        """
-        if on == self._hooks.wrappers_on:
-            return True
-        if self.tuning_active:
-            return False
-        rewrap = self._hooks.has_pausable and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel)
-        if rewrap and not SUPPORTS_INIT_SYNC:
-            return False
-        self._hooks.wrappers_on = on
-        if rewrap:
-            self._rewrap_ddp()
-        return True
-
-    def register_comm_hooks(self) -> None:
-        """Register the hook chain on the DDP wrapper (Lightning does so on CUDA only; DDP supports every backend)."""
-        model = self.model
-        assert isinstance(model, DistributedDataParallel)
-        built = self._hooks.build(
-            hook=self.comm_hook,
-            state=self.comm_state,
-            user_wrapper=self.comm_wrapper,
-            world_size=self.world_size,
-            backend=self.resolved_backend(),
-            named_parameters=lambda: reducer_named_params(model),
-            on_new_powersgd_keeper=lambda keeper: self._restore_powersgd(),
-            python_hook_anyway=self.has_own_comm_hook,
-        )
-        if built is not None:
-            hook, state = built
-            model.register_comm_hook(state=state, hook=hook)
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        super().pre_backward(closure_loss)
-        self._hooks.prescale(closure_loss)
 
     # ------------------------------------------------------------------ bucket-size tuning (strategies/auto_buckets.py)
 
@@ -548,29 +404,6 @@ class TunedDDPStrategy(DDPStrategyBase):
             }
         )
 
-    def _rewrap_ddp(self) -> None:
-        """Replace the DDP wrapper by a new one built from the current settings, hooks carried over."""
-        module = self.lightning_module
-        assert module is not None
-        if in_accumulation_window(module.trainer):  # callers re-wrap after an optimizer step; never risk it
-            raise RuntimeError(
-                f"{type(self).__name__}: refusing to re-wrap the model inside a gradient-accumulation window "
-                f"(global step {module.trainer.global_step}); please report this."
-            )
-        old = self.model
-        assert isinstance(old, DistributedDataParallel)
-        if self._hooks.powersgd_keeper is None and powersgd_memory.reset_bucket_memory(self.comm_state):
-            warnings.warn(
-                "bucket_cap_mb='auto' re-wrapped the model: the PowerSGD memory of this hook is kept per bucket "
-                "number and cannot be remapped (batch_tensors_with_same_shape=True or batched_powerSGD_hook), so "
-                "its error feedback and warm start were reset.",
-                stacklevel=2,
-            )
-        # Parameters are already equal on every rank: no broadcast of the weights again.
-        extra = {"init_sync": False} if SUPPORTS_INIT_SYNC else {}
-        self.model = replace_ddp_wrapper(old, lambda: self.wrap_model(module, **extra))
-        self.register_comm_hooks()
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_for_checkpoint(self) -> dict[str, Any]:
@@ -602,7 +435,9 @@ class TunedDDPStrategy(DDPStrategyBase):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Never unpickle arbitrary objects unless asked to (fit(..., weights_only=False)): torch before
         # 2.6, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, would otherwise run code stored in the file.
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        checkpoint = super().load_checkpoint(
+            checkpoint_path, weights_only=True if weights_only is None else weights_only
+        )
         if CHECKPOINT_KEY in checkpoint:
             try:
                 package = check_package(checkpoint[CHECKPOINT_KEY])
@@ -623,6 +458,15 @@ class TunedDDPStrategy(DDPStrategyBase):
         if isinstance(saved, dict):
             self._pending_powersgd = saved
 
+    @property
+    @override
+    def compression_hook_pending(self) -> bool:
+        return self._compression is not None
+
+    @override
+    def on_new_powersgd_keeper(self, keeper: powersgd_memory.PowerSGDLayoutKeeper) -> None:
+        self._restore_powersgd()
+
     def _restore_powersgd(self) -> None:
         saved, keeper = self._pending_powersgd, self._hooks.powersgd_keeper
         if saved is None or keeper is None:
@@ -642,22 +486,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         for name, description, init_params in TUNED_STRATEGY_NAMES:
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
-    # ------------------------------------------------------------------ failures
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        # Name the lost ranks in the error, and leave no child rank behind (strategies/_failures.py).
-        children = _failures.launched_children(self.launcher, self.global_rank)
-        note = _failures.explain_collective_failure(
-            exception, rank=self.global_rank, timeout=self.collective_timeout, children=children
-        )
-        if note is not None and children:
-            # Lightning's child-process watcher (it polls every 5 s) SIGKILLs this launching process
-            # when it sees a dead child, possibly before the traceback is printed: say it now too.
-            print(note, file=sys.stderr, flush=True)
-        _failures.reap_children_at_exit(children)
-
     # ------------------------------------------------------------------ teardown
 
     @override
@@ -674,7 +502,6 @@ class TunedDDPStrategy(DDPStrategyBase):
                 f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)."
             )
         super().teardown()
-        restore_environment()  # e.g. GLOO_SOCKET_IFNAME set for the loopback rendezvous
         # Wrappers belong to one fit (callbacks add them again in their setup). The PowerSGD keeper
         # stays: a checkpoint saved after fit still carries its memory.
         self._hooks.clear()
