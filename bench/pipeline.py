@@ -4,7 +4,9 @@
     python -m bench.pipeline --quick         # smoke test
     python -m bench.pipeline --models mlp --microbatches 8 --retain-freed-memory   # the issue's targets only
 
-(from the repository root: see ``bench/__init__.py``).
+(from the repository root: see ``bench/__init__.py``). Parts: :mod:`bench.pipeline_models` (the models),
+:mod:`bench.pipeline_configs` (our configurations), :mod:`bench.pipeline_memory` (the activation meter),
+:mod:`bench.pipeline_torch` (torch's pipelining, launched).
 
 On this 2-core machine a "device" is one CPU core. Two models (:mod:`bench.pipeline_models`):
 the 8 x ``Linear(1024)`` + GELU MLP and a GPT-2-style transformer (tied embeddings). Each
@@ -48,178 +50,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from bench.allocator import retain_freed_memory
 from bench.common import machine_facts, print_table, write_json
 from bench.launcher import launch
-from bench.pipeline_memory import ActivationMeter, Metered
-from bench.pipeline_models import MODELS, BenchModel, build
-from lightning_mgpu.placement.block_profile import profile_blocks
-from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
-from lightning_mgpu.placement.profile import profile_layers
-from lightning_mgpu.placement.split_points import points_from_sizes
+from bench.pipeline_configs import STAGES, configs_for, time_steps
+from bench.pipeline_models import MODELS, build
+from lightning_mgpu.placement.plan import PlacementPlan
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = 2
 MICROBATCHES = (1, 2, 4, 8)
 OUR_SCHEDULES = ("fill-drain", "gpipe", "1f1b", "zero_bubble")
 TORCH_SCHEDULES = ("gpipe", "1f1b")
 
 
-class Config:
-    """One timed configuration of ours: its step, how to measure its memory, its plan."""
-
-    def __init__(self, name: str, step: Callable[[], None], memory: Callable[[], list[int]], *,
-                 schedule: Optional[str] = None, microbatches: Optional[int] = None,
-                 plan: Optional[PlacementPlan] = None, close: Callable[[], None] = lambda: None) -> None:
-        self.name, self.step, self.memory, self.close = name, step, memory, close
-        self.schedule, self.microbatches, self.plan = schedule, microbatches, plan
-
-
-# ----------------------------------------------------------------------------- plans
-def candidates_of(bench: BenchModel) -> list[str]:
-    if bench.name == "mlp":
-        return [name for name, _ in bench.model.named_children()]
-    return [f"transformer.h.{i}" for i in range(len(bench.model.transformer.h))]  # type: ignore[union-attr, arg-type]
-
-
-def make_plan(bench: BenchModel, microbatches: int) -> PlacementPlan:
-    """K = 2 stages balanced by time measured on one micro-batch (layers of the MLP, blocks of the GPT)."""
-    torch.set_num_threads(1)
-    micro = bench.batch[: max(1, bench.batch.shape[0] // microbatches)]
-    if bench.name == "mlp":
-        layers = profile_layers(bench.model, micro, repeats=3, warmup=1)  # type: ignore[arg-type]
-    else:
-        step = bench.step_fn()
-        layers = profile_blocks(bench.model, candidates_of(bench), lambda: step(bench.model, micro), repeats=3)
-    return plan_stages(layers, ["cpu"] * STAGES, "time", microbatches=microbatches)
-
-
-# ----------------------------------------------------------------------------- configurations
-def unsplit(bench: BenchModel, threads: int) -> Config:
-    model, fn, x = bench.model, bench.step_fn(), bench.batch
-
-    def step() -> None:
-        torch.set_num_threads(threads)
-        model.zero_grad(set_to_none=True)
-        fn(model, x).backward()
-
-    def memory() -> list[int]:
-        meter = ActivationMeter(1, [*model.parameters(), x])
-        with meter.recording(0):
-            loss = fn(model, x)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return meter.peak
-
-    return Config(f"unsplit, {threads} {'core' if threads == 1 else 'threads'}", step, memory)
-
-
-def fill_drain(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
-    model, x = bench.model, bench.batch
-
-    def stages(meter: Optional[ActivationMeter] = None) -> list[torch.nn.Module]:
-        out, start = [], 0
-        for j, size in enumerate(plan.sizes):
-            part = model[start : start + size]  # type: ignore[index]
-            out.append(part if meter is None else Metered(part, meter, j))
-            start += size
-        return out
-
-    pipe = Pipeline(stages(), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
-
-    def run(engine: Pipeline) -> None:
-        torch.set_num_threads(1)
-        model.zero_grad(set_to_none=True)
-        engine.forward(x).sum().backward()
-        engine.backward()
-
-    def memory() -> list[int]:
-        meter = ActivationMeter(STAGES, [*model.parameters(), x])
-        metered = Pipeline(stages(meter), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
-        try:
-            run(metered)  # the stages wrapped: the nn.Linear fast path is off here (same saved tensors)
-        finally:
-            metered.close()
-        return meter.peak
-
-    return Config(f"fill-drain M={m}", lambda: run(pipe), memory, schedule="fill-drain", microbatches=m, plan=plan,
-                  close=pipe.close)
-
-
-def staged(bench: BenchModel, plan: PlacementPlan, schedule: str, m: int) -> Config:
-    from lightning_mgpu.placement.staged import StagedStep
-
-    model, fn, x = bench.model, bench.step_fn(), bench.batch
-    points = points_from_sizes(candidates_of(bench), plan.sizes)
-    engine = StagedStep(model, points, ["cpu"] * STAGES, schedule=schedule, microbatches=m, threads_per_stage=1,
-                        loss_reduction=bench.loss_reduction)
-
-    def step() -> None:
-        torch.set_num_threads(1)
-        model.zero_grad(set_to_none=True)
-        engine.run(fn, model, x).backward()
-        engine.accumulate()
-
-    def memory() -> list[int]:
-        meter = ActivationMeter(STAGES, [*model.parameters(), x])
-        handles = [
-            model.get_submodule(point).register_forward_pre_hook(lambda *_, j=j: meter.set_stage(j))
-            for j, point in enumerate(points, start=1)
-        ]
-
-        def metered(net: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-            with meter.recording(0):
-                return fn(net, batch)
-
-        try:
-            model.zero_grad(set_to_none=True)
-            engine.run(metered, model, x).backward()
-            engine.accumulate()
-        finally:
-            for handle in handles:
-                handle.remove()
-        return meter.peak
-
-    return Config(f"{schedule} M={m}", step, memory, schedule=schedule, microbatches=m, plan=plan, close=engine.close)
-
-
-def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
-    configs = [unsplit(bench, 1), unsplit(bench, 2)]
-    for m in args.microbatches:
-        plan = make_plan(bench, m)
-        for schedule in args.schedules:
-            if schedule == "fill-drain":
-                if bench.name == "mlp":  # the nn.Sequential pipeline takes an nn.Sequential only
-                    configs.append(fill_drain(bench, plan, m))
-            else:
-                configs.append(staged(bench, plan, schedule, m))
-    return configs
-
-
-def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float]:
-    step()  # warm-up
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
-
-
 # ----------------------------------------------------------------------------- torch's pipelining
-def torch_config(args: argparse.Namespace, plans: dict[str, dict[int, PlacementPlan]], measure_memory: bool) -> dict[str, Any]:
+def torch_config(
+    args: argparse.Namespace, plans: dict[str, dict[int, PlacementPlan]], measure_memory: bool
+) -> dict[str, Any]:
     return {
         "models": args.models,
         "settings": {name: model_settings(args, name) for name in args.models},
@@ -232,12 +87,18 @@ def torch_config(args: argparse.Namespace, plans: dict[str, dict[int, PlacementP
     }
 
 
-def run_torch_round(args: argparse.Namespace, config: dict[str, Any], workdir: Path, round_index: int) -> list[dict[str, Any]]:
+def run_torch_round(
+    args: argparse.Namespace, config: dict[str, Any], workdir: Path, round_index: int
+) -> list[dict[str, Any]]:
     path = workdir / f"torch_config_{round_index}.json"
     path.write_text(json.dumps(config))
     finished = launch(
-        "bench.pipeline_torch", ["--config", str(path)], nproc=STAGES, threads=1,
-        report=workdir / f"torch_report_{round_index}.json", label=f"torch pipelining, round {round_index + 1}",
+        "bench.pipeline_torch",
+        ["--config", str(path)],
+        nproc=STAGES,
+        threads=1,
+        report=workdir / f"torch_report_{round_index}.json",
+        label=f"torch pipelining, round {round_index + 1}",
         timeout=args.torch_timeout,
     )
     return list(finished.report["rows"])
@@ -247,8 +108,14 @@ def run_torch_round(args: argparse.Namespace, config: dict[str, Any], workdir: P
 def model_settings(args: argparse.Namespace, name: str) -> dict[str, int]:
     if name == "mlp":
         return {"width": args.mlp_width, "depth": args.mlp_depth, "batch": args.mlp_batch}
-    return {"vocab": args.gpt_vocab, "context": args.gpt_context, "width": args.gpt_width, "heads": args.gpt_heads,
-            "depth": args.gpt_depth, "batch": args.gpt_batch}
+    return {
+        "vocab": args.gpt_vocab,
+        "context": args.gpt_context,
+        "width": args.gpt_width,
+        "heads": args.gpt_heads,
+        "depth": args.gpt_depth,
+        "batch": args.gpt_batch,
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -276,7 +143,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     per_round[(name, config.name)].append(ms)
                     faults[(name, config.name)].append(page_faults)
             if args.torch_schedules:
-                rows = run_torch_round(args, torch_config(args, plans, measure_memory=round_index == 0), Path(tmp), round_index)
+                rows = run_torch_round(
+                    args, torch_config(args, plans, measure_memory=round_index == 0), Path(tmp), round_index
+                )
                 for row in rows:
                     key = (row["model"], f"torch {row['schedule']} M={row['microbatches']}")
                     entry = torch_rows.setdefault(key, {**row, "rounds": []})
@@ -284,8 +153,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     if row["peak_activation_bytes"] is not None:
                         entry["peak_activation_bytes"] = row["peak_activation_bytes"]
             if not args.quiet:
-                print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
-                    f"{n}/{c} {v[-1]:.1f} ms" for (n, c), v in per_round.items()), flush=True)
+                print(
+                    f"round {round_index + 1}/{args.rounds}: "
+                    + ", ".join(f"{n}/{c} {v[-1]:.1f} ms" for (n, c), v in per_round.items()),
+                    flush=True,
+                )
         peaks = {(name, c.name): c.memory() for name, group in configs.items() for c in group}
     for group in configs.values():
         for config in group:
@@ -298,14 +170,40 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         batch = benches[name].batch.shape[0]
         for config in group:
             ms = statistics.median(per_round[(name, config.name)])
-            results.append(_row(name, config.name, "ours", config.schedule, config.microbatches, per_round[(name, config.name)],
-                                base, batch, config.plan, peaks[(name, config.name)], statistics.median(faults[(name, config.name)])))
+            results.append(
+                _row(
+                    name,
+                    config.name,
+                    "ours",
+                    config.schedule,
+                    config.microbatches,
+                    per_round[(name, config.name)],
+                    base,
+                    batch,
+                    config.plan,
+                    peaks[(name, config.name)],
+                    statistics.median(faults[(name, config.name)]),
+                )
+            )
             assert ms > 0
         for (model_name, label), entry in torch_rows.items():
             if model_name == name:
                 m = entry["microbatches"]
-                results.append(_row(name, label, "torch.distributed.pipelining", entry["schedule"], m, entry["rounds"], base, batch,
-                                    plans[name].get(m), entry.get("peak_activation_bytes"), None))
+                results.append(
+                    _row(
+                        name,
+                        label,
+                        "torch.distributed.pipelining",
+                        entry["schedule"],
+                        m,
+                        entry["rounds"],
+                        base,
+                        batch,
+                        plans[name].get(m),
+                        entry.get("peak_activation_bytes"),
+                        None,
+                    )
+                )
     payload = {
         "benchmark": "pipeline",
         "settings": vars(args),
@@ -321,8 +219,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     return payload
 
 
-def _row(model: str, config: str, engine: str, schedule: Optional[str], m: Optional[int], rounds: list[float], base: float,
-         batch: int, plan: Optional[PlacementPlan], peak: Optional[list[int]], faults: Optional[float]) -> dict[str, Any]:
+def _row(
+    model: str,
+    config: str,
+    engine: str,
+    schedule: Optional[str],
+    m: Optional[int],
+    rounds: list[float],
+    base: float,
+    batch: int,
+    plan: Optional[PlacementPlan],
+    peak: Optional[list[int]],
+    faults: Optional[float],
+) -> dict[str, Any]:
     ms = statistics.median(rounds)
     estimate_schedule = {"fill-drain": "gpipe"}.get(schedule or "", schedule)
     return {
@@ -339,7 +248,9 @@ def _row(model: str, config: str, engine: str, schedule: Optional[str], m: Optio
         "plan_ideal_speedup": plan.ideal_speedup if plan else None,
         "stage_sizes": plan.sizes if plan else None,
         "peak_activation_bytes": peak,
-        "estimated_activation_bytes": plan.peak_activation_bytes(estimate_schedule) if plan and estimate_schedule else None,
+        "estimated_activation_bytes": plan.peak_activation_bytes(estimate_schedule)
+        if plan and estimate_schedule
+        else None,
         "page_faults_per_step": faults,
     }
 
@@ -348,12 +259,25 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets at M = 8 (None where this run has no M = 8)."""
 
     def find(model: str, engine: str, schedule: str) -> Optional[dict[str, Any]]:
-        return next((r for r in results if r["model"] == model and r["engine"] == engine and r["schedule"] == schedule
-                     and r["microbatches"] == 8), None)
+        return next(
+            (
+                r
+                for r in results
+                if r["model"] == model
+                and r["engine"] == engine
+                and r["schedule"] == schedule
+                and r["microbatches"] == 8
+            ),
+            None,
+        )
 
     out: dict[str, Any] = {}
     zb, gp, ofob = (find("mlp", "ours", s) for s in ("zero_bubble", "gpipe", "1f1b"))
-    out["zero_bubble_speedup"] = {"want": ">= 1.70", "got": zb and zb["speedup"], "met": bool(zb and zb["speedup"] >= 1.70)}
+    out["zero_bubble_speedup"] = {
+        "want": ">= 1.70",
+        "got": zb and zb["speedup"],
+        "met": bool(zb and zb["speedup"] >= 1.70),
+    }
     ratio = None
     if gp and ofob and gp["peak_activation_bytes"] and ofob["peak_activation_bytes"]:
         ratio = max(ofob["peak_activation_bytes"]) / max(gp["peak_activation_bytes"])
@@ -364,7 +288,11 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
         for schedule in TORCH_SCHEDULES:
             ours, theirs = find(model, "ours", schedule), find(model, "torch.distributed.pipelining", schedule)
             value = ours["samples_per_s"] / theirs["samples_per_s"] if ours and theirs else None
-            out[f"{model}_{schedule}_vs_torch"] = {"want": ">= 1.00", "got": value, "met": value is not None and value >= 1.0}
+            out[f"{model}_{schedule}_vs_torch"] = {
+                "want": ">= 1.00",
+                "got": value,
+                "met": value is not None and value >= 1.0,
+            }
     return out
 
 
@@ -379,23 +307,39 @@ def report(payload: dict[str, Any], args: argparse.Namespace) -> None:
     for name, description in payload["models"].items():
         rows = [
             [
-                r["config"], f"{r['step_ms']:.1f}", f"{r['samples_per_s']:.0f}", f"{r['speedup']:.2f}x",
-                f"{r['gpipe_bound']:.2f}x" if r["gpipe_bound"] else "-", _sizes(r["peak_activation_bytes"]),
+                r["config"],
+                f"{r['step_ms']:.1f}",
+                f"{r['samples_per_s']:.0f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['gpipe_bound']:.2f}x" if r["gpipe_bound"] else "-",
+                _sizes(r["peak_activation_bytes"]),
                 _sizes(r["estimated_activation_bytes"]),
                 f"{r['page_faults_per_step']:.0f}" if r["page_faults_per_step"] is not None else "-",
             ]
-            for r in payload["results"] if r["model"] == name
+            for r in payload["results"]
+            if r["model"] == name
         ]
         print_table(
             f"Pipeline, {name}: 2 stages on 2 CPU cores",
-            ["config", "step ms", "samples/s", "speed-up", "GPipe bound", "peak activations (measured)",
-             "peak activations (plan)", "faults/step"],
+            [
+                "config",
+                "step ms",
+                "samples/s",
+                "speed-up",
+                "GPipe bound",
+                "peak activations (measured)",
+                "peak activations (plan)",
+                "faults/step",
+            ],
             rows,
             caption=f"{description}; {args.rounds} interleaved rounds x {args.steps} steps; speed-up vs 'unsplit, 1 core'; "
             "activation peaks per stage (stage 0 / stage 1).",
         )
-    lines = [f"{key}: want {t['want']}, got {t['got']:.2f} -> {'met' if t['met'] else 'NOT met'}"
-             for key, t in payload["targets"].items() if t["got"] is not None]
+    lines = [
+        f"{key}: want {t['want']}, got {t['got']:.2f} -> {'met' if t['met'] else 'NOT met'}"
+        for key, t in payload["targets"].items()
+        if t["got"] is not None
+    ]
     print("Targets at M=8:\n  " + ("\n  ".join(lines) if lines else "(no M=8 in this run)"))
 
 
@@ -404,7 +348,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--mlp-width", type=int, default=1024)
     parser.add_argument("--mlp-depth", type=int, default=8, help="number of Linear+GELU blocks")
-    parser.add_argument("--mlp-batch", type=int, default=1024, help="samples per training step (split into micro-batches)")
+    parser.add_argument(
+        "--mlp-batch", type=int, default=1024, help="samples per training step (split into micro-batches)"
+    )
     parser.add_argument("--gpt-width", type=int, default=256)
     parser.add_argument("--gpt-depth", type=int, default=8, help="transformer blocks")
     parser.add_argument("--gpt-heads", type=int, default=4)
@@ -412,25 +358,60 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--gpt-context", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--gpt-batch", type=int, default=16, help="sequences per training step")
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
-    parser.add_argument("--schedules", nargs="+", default=list(OUR_SCHEDULES), choices=OUR_SCHEDULES,
-                        help="fill-drain: the nn.Sequential pipeline (loss outside, MLP only); the others: the staged pipeline")
-    parser.add_argument("--torch-schedules", nargs="*", default=list(TORCH_SCHEDULES), choices=TORCH_SCHEDULES,
-                        help="torch.distributed.pipelining's schedules run as the reference (none: skip it)")
-    parser.add_argument("--torch-timeout", type=float, default=1800, help="seconds one round of torch's pipelining may take")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(OUR_SCHEDULES),
+        choices=OUR_SCHEDULES,
+        help="fill-drain: the nn.Sequential pipeline (loss outside, MLP only); the others: the staged pipeline",
+    )
+    parser.add_argument(
+        "--torch-schedules",
+        nargs="*",
+        default=list(TORCH_SCHEDULES),
+        choices=TORCH_SCHEDULES,
+        help="torch.distributed.pipelining's schedules run as the reference (none: skip it)",
+    )
+    parser.add_argument(
+        "--torch-timeout", type=float, default=1800, help="seconds one round of torch's pipelining may take"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)")
-    parser.add_argument("--retain-freed-memory", action="store_true",
-                        help="keep freed CPU memory for reuse (bench.allocator.retain_freed_memory), for every configuration")
+    parser.add_argument(
+        "--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)"
+    )
+    parser.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="keep freed CPU memory for reuse (bench.allocator.retain_freed_memory), for every configuration",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.mlp_width, args.mlp_depth, args.mlp_batch = 64, 4, 64
-        args.gpt_width, args.gpt_depth, args.gpt_heads, args.gpt_vocab, args.gpt_context, args.gpt_batch = 32, 4, 2, 64, 16, 8
+        args.gpt_width, args.gpt_depth, args.gpt_heads, args.gpt_vocab, args.gpt_context, args.gpt_batch = (
+            32,
+            4,
+            2,
+            64,
+            16,
+            8,
+        )
         args.rounds, args.steps, args.microbatches = 1, 2, [1, 2]
-    for name in ("mlp_width", "mlp_depth", "mlp_batch", "gpt_width", "gpt_depth", "gpt_heads", "gpt_vocab", "gpt_context",
-                 "gpt_batch", "rounds", "steps"):
+    for name in (
+        "mlp_width",
+        "mlp_depth",
+        "mlp_batch",
+        "gpt_width",
+        "gpt_depth",
+        "gpt_heads",
+        "gpt_vocab",
+        "gpt_context",
+        "gpt_batch",
+        "rounds",
+        "steps",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(m < 1 for m in args.microbatches):

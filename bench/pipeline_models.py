@@ -85,7 +85,11 @@ def build(name: str, settings: dict[str, int], *, seed: int = 0) -> BenchModel:
     if name == "gpt":
         recipe = gpt_module()
         vocab, context, width, layers, batch = (
-            settings["vocab"], settings["context"], settings["width"], settings["depth"], settings["batch"],
+            settings["vocab"],
+            settings["context"],
+            settings["width"],
+            settings["depth"],
+            settings["batch"],
         )
         torch.manual_seed(seed)
         model = recipe.GPT(vocab, context, width, settings["heads"], layers)

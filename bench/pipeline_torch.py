@@ -89,8 +89,15 @@ def run(config: dict[str, Any]) -> Optional[dict[str, Any]]:
                     gathered: list[Any] = [None] * NUM_STAGES
                     dist.all_gather_object(gathered, meter.peak[0])
                     peaks = [int(value) for value in gathered]
-                rows.append({"model": name, "schedule": schedule, "microbatches": m, "step_ms": times,
-                             "peak_activation_bytes": peaks})
+                rows.append(
+                    {
+                        "model": name,
+                        "schedule": schedule,
+                        "microbatches": m,
+                        "step_ms": times,
+                        "peak_activation_bytes": peaks,
+                    }
+                )
     return {"rows": rows} if rank == 0 else None
 
 

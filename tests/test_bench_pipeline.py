@@ -20,14 +20,32 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     by_model = {name: [r for r in report["results"] if r["model"] == name] for name in ("mlp", "gpt")}
     assert [r["config"] for r in by_model["mlp"]] == [
-        "unsplit, 1 core", "unsplit, 2 threads",
-        "fill-drain M=1", "gpipe M=1", "1f1b M=1", "zero_bubble M=1",
-        "fill-drain M=2", "gpipe M=2", "1f1b M=2", "zero_bubble M=2",
-        "torch gpipe M=1", "torch gpipe M=2", "torch 1f1b M=2",  # torch's 1F1B refuses M < K
+        "unsplit, 1 core",
+        "unsplit, 2 threads",
+        "fill-drain M=1",
+        "gpipe M=1",
+        "1f1b M=1",
+        "zero_bubble M=1",
+        "fill-drain M=2",
+        "gpipe M=2",
+        "1f1b M=2",
+        "zero_bubble M=2",
+        "torch gpipe M=1",
+        "torch gpipe M=2",
+        "torch 1f1b M=2",  # torch's 1F1B refuses M < K
     ]
     assert [r["config"] for r in by_model["gpt"]] == [  # no fill-drain: the GPT is not an nn.Sequential
-        "unsplit, 1 core", "unsplit, 2 threads", "gpipe M=1", "1f1b M=1", "zero_bubble M=1",
-        "gpipe M=2", "1f1b M=2", "zero_bubble M=2", "torch gpipe M=1", "torch gpipe M=2", "torch 1f1b M=2",
+        "unsplit, 1 core",
+        "unsplit, 2 threads",
+        "gpipe M=1",
+        "1f1b M=1",
+        "zero_bubble M=1",
+        "gpipe M=2",
+        "1f1b M=2",
+        "zero_bubble M=2",
+        "torch gpipe M=1",
+        "torch gpipe M=2",
+        "torch 1f1b M=2",
     ]
     for rows in by_model.values():
         assert rows[0]["speedup"] == 1.0
@@ -50,7 +68,12 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
     # at M = 2 the last stage of 1F1B holds one micro-batch, GPipe's two: measured, not estimated
     assert mlp["1f1b M=2"]["peak_activation_bytes"][1] < 0.75 * mlp["gpipe M=2"]["peak_activation_bytes"][1]
     assert mlp["torch 1f1b M=2"]["peak_activation_bytes"][1] < 0.75 * mlp["torch gpipe M=2"]["peak_activation_bytes"][1]
-    assert set(report["targets"]) >= {"zero_bubble_speedup", "1f1b_memory_vs_gpipe", "1f1b_throughput_vs_gpipe",
-                                      "mlp_gpipe_vs_torch", "gpt_1f1b_vs_torch"}
+    assert set(report["targets"]) >= {
+        "zero_bubble_speedup",
+        "1f1b_memory_vs_gpipe",
+        "1f1b_throughput_vs_gpipe",
+        "mlp_gpipe_vs_torch",
+        "gpt_1f1b_vs_torch",
+    }
     assert all(t["got"] is None for t in report["targets"].values())  # --quick runs M = 1, 2 only
     assert "Pipeline, mlp" in proc.stdout and "Pipeline, gpt" in proc.stdout and "(no M=8 in this run)" in proc.stdout

@@ -48,8 +48,19 @@ def test_a_candidate_that_does_not_run_once_is_refused() -> None:
 
 
 def _layer(index: int, activation: int) -> LayerCost:
-    return LayerCost(index=index, name=str(index), kind="Linear", forward_ms=1.0, backward_ms=2.0, param_count=0,
-                     param_bytes=0, grad_bytes=0, optimizer_bytes=0, activation_bytes=activation, output_bytes=0)
+    return LayerCost(
+        index=index,
+        name=str(index),
+        kind="Linear",
+        forward_ms=1.0,
+        backward_ms=2.0,
+        param_count=0,
+        param_bytes=0,
+        grad_bytes=0,
+        optimizer_bytes=0,
+        activation_bytes=activation,
+        output_bytes=0,
+    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
@@ -92,9 +103,16 @@ class _Net(nn.Module):
 
 def _choose(model: nn.Module, balance: str, warnings: list[str]) -> tuple[list[str], PlacementPlan]:
     return choose_split_points(
-        model, split_points=None, candidates=lambda: candidate_blocks(model), balance=balance,
-        devices=[torch.device("cpu")] * 2, microbatches=2, rank_zero=True, broadcast=lambda sizes: sizes,
-        warn=warnings.append, measure=block_profiler(model, 2),
+        model,
+        split_points=None,
+        candidates=lambda: candidate_blocks(model),
+        balance=balance,
+        devices=[torch.device("cpu")] * 2,
+        microbatches=2,
+        rank_zero=True,
+        broadcast=lambda sizes: sizes,
+        warn=warnings.append,
+        measure=block_profiler(model, 2),
     )
 
 

@@ -60,8 +60,9 @@ def _run_copied(
 ) -> tuple[torch.Tensor, list[str]]:
     """Run one step with copies forced; return the loss and, for each call of module ``watch``, how its
     parameters looked inside the call (the grad_fn of a copy; a parameter has none)."""
-    engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=microbatches,
-                        copy_shared=True)
+    engine = StagedStep(
+        model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=microbatches, copy_shared=True
+    )
     seen: list[str] = []
     handles = [  # registered after the engine's hooks: sees what they put in place
         model.get_submodule(watch).register_forward_pre_hook(
@@ -128,7 +129,9 @@ def test_unmodified_gpt2_with_tied_embeddings_through_a_copy(schedule: str) -> N
 
     want = loss_of(reference, ids)
     want.backward()
-    got, seen = _run_copied(model, ["transformer.h.2"], loss_of, ids, schedule=schedule, microbatches=4, watch="lm_head")
+    got, seen = _run_copied(
+        model, ["transformer.h.2"], loss_of, ids, schedule=schedule, microbatches=4, watch="lm_head"
+    )
     torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-5, msg=name)

@@ -302,4 +302,3 @@ def _bar(load: Optional[float], width: int = 10) -> str:
         return "-"
     filled = int(round(load * width))
     return "#" * filled + "." * (width - filled) + f" {load:.0%}"
-

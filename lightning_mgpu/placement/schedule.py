@@ -169,7 +169,9 @@ def simulate(
             for stage in range(k):
                 if free_at[stage] > clock:
                     continue
-                action = _pick(stage, k, m, clock, next_f, held, hold, forward_done, backward_done, pending_w, started_b)
+                action = _pick(
+                    stage, k, m, clock, next_f, held, hold, forward_done, backward_done, pending_w, started_b
+                )
                 if action is None:
                     continue
                 end = clock + cost[action.kind]
@@ -281,5 +283,7 @@ def check_schedule(schedule: Schedule, num_microbatches: int) -> None:
                 cursor[stage] += 1
                 moved = True
         if not moved:
-            waiting = {stage: schedule[stage][cursor[stage]] for stage in range(k) if cursor[stage] < len(schedule[stage])}
+            waiting = {
+                stage: schedule[stage][cursor[stage]] for stage in range(k) if cursor[stage] < len(schedule[stage])
+            }
             raise ValueError(f"the schedule deadlocks: each stage waits on another, next actions {waiting}")

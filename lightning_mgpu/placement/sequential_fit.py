@@ -114,7 +114,11 @@ def check_sequential(
     if not isinstance(balance, str):
         check_sizes(balance, len(seq), k)
     inside = {id(p) for p in seq.parameters()}
-    outside = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in inside and not n.startswith(name + ".")]
+    outside = [
+        n
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if id(p) in inside and not n.startswith(name + ".")
+    ]
     if outside:
         raise ValueError(
             f"parameters shared between `{name}` and the rest of the model are not supported by the hybrid strategy "
@@ -206,8 +210,17 @@ def static_costs(seq: nn.Sequential) -> list[LayerCost]:
         nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
         costs.append(
             LayerCost(
-                index=index, name=name, kind=type(layer).__name__, forward_ms=0.0, backward_ms=0.0, param_count=count,
-                param_bytes=nbytes, grad_bytes=nbytes, optimizer_bytes=2 * nbytes, activation_bytes=0, output_bytes=0,
+                index=index,
+                name=name,
+                kind=type(layer).__name__,
+                forward_ms=0.0,
+                backward_ms=0.0,
+                param_count=count,
+                param_bytes=nbytes,
+                grad_bytes=nbytes,
+                optimizer_bytes=2 * nbytes,
+                activation_bytes=0,
+                output_bytes=0,
             )
         )
     return costs

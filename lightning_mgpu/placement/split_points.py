@@ -97,9 +97,19 @@ def block_costs(root: nn.Module, candidates: Sequence[str]) -> list[LayerCost]:
         count = sum(p.numel() for p in params)
         nbytes = sum(p.numel() * p.element_size() for p in params)
         costs.append(
-            LayerCost(index=index, name=name, kind=type(block).__name__, forward_ms=0.0, backward_ms=0.0,
-                      param_count=count, param_bytes=nbytes, grad_bytes=nbytes, optimizer_bytes=2 * nbytes,
-                      activation_bytes=0, output_bytes=0)
+            LayerCost(
+                index=index,
+                name=name,
+                kind=type(block).__name__,
+                forward_ms=0.0,
+                backward_ms=0.0,
+                param_count=count,
+                param_bytes=nbytes,
+                grad_bytes=nbytes,
+                optimizer_bytes=2 * nbytes,
+                activation_bytes=0,
+                output_bytes=0,
+            )
         )
     stages = stage_of_modules(root, list(candidates[1:]))
     extra = [0, 0]
@@ -114,10 +124,17 @@ def block_costs(root: nn.Module, candidates: Sequence[str]) -> list[LayerCost]:
         cost = costs[position]
         nbytes = count * 4
         costs[position] = LayerCost(
-            index=cost.index, name=cost.name, kind=cost.kind, forward_ms=cost.forward_ms, backward_ms=cost.backward_ms,
-            param_count=cost.param_count + count, param_bytes=cost.param_bytes + nbytes,
-            grad_bytes=cost.grad_bytes + nbytes, optimizer_bytes=cost.optimizer_bytes + 2 * nbytes,
-            activation_bytes=cost.activation_bytes, output_bytes=cost.output_bytes,
+            index=cost.index,
+            name=cost.name,
+            kind=cost.kind,
+            forward_ms=cost.forward_ms,
+            backward_ms=cost.backward_ms,
+            param_count=cost.param_count + count,
+            param_bytes=cost.param_bytes + nbytes,
+            grad_bytes=cost.grad_bytes + nbytes,
+            optimizer_bytes=cost.optimizer_bytes + 2 * nbytes,
+            activation_bytes=cost.activation_bytes,
+            output_bytes=cost.output_bytes,
         )
     return costs
 

@@ -57,7 +57,15 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu.placement.handover import Aborted, Cut, MicroRun, StagedStepError, current_microbatch, current_run, running
+from lightning_mgpu.placement.handover import (
+    Aborted,
+    Cut,
+    MicroRun,
+    StagedStepError,
+    current_microbatch,
+    current_run,
+    running,
+)
 from lightning_mgpu.placement.microbatch import map_tensors, split_batch
 from lightning_mgpu.placement.shared_params import SharedParameterCopies
 from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
@@ -122,7 +130,8 @@ class StagedStep:
         self._thread_count = 0
         self._result_leaf: Optional[torch.Tensor] = None
         self._handles = [
-            module.register_forward_pre_hook(self._hook(n + 1), with_kwargs=True) for n, module in enumerate(self.modules)
+            module.register_forward_pre_hook(self._hook(n + 1), with_kwargs=True)
+            for n, module in enumerate(self.modules)
         ]
         # after the split-point hooks: a split point that also uses a shared parameter gets its copy once its turn came
         self._shared = SharedParameterCopies(root, self.split_points, self.devices, always=copy_shared)
@@ -256,7 +265,9 @@ class StagedStep:
         return cut
 
     # ------------------------------------------------------------------ backward
-    def _roots(self, j: int, micro: MicroRun, message: Optional[dict[Any, torch.Tensor]]) -> tuple[list[Any], list[torch.Tensor], dict[Any, torch.Tensor]]:
+    def _roots(
+        self, j: int, micro: MicroRun, message: Optional[dict[Any, torch.Tensor]]
+    ) -> tuple[list[Any], list[torch.Tensor], dict[Any, torch.Tensor]]:
         """The stage's outputs that received a gradient, those gradients, and what passes on to earlier stages."""
         roots: list[Any] = []
         grads: list[torch.Tensor] = []

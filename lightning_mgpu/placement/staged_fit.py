@@ -197,7 +197,9 @@ def _mover(device: torch.device, placed: set[int]) -> Callable[[torch.Tensor], t
     return move
 
 
-def run_logged(staged: StagedStep, owner: Any, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_logged(
+    staged: StagedStep, owner: Any, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``staged.run(step, *args, **kwargs)`` with ``owner.log`` collected per micro-batch and replayed once (see above)."""
     real_log = owner.log
     calls: list[tuple[int, float, str, Any, tuple[Any, ...], dict[str, Any]]] = []

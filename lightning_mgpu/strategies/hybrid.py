@@ -39,22 +39,33 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES, Pipeline
-from lightning_mgpu.placement.plan import BALANCE_MODES, PlacementPlan, check_sizes, plan_stages
+from lightning_mgpu.placement.pipeline import Pipeline
+from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
 from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.schedule import SCHEDULES
-from lightning_mgpu.placement.sequential_fit import (capture_input, check_sequential, device_capacity,
-                                                    find_split_module, install_pipeline, measure_layers, remove_pipeline)
+from lightning_mgpu.placement.sequential_fit import (
+    capture_input,
+    check_sequential,
+    device_capacity,
+    find_split_module,
+    install_pipeline,
+    measure_layers,
+    remove_pipeline,
+)
 from lightning_mgpu.placement.split_points import candidate_blocks, check_split_points
 from lightning_mgpu.placement.staged import StagedStep
-from lightning_mgpu.placement.staged_fit import (block_profiler, check_staged_model, choose_split_points,
-                                                place_modules, run_logged)
+from lightning_mgpu.placement.staged_fit import (
+    block_profiler,
+    check_staged_model,
+    choose_split_points,
+    place_modules,
+    run_logged,
+)
 from lightning_mgpu._compat.lightning import StrategyRegistryType
 from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
+from lightning_mgpu.strategies.hybrid_options import check_hybrid_options
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 __all__ = ["HybridParallelStrategy"]
-
 
 
 class HybridParallelStrategy(TunedDDPStrategy):
@@ -106,55 +117,18 @@ class HybridParallelStrategy(TunedDDPStrategy):
         threads_per_stage: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(devices_per_replica, bool) or not isinstance(devices_per_replica, int) or devices_per_replica < 1:
-            raise ValueError(f"devices_per_replica must be an integer >= 1, got {devices_per_replica!r}")
-        if isinstance(balance, str):
-            if balance not in BALANCE_MODES:
-                raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
-        else:
-            balance = check_sizes(balance, None, devices_per_replica)  # the layer count is checked at setup
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if split_module is not None and (not isinstance(split_module, str) or not split_module):
-            raise ValueError(f"split_module must be the attribute name of an nn.Sequential (a string), got {split_module!r}")
-        if split_points is not None:
-            if isinstance(split_points, str) or not isinstance(split_points, Sequence) or not all(
-                isinstance(point, str) and point for point in split_points
-            ):
-                raise ValueError(
-                    f"split_points must be a list of qualified submodule names (e.g. ['model.transformer.h.2']), "
-                    f"got {split_points!r}"
-                )
-            if split_module is not None:
-                raise ValueError(
-                    "give split_points or split_module, not both: split_points name where stages begin in any model, "
-                    "split_module names an nn.Sequential whose layers the planner cuts"
-                )
-            if len(split_points) != devices_per_replica - 1:
-                raise ValueError(
-                    f"split_points={list(split_points)!r} makes {len(split_points) + 1} stage(s) but devices_per_replica="
-                    f"{devices_per_replica}: give {devices_per_replica - 1} name(s), where stages 1.. begin"
-                )
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
-        if sample_input is not None and not isinstance(sample_input, torch.Tensor):
-            raise ValueError(f"sample_input must be a tensor (a batch of the split module's input), got {type(sample_input).__name__}")
-        if threads_per_stage is not None and (
-            isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1
-        ):
-            raise ValueError(f"threads_per_stage must be an integer >= 1 or None, got {threads_per_stage!r}")
-        if kwargs.get("static_graph"):
-            raise ValueError(
-                "static_graph=True is not supported by the hybrid strategy: DDP's static-graph mode all-reduces when "
-                "loss.backward() ends, before the split module's stages have run their backward."
-            )
-        if kwargs.get("find_unused_parameters"):
-            raise ValueError(
-                "find_unused_parameters=True is not supported by the hybrid strategy: the split module's parameters "
-                "get their gradients from the pipeline's own backward, which DDP's search from the loss cannot see."
-            )
+        balance = check_hybrid_options(
+            devices_per_replica=devices_per_replica,
+            balance=balance,
+            microbatches=microbatches,
+            checkpoint=checkpoint,
+            split_module=split_module,
+            split_points=split_points,
+            schedule=schedule,
+            sample_input=sample_input,
+            threads_per_stage=threads_per_stage,
+            ddp_kwargs=kwargs,
+        )
         super().__init__(**kwargs)
         self._devices_per_replica = devices_per_replica
         self._balance = balance
@@ -295,7 +269,11 @@ class HybridParallelStrategy(TunedDDPStrategy):
         place_modules(module, points, devices)
         self._split_points_used = points
         self._staged = StagedStep(
-            module, points, devices, schedule=self._schedule, microbatches=self._microbatches,
+            module,
+            points,
+            devices,
+            schedule=self._schedule,
+            microbatches=self._microbatches,
             threads_per_stage=self._threads_per_stage,
         )
         measured = any(layer.time_ms > 0 for layer in self._plan.layers)
@@ -331,8 +309,13 @@ class HybridParallelStrategy(TunedDDPStrategy):
 
     def _check_sequential(self, module: nn.Module, name: str, seq: nn.Sequential, *, warn: bool) -> None:
         warning = check_sequential(
-            module, name, seq, num_stages=self._devices_per_replica, balance=self._balance,
-            microbatches=self._microbatches, checkpoint=self._checkpoint,
+            module,
+            name,
+            seq,
+            num_stages=self._devices_per_replica,
+            balance=self._balance,
+            microbatches=self._microbatches,
+            checkpoint=self._checkpoint,
             devices=self.replica_devices if self.parallel_devices else None,
         )
         if warn and warning is not None:
@@ -359,7 +342,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
                     )
                     balance = "params"
             threads = self._threads_per_stage or max(1, torch.get_num_threads() // len(devices))
-            layers = measure_layers(seq, sample, microbatches=self._microbatches, device=self.root_device, threads=threads)
+            layers = measure_layers(
+                seq, sample, microbatches=self._microbatches, device=self.root_device, threads=threads
+            )
             capacity = [device_capacity(device) for device in devices]
             sizes = plan_stages(layers, devices, balance, microbatches=self._microbatches, capacity=capacity).sizes
         payload = self.broadcast({"sizes": sizes, "balance": balance, "layers": [c.as_dict() for c in layers]}, src=0)
@@ -423,7 +408,11 @@ class HybridParallelStrategy(TunedDDPStrategy):
         return closure_loss
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_backend() == "nccl"
+        ):
             torch.distributed.barrier(device_ids=[self.root_device.index])  # don't let torch guess rank % GPUs
             return
         super().barrier(*args, **kwargs)

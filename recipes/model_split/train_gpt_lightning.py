@@ -67,7 +67,9 @@ parser.add_argument(
 )
 parser.add_argument("--record", default=None, help="save per-step losses and final weights here (for the tests)")
 parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (auto: the GPUs if there are at least 2)")
-parser.add_argument("--devices", type=int, default=None, help="all devices on this node (default: every GPU, else 2 CPU)")
+parser.add_argument(
+    "--devices", type=int, default=None, help="all devices on this node (default: every GPU, else 2 CPU)"
+)
 parser.add_argument("--devices-per-replica", type=int, default=2, help="devices one model is split over")
 parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step in the pipeline")
 parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zero_bubble"], help="pipeline schedule")
@@ -153,7 +155,9 @@ def main() -> None:
     run.add_column("quantity")
     run.add_column("value", justify="right")
     run.add_row("optimizer steps", str(trainer.global_step))
-    run.add_row("global batch", f"{args.batch_size * trainer.world_size} ({trainer.world_size} replica(s) x {args.batch_size})")
+    run.add_row(
+        "global batch", f"{args.batch_size * trainer.world_size} ({trainer.world_size} replica(s) x {args.batch_size})"
+    )
     run.add_row("tokens/s", f"{tokens / lightning_module.train_seconds:,.0f}")
     run.add_row("train loss (last epoch)", f"{trainer.callback_metrics['train_loss'].item():.5f}")
     run.add_row("stages", f"{k} per replica, beginning at {strategy.split_points}, schedule {args.schedule!r}")
@@ -161,7 +165,9 @@ def main() -> None:
 
     if args.record:
         parameters = [p.detach().cpu() for p in lightning_module.model.parameters()]
-        torch.save({"losses": lightning_module.losses, "parameters": parameters, "world_size": trainer.world_size}, args.record)
+        torch.save(
+            {"losses": lightning_module.losses, "parameters": parameters, "world_size": trainer.world_size}, args.record
+        )
 
 
 if __name__ == "__main__":
