@@ -24,8 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/python recipes/char_lm/train_lightning.py
 
+# Style is checked, not trusted: ruff (lint + format) on every Python tree, mypy --strict on the package.
 test: setup
-	$(BIN)/ruff check lightning_mgpu recipes bench tests
+	$(BIN)/ruff check lightning_mgpu recipes bench tests docs
+	$(BIN)/ruff format --check lightning_mgpu recipes bench tests docs
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 # tests/conftest.py fails any test here that starts a process: it must be marked multiprocess.

@@ -302,9 +302,15 @@ def launch(
         from bench.netlab_launch import launch_worker
 
         results: list[dict[str, Any]] = launch_worker(
-            lab, MODULE, worker_args, scratch=scratch, label=label, timeout=args.launch_timeout,
-            nproc_per_node=args.nproc // 2, threads=args.threads,
-        )  # fmt: skip
+            lab,
+            MODULE,
+            worker_args,
+            scratch=scratch,
+            label=label,
+            timeout=args.launch_timeout,
+            nproc_per_node=args.nproc // 2,
+            threads=args.threads,
+        )
         return results
     finished = launcher.launch(
         MODULE,

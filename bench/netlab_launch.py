@@ -41,18 +41,37 @@ class NodeRun:
 def torchrun_argv(lab: Lab, node: int, target: Sequence[str], *, nproc_per_node: int, port: int) -> list[str]:
     """``ip netns exec NODE python -m torch.distributed.run --nnodes=N --node-rank=i ... TARGET``."""
     return [
-        *lab.nodes[node].exec_prefix(), sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={len(lab.nodes)}", f"--node-rank={node}", f"--nproc-per-node={nproc_per_node}",
-        f"--master-addr={lab.master_addr}", f"--master-port={port}", "--rdzv-backend=static", "--max-restarts=0",
+        *lab.nodes[node].exec_prefix(),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={len(lab.nodes)}",
+        f"--node-rank={node}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--master-addr={lab.master_addr}",
+        f"--master-port={port}",
+        "--rdzv-backend=static",
+        "--max-restarts=0",
         *target,
-    ]  # fmt: skip
+    ]
 
 
 def node_env(lab: Lab, node: int, *, threads: int = 1, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The environment of a node's ranks: gloo on the node's link, the repository importable, CPU only."""
     env = dict(os.environ)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID",
-                "GROUP_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # fmt: skip
+    for key in (
+        "LOCAL_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NODE_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "GROUP_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME",
+    ):
         env.pop(key, None)
     env.update(
         GLOO_SOCKET_IFNAME=lab.nodes[node].interface,
@@ -94,9 +113,12 @@ def launch_torchrun(
             with open(log, "wb") as sink:
                 child = subprocess.Popen(
                     torchrun_argv(lab, node, target, nproc_per_node=nproc_per_node, port=port),
-                    stdout=sink, stderr=subprocess.STDOUT, env=node_env(lab, node, threads=threads, extra=env),
-                    cwd=cwd or REPO_ROOT, start_new_session=True,
-                )  # fmt: skip
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=node_env(lab, node, threads=threads, extra=env),
+                    cwd=cwd or REPO_ROOT,
+                    start_new_session=True,
+                )
             children.append((child, log))
         deadline = time.monotonic() + timeout
         while any(child.poll() is None for child, _ in children):

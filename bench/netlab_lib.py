@@ -289,16 +289,46 @@ class Lab:
             self._ip(node.namespace, "sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1")
         if self.switch is None:
             a, b = self.nodes
-            self.runner(["ip", "link", "add", a.interface, "netns", a.namespace, "type", "veth",
-                         "peer", "name", b.interface, "netns", b.namespace])  # fmt: skip
+            self.runner(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    a.interface,
+                    "netns",
+                    a.namespace,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    b.interface,
+                    "netns",
+                    b.namespace,
+                ]
+            )
         else:
             self._namespace(self.switch)
             self._ip(self.switch, "ip", "link", "add", "br0", "type", "bridge")
             self._ip(self.switch, "ip", "link", "set", "br0", "up")
             for node in self.nodes:
                 assert node.switch_port is not None
-                self.runner(["ip", "link", "add", node.interface, "netns", node.namespace, "type", "veth",
-                             "peer", "name", node.switch_port, "netns", self.switch])  # fmt: skip
+                self.runner(
+                    [
+                        "ip",
+                        "link",
+                        "add",
+                        node.interface,
+                        "netns",
+                        node.namespace,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        node.switch_port,
+                        "netns",
+                        self.switch,
+                    ]
+                )
                 self._ip(self.switch, "ip", "link", "set", node.switch_port, "master", "br0")
                 self._ip(self.switch, "ip", "link", "set", node.switch_port, "up")
         for node in self.nodes:
@@ -358,14 +388,29 @@ class Lab:
         probe = [sys.executable, "-m", "bench.netlab_probe"]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         receiver = subprocess.Popen(
-            [*self.nodes[destination].exec_prefix(), *probe, "--receive", self.address(destination), str(port), str(total)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
-        )  # fmt: skip
+            [
+                *self.nodes[destination].exec_prefix(),
+                *probe,
+                "--receive",
+                self.address(destination),
+                str(port),
+                str(total),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO_ROOT,
+        )
         try:
             sender = subprocess.run(
                 [*self.nodes[source].exec_prefix(), *probe, "--send", self.address(destination), str(port), str(total)],
-                capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO_ROOT,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout,
+                cwd=REPO_ROOT,
+            )
             out, err = receiver.communicate(timeout=timeout)
         finally:
             if receiver.poll() is None:

@@ -20,14 +20,24 @@ from lightning_mgpu._version import __version__
 # Every name registered, in registration order (strategies/ddp_options.py: TUNED_STRATEGY_NAMES, then hybrid);
 # written out so that reading it imports no torch. tests/test_lightning_parity.py keeps it equal to the registry.
 STRATEGY_NAMES = (
-    "ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fork", "ddp_tuned_notebook",
-    "ddp_tuned_find_unused_parameters_false", "ddp_tuned_find_unused_parameters_true",
-    "ddp_tuned_spawn_find_unused_parameters_false", "ddp_tuned_spawn_find_unused_parameters_true",
-    "ddp_tuned_fork_find_unused_parameters_false", "ddp_tuned_fork_find_unused_parameters_true",
-    "ddp_tuned_notebook_find_unused_parameters_false", "ddp_tuned_notebook_find_unused_parameters_true",
-    "ddp_tuned_fp16", "ddp_tuned_bf16", "ddp_tuned_powersgd", "ddp_tuned_auto",
+    "ddp_tuned",
+    "ddp_tuned_spawn",
+    "ddp_tuned_fork",
+    "ddp_tuned_notebook",
+    "ddp_tuned_find_unused_parameters_false",
+    "ddp_tuned_find_unused_parameters_true",
+    "ddp_tuned_spawn_find_unused_parameters_false",
+    "ddp_tuned_spawn_find_unused_parameters_true",
+    "ddp_tuned_fork_find_unused_parameters_false",
+    "ddp_tuned_fork_find_unused_parameters_true",
+    "ddp_tuned_notebook_find_unused_parameters_false",
+    "ddp_tuned_notebook_find_unused_parameters_true",
+    "ddp_tuned_fp16",
+    "ddp_tuned_bf16",
+    "ddp_tuned_powersgd",
+    "ddp_tuned_auto",
     "hybrid",
-)  # fmt: skip
+)
 
 # Public name -> the module that defines it, imported on first access.
 _PUBLIC = {

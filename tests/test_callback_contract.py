@@ -221,8 +221,15 @@ def test_an_unusable_profiler_export_dir_fails_the_fit_before_the_first_step(
     profiler = CommProfiler(export_dir=not_a_dir)
     with pytest.raises(ValueError, match=r"export_dir=.*profile\.json.* is not a directory"):
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, strategy="ddp_tuned", max_steps=2, callbacks=[profiler, Counting()],
-            default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            accelerator="cpu",
+            devices=1,
+            strategy="ddp_tuned",
+            max_steps=2,
+            callbacks=[profiler, Counting()],
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
             enable_model_summary=False,
         )  # fmt: skip  (the Trainer's settings, kept together)
         trainer.fit(TinyModel(), _loader())

@@ -61,10 +61,16 @@ class Tiny(L.LightningModule):
 
 def trainer(root: Path, strategy: TunedDDPStrategy, steps: int = 2) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, default_root_dir=root, logger=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        default_root_dir=root,
+        logger=False,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1)],
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def _release(environ: dict[str, str]) -> None:
@@ -244,7 +250,10 @@ TAMPERED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "powersgd.iter=-1": (_set(("powersgd", "iter"), -1), '["powersgd"]["iter"]'),
     "powersgd.seed=1.5": (_set(("powersgd", "seed"), 1.5), '["powersgd"]["seed"]'),
     "powersgd.rng.keys='x'": (_set(("powersgd", "rng", "keys"), "x"), '["powersgd"]["rng"]["keys"]'),
-    "powersgd.rng.keys short": (_set(("powersgd", "rng", "keys"), torch.zeros(3, dtype=torch.int64)), '["rng"]["keys"]'),
+    "powersgd.rng.keys short": (
+        _set(("powersgd", "rng", "keys"), torch.zeros(3, dtype=torch.int64)),
+        '["rng"]["keys"]',
+    ),
     "powersgd.rng.pos=10**6": (_set(("powersgd", "rng", "pos"), 10**6), '["powersgd"]["rng"]["pos"]'),
     "powersgd.rng.cached_gaussian=nan": (_set(("powersgd", "rng", "cached_gaussian"), math.nan), '["cached_gaussian"]'),
     "powersgd.rng=None is fine, rng='x' is not": (_set(("powersgd", "rng"), "x"), '["powersgd"]["rng"]'),
@@ -252,17 +261,19 @@ TAMPERED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "powersgd.q entry a list": (_set(("powersgd", "q", "body.0.weight"), [1.0, 2.0]), '["q"]["body.0.weight"]'),
     "powersgd.q NaN": (_nan_in(("powersgd", "q", "body.0.weight")), '["powersgd"]["q"]["body.0.weight"]'),
     "powersgd.q integer tensor": (
-        _set(("powersgd", "q", "body.0.weight"), torch.ones(32, dtype=torch.int64)), '["q"]["body.0.weight"]',
+        _set(("powersgd", "q", "body.0.weight"), torch.ones(32, dtype=torch.int64)),
+        '["q"]["body.0.weight"]',
     ),
     "powersgd.error NaN": (
-        _nan_in(("powersgd", "error_per_rank", 1, "body.0.bias")), '["error_per_rank"][1]["body.0.bias"]',
+        _nan_in(("powersgd", "error_per_rank", 1, "body.0.bias")),
+        '["error_per_rank"][1]["body.0.bias"]',
     ),
     "powersgd.error_per_rank='x'": (_set(("powersgd", "error_per_rank"), "x"), '["powersgd"]["error_per_rank"]'),
     "powersgd.world_size=0": (_set(("powersgd", "world_size"), 0), '["powersgd"]["world_size"]'),
     "powersgd.world_size vs error_per_rank": (_set(("powersgd", "world_size"), 3), '["powersgd"]["error_per_rank"]'),
     "hybrid.sizes=[0, 4]": (_set(("hybrid", "sizes"), [0, 4]), '["hybrid"]["sizes"]'),
     "hybrid.microbatches='2'": (_set(("hybrid", "microbatches"), "2"), '["hybrid"]["microbatches"]'),
-}  # fmt: skip
+}
 
 
 def write(tmp_path: Path, package: Any, name: str = "tampered.ckpt") -> Path:

@@ -16,13 +16,31 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WARMUP = 3
 DESIGN_SUMMARY_KEYS = {
-    "steps", "step_ms", "forward_ms", "backward_compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio",
-    "bytes_per_step", "algbw_gbps", "busbw_gbps", "straggler_ms",
+    "steps",
+    "step_ms",
+    "forward_ms",
+    "backward_compute_ms",
+    "comm_ms",
+    "exposed_comm_ms",
+    "overlap_ratio",
+    "bytes_per_step",
+    "algbw_gbps",
+    "busbw_gbps",
+    "straggler_ms",
 }
 LOGGED = {
-    "comm/step_ms", "comm/forward_ms", "comm/backward_compute_ms", "comm/comm_ms", "comm/exposed_ms",
-    "comm/overlap_ratio", "comm/optimizer_ms", "comm/bytes_per_step", "comm/wire_bytes_per_step",
-    "comm/algbw_gbps", "comm/busbw_gbps", "comm/straggler_ms",
+    "comm/step_ms",
+    "comm/forward_ms",
+    "comm/backward_compute_ms",
+    "comm/comm_ms",
+    "comm/exposed_ms",
+    "comm/overlap_ratio",
+    "comm/optimizer_ms",
+    "comm/bytes_per_step",
+    "comm/wire_bytes_per_step",
+    "comm/algbw_gbps",
+    "comm/busbw_gbps",
+    "comm/straggler_ms",
 }
 
 
@@ -118,7 +136,9 @@ def test_windows_follow_the_schedule_and_agree_with_ddps_own_timers(tmp_path: Pa
     assert result["profiled_steps"] == [4, 5, 6, 7, 8, 15, 16, 17, 18, 19, 27, 28, 29, 30, 31, 39, 40]
     assert result["switches"] == [[8, False], [12, True], [19, False], [24, True], [31, False], [36, True]]
     # every new wrapper: builtin all-reduce out of a window, the timed hook in one
-    assert result["wrappers"] == [[step, None if not on else "timed_averaging_allreduce"] for step, on in result["switches"]]
+    assert result["wrappers"] == [
+        [step, None if not on else "timed_averaging_allreduce"] for step, on in result["switches"]
+    ]
     summary = result["summary"]
     assert summary["steps"] == 17 and summary["bytes_per_step"] == result["gradient_bytes"]
     assert summary["schedule"] == {"warmup_steps": WARMUP, "profile_steps": 5, "profile_every": 12}
@@ -176,7 +196,14 @@ def test_wandb_gets_the_bucket_table_and_the_timeline(tmp_path: Path) -> None:
     assert len(tables) == 1 and len(images) == 1, result["stdout"]
     table = json.loads(tables[0].read_text())
     assert table["columns"] == [
-        "index", "bytes", "num_params", "launch_ms", "done_ms", "duration_ms", "algbw_gbps", "busbw_gbps"
+        "index",
+        "bytes",
+        "num_params",
+        "launch_ms",
+        "done_ms",
+        "duration_ms",
+        "algbw_gbps",
+        "busbw_gbps",
     ]
     assert sum(row[1] for row in table["data"]) == result["gradient_bytes"]
 

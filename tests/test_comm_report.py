@@ -65,13 +65,27 @@ def test_an_empty_trace_is_still_a_valid_trace(tmp_path: Path) -> None:
 
 def _many_buckets(rank: int, step: int, count: int) -> dict[str, Any]:
     buckets = [
-        {"index": i, "bytes": 4096, "wire_bytes": 4096, "num_params": 1, "launch_ms": 2.0 + i * 0.01,
-         "done_ms": 2.5 + i * 0.01}
+        {
+            "index": i,
+            "bytes": 4096,
+            "wire_bytes": 4096,
+            "num_params": 1,
+            "launch_ms": 2.0 + i * 0.01,
+            "done_ms": 2.5 + i * 0.01,
+        }
         for i in range(count)
     ]  # fmt: skip  (one synthetic bucket per line)
-    return {"step": step, "rank": rank, "start_ns": step * 50_000_000, "forward_end_ms": 1.0,
-            "compute_end_ms": 2.0 + count * 0.01, "backward_end_ms": 3.0 + count * 0.01,
-            "optimizer_start_ms": 3.5 + count * 0.01, "step_ms": 4.0 + count * 0.01, "buckets": buckets}  # fmt: skip  (one timeline record)
+    return {
+        "step": step,
+        "rank": rank,
+        "start_ns": step * 50_000_000,
+        "forward_end_ms": 1.0,
+        "compute_end_ms": 2.0 + count * 0.01,
+        "backward_end_ms": 3.0 + count * 0.01,
+        "optimizer_start_ms": 3.5 + count * 0.01,
+        "step_ms": 4.0 + count * 0.01,
+        "buckets": buckets,
+    }  # fmt: skip  (one timeline record)
 
 
 def test_the_timeline_png_is_drawn_in_bounded_work_for_any_size(tmp_path: Path) -> None:

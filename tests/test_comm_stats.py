@@ -180,11 +180,25 @@ def test_buckets_are_timed_from_the_start_of_backward() -> None:
     for n in range(3):
         stats.add(timeline(n))
     assert stats.local_buckets() == [
-        {"index": 0, "bytes": 1000, "num_params": 1, "launch_ms": 2.0, "done_ms": 6.0, "duration_ms": 4.0,
-         "wire_bytes": 1000},
-        {"index": 1, "bytes": 3000, "num_params": 2, "launch_ms": 7.0, "done_ms": 10.0, "duration_ms": 3.0,
-         "wire_bytes": 3000},
-    ]  # fmt: skip
+        {
+            "index": 0,
+            "bytes": 1000,
+            "num_params": 1,
+            "launch_ms": 2.0,
+            "done_ms": 6.0,
+            "duration_ms": 4.0,
+            "wire_bytes": 1000,
+        },
+        {
+            "index": 1,
+            "bytes": 3000,
+            "num_params": 2,
+            "launch_ms": 7.0,
+            "done_ms": 10.0,
+            "duration_ms": 3.0,
+            "wire_bytes": 3000,
+        },
+    ]
 
 
 def test_a_new_bucket_layout_starts_fresh_statistics() -> None:

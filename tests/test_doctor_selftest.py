@@ -48,9 +48,7 @@ def fake_runner(results: dict[str, Any]) -> Any:
 
 
 def test_each_path_is_a_line_with_pass_or_fail_and_its_time() -> None:
-    checks = run_selftest(
-        gpu_count=1, timeout=5, runner=fake_runner({"amp-fp16": "fail", "copy-streams": "hang"})
-    )
+    checks = run_selftest(gpu_count=1, timeout=5, runner=fake_runner({"amp-fp16": "fail", "copy-streams": "hang"}))
     by_name = {c.name: c for c in checks}
     assert list(by_name) == list(PATHS)  # every path, in order
     assert by_name["nccl-ddp"].status == "ok" and "pass in" in by_name["nccl-ddp"].value
@@ -80,8 +78,11 @@ def test_with_two_gpus_every_path_runs() -> None:
 def test_every_paths_code_runs_on_cpu_stand_ins(tmp_path: Path) -> None:
     proc = run_python(
         ["-m", "lightning_mgpu.cli", "doctor", "--selftest", "--selftest-device", "cpu", "--json"],
-        cwd=REPO, timeout=540, env=cpu_env(), check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        timeout=540,
+        env=cpu_env(),
+        check=False,
+    )
     report = json.loads(proc.stdout)
     failed = {c["name"]: c["value"] for c in report["checks"] if c["status"] != "ok"}
     assert not failed, failed

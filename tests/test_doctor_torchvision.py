@@ -42,7 +42,9 @@ def test_no_torchvision_is_fine() -> None:
 
 
 def test_a_torchvision_for_another_torch_fails_with_the_install_that_fixes_it() -> None:
-    check = check_torchvision(version_of=versions(torch="2.13.0+cpu", torchvision="0.22.1+cpu"), import_module=importer())
+    check = check_torchvision(
+        version_of=versions(torch="2.13.0+cpu", torchvision="0.22.1+cpu"), import_module=importer()
+    )
     assert check.status == "fail"
     assert "torch 2.13.0+cpu needs 0.28.0" in check.value and "import lightning" in check.value
     assert check.fix is not None and "torchvision==0.28.0" in check.fix and "/whl/cpu" in check.fix

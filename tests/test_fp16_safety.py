@@ -153,9 +153,16 @@ class Huge(L.LightningModule):
 def test_a_fit_with_huge_gradients_stays_finite_and_reports_its_peak(tmp_path: Path) -> None:
     strategy = TunedDDPStrategy(compression="fp16")
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     model = Huge()
     trainer.fit(model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -175,10 +182,13 @@ def test_fp16_compression_on_two_ranks_with_huge_gradients_matches_fp32(tmp_path
     jobs = launch_all(
         {
             "fp32": {"out_dir": tmp_path / "fp32", "flags": common},
-            "fp16": {"out_dir": tmp_path / "fp16", "flags": [*common, "--strategy-kwargs", json.dumps({"compression": "fp16"})]},
+            "fp16": {
+                "out_dir": tmp_path / "fp16",
+                "flags": [*common, "--strategy-kwargs", json.dumps({"compression": "fp16"})],
+            },
             "torch": {"out_dir": tmp_path / "torch", "flags": [*common, "--torch-fp16-hook"]},
         }
-    )  # fmt: skip
+    )
     for job in jobs.values():
         assert job.returncode == 0 and not job.timed_out, job.describe()
     reference = jobs["fp32"].tensors(0)["params"]

@@ -62,12 +62,16 @@ def test_registered_and_listed() -> None:
 
 
 def test_a_device_count_that_is_not_a_multiple_fails_before_any_process_starts() -> None:
-    with pytest.raises(ValueError, match=r"devices_per_replica=2\) needs a device count per node that is a multiple of 2"):
+    with pytest.raises(
+        ValueError, match=r"devices_per_replica=2\) needs a device count per node that is a multiple of 2"
+    ):
         L.Trainer(accelerator="cpu", devices=3, strategy=HybridParallelStrategy(devices_per_replica=2), logger=False)
 
 
 def test_world_size_is_devices_over_k() -> None:
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(devices_per_replica=2), logger=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=HybridParallelStrategy(devices_per_replica=2), logger=False
+    )
     strategy = trainer.strategy
     assert strategy.num_processes == 2 and strategy.devices_per_replica == 2
     assert strategy.determine_ddp_device_ids() is None
@@ -115,13 +119,17 @@ def test_unsupported_models_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="adds up to 2 layers but the split module has 3"):
         HybridParallelStrategy(balance=[1, 1])._check_sequential(_Module(body=_seq()), "body", _seq(), warn=True)
     bn = _seq(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    with pytest.warns(UserWarning, match=r"contains BatchNorm with microbatches=4, checkpoint='never': .*normalises each micro-batch"):
+    with pytest.warns(
+        UserWarning, match=r"contains BatchNorm with microbatches=4, checkpoint='never': .*normalises each micro-batch"
+    ):
         strategy._check_sequential(_Module(body=bn), "body", bn, warn=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         HybridParallelStrategy(microbatches=1)._check_sequential(_Module(body=bn), "body", bn, warn=True)
     with pytest.warns(UserWarning, match=r"checkpoint='always'.*up to 2 times per step"):
-        HybridParallelStrategy(microbatches=1, checkpoint="always")._check_sequential(_Module(body=bn), "body", bn, warn=True)
+        HybridParallelStrategy(microbatches=1, checkpoint="always")._check_sequential(
+            _Module(body=bn), "body", bn, warn=True
+        )
     shared_inside = nn.Linear(4, 4)
     tied = _seq(shared_inside, nn.ReLU(), shared_inside)
     with pytest.raises(ValueError, match=r"layers 0 and 2 of `body` share a parameter"):
@@ -162,13 +170,37 @@ def test_checkpoints_round_trip_between_hybrid_ddp_tuned_and_one_device(tmp_path
     assert checkpoint["lightning_mgpu"]["hybrid"]["sizes"] == first["plan"]
     assert any(key.startswith("body.0.") for key in checkpoint["state_dict"])  # the unsplit model's keys
 
-    to_ddp = _fit(tmp_path, "to_ddp", "--strategy", "ddp_tuned", "--devices", "1", "--epochs", "2", "--ckpt-path", str(tmp_path / "h.ckpt"))
-    to_single = _fit(tmp_path, "to_single", "--strategy", "single", "--epochs", "2", "--ckpt-path", str(tmp_path / "h.ckpt"))
+    to_ddp = _fit(
+        tmp_path,
+        "to_ddp",
+        "--strategy",
+        "ddp_tuned",
+        "--devices",
+        "1",
+        "--epochs",
+        "2",
+        "--ckpt-path",
+        str(tmp_path / "h.ckpt"),
+    )
+    to_single = _fit(
+        tmp_path, "to_single", "--strategy", "single", "--epochs", "2", "--ckpt-path", str(tmp_path / "h.ckpt")
+    )
     for resumed in (to_ddp, to_single):
         assert resumed["global_step"] == 8
         _assert_same(resumed, full)
 
-    _fit(tmp_path, "ddp_first", "--strategy", "ddp_tuned", "--devices", "1", "--epochs", "1", "--ckpt-save", str(tmp_path / "d.ckpt"))
+    _fit(
+        tmp_path,
+        "ddp_first",
+        "--strategy",
+        "ddp_tuned",
+        "--devices",
+        "1",
+        "--epochs",
+        "1",
+        "--ckpt-save",
+        str(tmp_path / "d.ckpt"),
+    )
     back = _fit(tmp_path, "back", "--strategy", "hybrid", "--epochs", "2", "--ckpt-path", str(tmp_path / "d.ckpt"))
     _assert_same(back, full)
 

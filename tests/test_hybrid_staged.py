@@ -52,7 +52,9 @@ def test_gpt2_with_tied_embeddings_one_and_two_replicas_every_schedule(tmp_path:
 @pytest.mark.timeout(900)
 def test_residual_cnn_with_batchnorm_and_in_place_relu_every_schedule(tmp_path: Path) -> None:
     """BatchNorm in training normalises per micro-batch: the reference computes the same 4 micro-batches in turn."""
-    one = _fit(tmp_path, "one", "--model", "cnn", "--strategy", "single", "--schedules", "gpipe", "--reference-chunks", "4")
+    one = _fit(
+        tmp_path, "one", "--model", "cnn", "--strategy", "single", "--schedules", "gpipe", "--reference-chunks", "4"
+    )
     split = _fit(tmp_path, "split", "--model", "cnn", "--split-points", "model.blocks.2")
     for schedule, record in split.items():
         assert record["split_points"] == ["model.blocks.2"], schedule

@@ -20,7 +20,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the test extra)")
 
 # What Lightning's own launcher leaves in the launching process (stock DDPStrategy does the same).
-LIGHTNING_LEAVES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
+LIGHTNING_LEAVES = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+}
 
 
 def _cli_fit(tmp_path: Path, config: str) -> list[dict[str, Any]]:
@@ -46,7 +54,9 @@ trainer:
 
 
 def test_tuned_ddp_without_init_args_and_both_callbacks_from_yaml(tmp_path: Path) -> None:
-    config = TRAINER.format(root=tmp_path) + """\
+    config = (
+        TRAINER.format(root=tmp_path)
+        + """\
   devices: 2
   strategy:
     class_path: lightning_mgpu.TunedDDPStrategy
@@ -60,6 +70,7 @@ def test_tuned_ddp_without_init_args_and_both_callbacks_from_yaml(tmp_path: Path
         check_every_n_batches: 4
     - class_path: tests.scripts.cli_fit.Report
 """
+    )
     for report in _cli_fit(tmp_path, config):
         assert report["strategy"] == "TunedDDPStrategy" and report["world_size"] == 2
         assert {"CommProfiler", "DistributedDoctor", "Report"} <= set(report["callbacks"])
@@ -73,7 +84,9 @@ def test_tuned_ddp_without_init_args_and_both_callbacks_from_yaml(tmp_path: Path
 
 
 def test_hybrid_from_yaml(tmp_path: Path) -> None:
-    config = TRAINER.format(root=tmp_path) + """\
+    config = (
+        TRAINER.format(root=tmp_path)
+        + """\
   devices: 4
   strategy:
     class_path: lightning_mgpu.HybridParallelStrategy
@@ -83,6 +96,7 @@ def test_hybrid_from_yaml(tmp_path: Path) -> None:
   callbacks:
     - class_path: tests.scripts.cli_fit.Report
 """
+    )
     for report in _cli_fit(tmp_path, config):
         assert report["strategy"] == "HybridParallelStrategy" and report["world_size"] == 2
         assert report["global_step"] == 12

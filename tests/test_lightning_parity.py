@@ -105,9 +105,12 @@ def _parse_cli(tmp_path: Path, config: str, *extra: str) -> Any:
     path = tmp_path / "config.yaml"
     path.write_text(config)
     return LightningCLI(
-        BoringModel, run=False, save_config_callback=None, args=["--config", str(path), *extra],
+        BoringModel,
+        run=False,
+        save_config_callback=None,
+        args=["--config", str(path), *extra],
         trainer_defaults={"logger": False, "enable_checkpointing": False, "enable_progress_bar": False},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("class_path", YAML_CLASSES["strategy"])
@@ -257,7 +260,9 @@ def test_init_process_group_gets_exactly_what_stock_ddp_passes(clean_process: di
     assert "store" not in tuned_call.kwargs and tuned_call.kwargs["timeout"] == timeout
     # while torch's rendezvous runs, rank 0's server is already there, on loopback only
     # (torch's own env:// store shares it: a multi-tenant server on MASTER_PORT)
-    assert seen["listening"] and all(host in ("0100007F", "00000000000000000000000001000000") for host in seen["listening"])
+    assert seen["listening"] and all(
+        host in ("0100007F", "00000000000000000000000001000000") for host in seen["listening"]
+    )
     assert seen["gloo_interface"] is not None
     # no group was created (init was replaced): nothing of ours stays in the environment
     assert set(os.environ) - set(clean_process) <= stock_environment
@@ -275,9 +280,17 @@ def test_a_real_one_rank_fit_listens_on_loopback_only_and_leaves_no_variable(
             seen["gloo_interface"] = os.environ.get("GLOO_SOCKET_IFNAME")
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=TunedDDPStrategy(), max_steps=2, logger=False, callbacks=[Watch()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        strategy=TunedDDPStrategy(),
+        max_steps=2,
+        logger=False,
+        callbacks=[Watch()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(BoringModel())
     assert torch.distributed.is_initialized()  # a real group (Lightning keeps it after fit)
     assert seen["listening"] == ["0100007F"], "the rendezvous server listens on 127.0.0.1 only"
@@ -304,7 +317,9 @@ def test_the_package_lists_exactly_the_names_it_registers() -> None:
     assert {"ddp_tuned", "ddp_tuned_spawn", "ddp_tuned_fp16", "ddp_tuned_powersgd", "hybrid"} <= set(registered)
 
 
-@pytest.mark.parametrize(("name", "description", "preset"), TUNED_STRATEGY_NAMES, ids=[n for n, _, _ in TUNED_STRATEGY_NAMES])
+@pytest.mark.parametrize(
+    ("name", "description", "preset"), TUNED_STRATEGY_NAMES, ids=[n for n, _, _ in TUNED_STRATEGY_NAMES]
+)
 def test_each_name_builds_its_preset_through_the_trainer(name: str, description: str, preset: dict[str, Any]) -> None:
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
     strategy = trainer.strategy
@@ -312,7 +327,9 @@ def test_each_name_builds_its_preset_through_the_trainer(name: str, description:
     assert strategy.start_method == preset.get("start_method", "popen")
     assert strategy.compression == preset.get("compression")
     assert strategy.auto is (preset.get("bucket_cap_mb") == "auto")
-    expected = {"find_unused_parameters": preset["find_unused_parameters"]} if "find_unused_parameters" in preset else {}
+    expected = (
+        {"find_unused_parameters": preset["find_unused_parameters"]} if "find_unused_parameters" in preset else {}
+    )
     assert strategy.user_ddp_kwargs == expected
 
 

@@ -123,8 +123,14 @@ def test_each_node_runs_torchrun_static_with_gloo_on_its_link() -> None:
     lab = Lab(2, 1.0, runner=FakeRunner())
     argv = torchrun_argv(lab, 1, ["train.py", "--x"], nproc_per_node=2, port=29555)
     assert argv[:4] == ["ip", "netns", "exec", lab.nodes[1].namespace]
-    for flag in ("--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--master-addr=127.78.0.1", "--master-port=29555",
-                 "--rdzv-backend=static"):  # fmt: skip
+    for flag in (
+        "--nnodes=2",
+        "--node-rank=1",
+        "--nproc-per-node=2",
+        "--master-addr=127.78.0.1",
+        "--master-port=29555",
+        "--rdzv-backend=static",
+    ):
         assert flag in argv
     assert argv[-2:] == ["train.py", "--x"]
     env = node_env(lab, 1, threads=3, extra={"FOO": "1"})

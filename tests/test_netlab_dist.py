@@ -192,8 +192,19 @@ def test_a_multi_node_run_without_torchrun_rendezvous_across_the_link(lab: Lab, 
         argv = [sys.executable, str(SCRIPTS / "fit_tiny.py"), "--out", str(tmp_path / f"node{node}.json")]
         argv += ["--devices", "1", "--num-nodes", "2", "--steps", "4"]
         log = open(tmp_path / f"node{node}.log", "w")
-        children.append((subprocess.Popen([*lab.nodes[node].exec_prefix(), *argv], env=env, stdout=log, stderr=log,
-                                          cwd=tmp_path, start_new_session=True), log))  # fmt: skip
+        children.append(
+            (
+                subprocess.Popen(
+                    [*lab.nodes[node].exec_prefix(), *argv],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                    cwd=tmp_path,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
     deadline = time.monotonic() + 100
     try:
         for child, _ in children:

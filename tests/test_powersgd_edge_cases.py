@@ -91,10 +91,15 @@ def powersgd_grads(*, real_view: bool, ours: bool, warm_start: bool, steps: int 
     )
     if ours:  # the strategy's chain: layout keeper, complex parameters as their real view
         built = HookChain().build(
-            hook=powerSGD_hook.powerSGD_hook, state=state, user_wrapper=None, world_size=1, backend="gloo",
-            named_parameters=lambda: list(model.named_parameters()), on_new_powersgd_keeper=lambda keeper: None,
+            hook=powerSGD_hook.powerSGD_hook,
+            state=state,
+            user_wrapper=None,
+            world_size=1,
+            backend="gloo",
+            named_parameters=lambda: list(model.named_parameters()),
+            on_new_powersgd_keeper=lambda keeper: None,
             python_hook_anyway=True,
-        )  # fmt: skip
+        )
         assert built is not None
         ddp.register_comm_hook(state=built[1], hook=built[0])
     else:

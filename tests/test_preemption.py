@@ -79,10 +79,16 @@ class Tiny(L.LightningModule):
 
 def trainer(root: Path, steps: int = 10) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, strategy=TunedDDPStrategy(), max_steps=steps, default_root_dir=root,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=TunedDDPStrategy(),
+        max_steps=steps,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=4, save_top_k=-1)],
-    )  # fmt: skip
+    )
 
 
 def test_sigterm_stops_after_the_step_saves_it_and_exits_with_143(tmp_path: Path) -> None:

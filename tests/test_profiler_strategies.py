@@ -58,10 +58,18 @@ def _fit(root: Path, strategy: Any, profiler: CommProfiler, *, steps: int) -> L.
     torch.manual_seed(0)
     x = torch.randn(16 * steps, 32)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=[profiler, HookName()],
-        logger=CSVLogger(root, name="logs"), log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[profiler, HookName()],
+        logger=CSVLogger(root, name="logs"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     model = MLPRegressor(in_features=32, width=64, depth=2, out_features=1, activation=nn.Tanh, lr=0.01)
     trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=16))
     return trainer

@@ -62,7 +62,9 @@ def test_fsdp2_reports_not_measured_never_zero(tmp_path: Path) -> None:
 def _powersgd_wire_bytes(in_features: int, width: int, depth: int, out_features: int, rank: int) -> int:
     """What torch's powerSGD_hook sends per step once it compresses: each gradient as a matrix
     ``shape[0] x rest``, compressed to ``(n + m) r`` elements when that is under half of ``n m``."""
-    shapes = [(width, in_features), (width,)] + [(width, width), (width,)] * depth + [(out_features, width), (out_features,)]
+    shapes = (
+        [(width, in_features), (width,)] + [(width, width), (width,)] * depth + [(out_features, width), (out_features,)]
+    )
     total = 0
     for shape in shapes:
         n = shape[0]

@@ -50,7 +50,18 @@ def test_hybrid_on_two_cpu_devices_with_4_microbatches_trains_the_hand_split_num
 def test_two_replicas_of_two_devices_with_half_the_batch_train_the_hand_split_numbers(
     plain: dict[str, Any], tmp_path: Path
 ) -> None:
-    flags = ["--accelerator", "cpu", "--devices", "4", "--batch-size", "32", "--microbatches", "2", "--balance", "params"]
+    flags = [
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "4",
+        "--batch-size",
+        "32",
+        "--microbatches",
+        "2",
+        "--balance",
+        "params",
+    ]
     hybrid = _run("train_lightning.py", tmp_path, *flags)
     assert hybrid["world_size"] == 2 and len(hybrid["losses"]) == STEPS
     _assert_same_training(hybrid, plain)

@@ -49,30 +49,107 @@ PACKAGE = REPO / "lightning_mgpu"
 # ----------------------------------------------------------------------------- constructors
 
 ABSURD: list[Any] = [
-    None, True, False, 0, -1, 1.5, math.nan, math.inf, -math.inf, 10**30, -(10**30), 10**400, "", " ", "x", "auto",
-    [], [1], [-1], [0.0], [math.nan], ["a"], [10**30], (1, 2), {}, {"a": 1}, object(), b"1", timedelta(0),
-    timedelta(seconds=-1), timedelta(days=10**6), torch.tensor(1.0), lambda *a: None,
-]  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    math.nan,
+    math.inf,
+    -math.inf,
+    10**30,
+    -(10**30),
+    10**400,
+    "",
+    " ",
+    "x",
+    "auto",
+    [],
+    [1],
+    [-1],
+    [0.0],
+    [math.nan],
+    ["a"],
+    [10**30],
+    (1, 2),
+    {},
+    {"a": 1},
+    object(),
+    b"1",
+    timedelta(0),
+    timedelta(seconds=-1),
+    timedelta(days=10**6),
+    torch.tensor(1.0),
+    lambda *a: None,
+]
 
 CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any], list[str]]] = {
-    "TunedDDPStrategy": (TunedDDPStrategy, {}, [
-        "bucket_cap_mb", "first_bucket_cap_mb", "compression", "powersgd_rank", "powersgd_start_iter", "timeout",
-        "start_method", "process_group_backend", "model_averaging_period", "ddp_comm_hook", "ddp_comm_wrapper",
-        "static_graph", "find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers",
-    ]),
-    "TunedDDPStrategy(auto)": (TunedDDPStrategy, {"bucket_cap_mb": "auto"}, ["tune_steps", "tune_candidates", "tune_rounds"]),
-    "HybridParallelStrategy": (HybridParallelStrategy, {}, [
-        "devices_per_replica", "balance", "microbatches", "checkpoint", "split_module", "sample_input",
-        "threads_per_stage",
-    ]),
-    "CommProfiler": (CommProfiler, {}, [
-        "warmup_steps", "every_n_steps", "export_dir", "timeline_steps", "history", "sweep", "profile_steps",
-        "profile_every",
-    ]),
-    "DistributedDoctor": (DistributedDoctor, {}, [
-        "strict", "every_n_steps", "disable", "data_wait_threshold", "batchnorm_min_batch",
-    ]),
-}  # fmt: skip
+    "TunedDDPStrategy": (
+        TunedDDPStrategy,
+        {},
+        [
+            "bucket_cap_mb",
+            "first_bucket_cap_mb",
+            "compression",
+            "powersgd_rank",
+            "powersgd_start_iter",
+            "timeout",
+            "start_method",
+            "process_group_backend",
+            "model_averaging_period",
+            "ddp_comm_hook",
+            "ddp_comm_wrapper",
+            "static_graph",
+            "find_unused_parameters",
+            "gradient_as_bucket_view",
+            "broadcast_buffers",
+        ],
+    ),
+    "TunedDDPStrategy(auto)": (
+        TunedDDPStrategy,
+        {"bucket_cap_mb": "auto"},
+        ["tune_steps", "tune_candidates", "tune_rounds"],
+    ),
+    "HybridParallelStrategy": (
+        HybridParallelStrategy,
+        {},
+        [
+            "devices_per_replica",
+            "balance",
+            "microbatches",
+            "checkpoint",
+            "split_module",
+            "sample_input",
+            "threads_per_stage",
+        ],
+    ),
+    "CommProfiler": (
+        CommProfiler,
+        {},
+        [
+            "warmup_steps",
+            "every_n_steps",
+            "export_dir",
+            "timeline_steps",
+            "history",
+            "sweep",
+            "profile_steps",
+            "profile_every",
+        ],
+    ),
+    "DistributedDoctor": (
+        DistributedDoctor,
+        {},
+        [
+            "strict",
+            "every_n_steps",
+            "disable",
+            "data_wait_threshold",
+            "batchnorm_min_batch",
+        ],
+    ),
+}
 CASES = [(label, name) for label, (_, _, names) in CONSTRUCTORS.items() for name in names]
 
 
@@ -144,11 +221,14 @@ def test_a_misspelled_backend_is_accepted_at_construction_and_refused_at_setup(m
 @given(
     case=st.sampled_from(CASES),
     value=st.one_of(
-        st.none(), st.booleans(), st.integers(min_value=-(10**40), max_value=10**40),
-        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(10**40), max_value=10**40),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=8),
         st.lists(st.one_of(st.integers(-5, 10**20), st.floats(allow_nan=True)), max_size=4),
     ),
-)  # fmt: skip
+)
 def test_fuzzed_constructor_arguments_never_raise_anything_but_a_named_value_error(
     case: tuple[str, str], value: Any
 ) -> None:
@@ -201,7 +281,9 @@ def brute_force(costs: list[float], k: int, memory: Any = None, capacity: Any = 
         st.tuples(st.lists(st.floats(0, 10), min_size=1, max_size=8), st.one_of(number, st.lists(number, max_size=4))),
     ),
 )
-def test_partition_answers_optimally_or_says_which_argument_is_wrong(costs: list[Any], k: Any, memory_capacity: Any) -> None:
+def test_partition_answers_optimally_or_says_which_argument_is_wrong(
+    costs: list[Any], k: Any, memory_capacity: Any
+) -> None:
     options: dict[str, Any] = {}
     if memory_capacity is not None:
         options["memory"], options["capacity"] = memory_capacity
@@ -320,10 +402,10 @@ FLAGS: list[tuple[list[str], str, list[str]]] = [
 FLAG_CASES = [(prefix, flag, value) for prefix, flag, values in FLAGS for value in values]
 
 
-@pytest.mark.parametrize(
-    ("prefix", "flag", "value"), FLAG_CASES, ids=[f"{p[0]} {f}={v!r}" for p, f, v in FLAG_CASES]
-)
-def test_every_bad_flag_exits_2_with_one_line_naming_it(stubbed: Path, prefix: list[str], flag: str, value: str) -> None:
+@pytest.mark.parametrize(("prefix", "flag", "value"), FLAG_CASES, ids=[f"{p[0]} {f}={v!r}" for p, f, v in FLAG_CASES])
+def test_every_bad_flag_exits_2_with_one_line_naming_it(
+    stubbed: Path, prefix: list[str], flag: str, value: str
+) -> None:
     if prefix is PLAN and flag == "--shape":
         argv = ["plan", "factory_mod:build", "--shape", value]
     else:
@@ -341,7 +423,12 @@ def test_every_bad_flag_exits_2_with_one_line_naming_it(stubbed: Path, prefix: l
 
 @pytest.mark.parametrize(
     "argv",
-    [["bench-comm", "--nproc", "2"], ["doctor", "--timeout", "1.5"], [*TUNE, "--nproc", "2"], [*PLAN, "--devices", "2"]],
+    [
+        ["bench-comm", "--nproc", "2"],
+        ["doctor", "--timeout", "1.5"],
+        [*TUNE, "--nproc", "2"],
+        [*PLAN, "--devices", "2"],
+    ],
 )
 def test_valid_flags_get_through_to_the_work(stubbed: Path, argv: list[str]) -> None:
     """The stubs are reached with good flags: the refusals above are the checks, not the stubs."""
@@ -355,15 +442,22 @@ def test_bad_input_from_the_console_is_one_line_and_exit_2(tmp_path: Path) -> No
     (tmp_path / "factory_mod.py").write_text("def boom():\n    raise RuntimeError('factory exploded')\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     for argv, message in (
-        (["plan", "factory_mod:boom", "--shape", "8,16"], "calling factory_mod:boom() failed: RuntimeError: factory exploded"),
+        (
+            ["plan", "factory_mod:boom", "--shape", "8,16"],
+            "calling factory_mod:boom() failed: RuntimeError: factory exploded",
+        ),
         (["tune", "factory_mod.py:boom", "--nproc", "0"], "argument --nproc: expected an integer >= 1, got '0'"),
         (["bench-comm", "--timeout", "inf"], "--timeout must be > 0 seconds and at most"),
         (["doctor", "--timeout", "nan"], "argument --timeout"),
     ):
         proc = subprocess.run(
-            [sys.executable, "-m", "lightning_mgpu.cli", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+            [sys.executable, "-m", "lightning_mgpu.cli", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=120,
-        )  # fmt: skip
+        )
         assert proc.returncode == 2, (argv, proc.stderr)
         assert "Traceback" not in proc.stderr and proc.stdout == "", (argv, proc.stderr)
         assert proc.stderr.strip().splitlines()[-1].endswith(message) or message in proc.stderr.strip().splitlines()[-1]
@@ -376,7 +470,14 @@ def test_bad_input_from_the_console_is_one_line_and_exit_2(tmp_path: Path) -> No
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("start_method", ["popen", "spawn"])
 def test_a_model_dependent_mistake_is_one_error_before_any_rank_starts(tmp_path: Path, start_method: str) -> None:
-    flags = ["--strategy", "hybrid", "--strategy-kwargs", json.dumps({"split_module": "bodyy"}), "--start-method", start_method]
+    flags = [
+        "--strategy",
+        "hybrid",
+        "--strategy-kwargs",
+        json.dumps({"split_module": "bodyy"}),
+        "--start-method",
+        start_method,
+    ]
     job = launch("split-module-typo", tmp_path / "out", flags, timeout=120)
     assert job.returncode == 1 and not job.timed_out, job.describe()
     assert job.output.count("Traceback (most recent call last)") == 1, job.describe()
@@ -432,7 +533,10 @@ def test_no_file_is_ever_unpickled_by_the_package() -> None:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
-                if any(n and n.split(".")[0] in ("pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib") for n in names):
+                if any(
+                    n and n.split(".")[0] in ("pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib")
+                    for n in names
+                ):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {names}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
                 owner = node.func.value

@@ -20,7 +20,9 @@ from tests.scripts.split_models import ResidualCNN, tiny_gpt2
 SCHEDULES = ["gpipe", "1f1b", "zero_bubble"]
 
 
-def _run(model: nn.Module, points: list[str], step: Callable[..., torch.Tensor], *batch: Any, **options: Any) -> torch.Tensor:
+def _run(
+    model: nn.Module, points: list[str], step: Callable[..., torch.Tensor], *batch: Any, **options: Any
+) -> torch.Tensor:
     engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), **options)
     try:
         loss = engine.run(step, model, *batch)
@@ -44,8 +46,12 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize(("points", "microbatches"), [(["transformer.h.2"], 4), (["transformer.h.1", "transformer.h.3"], 3)])
-def test_unmodified_gpt2_with_tied_embeddings_equals_the_full_batch(schedule: str, points: list[str], microbatches: int) -> None:
+@pytest.mark.parametrize(
+    ("points", "microbatches"), [(["transformer.h.2"], 4), (["transformer.h.1", "transformer.h.3"], 3)]
+)
+def test_unmodified_gpt2_with_tied_embeddings_equals_the_full_batch(
+    schedule: str, points: list[str], microbatches: int
+) -> None:
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     reference = tiny_gpt2()

@@ -23,7 +23,16 @@ from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
 
 MIB = 1024 * 1024
 # The 8M MLP of bench/common.py (1024 -> 2048 -> 2048 -> 1024 -> 256), gradients in ready order.
-MLP_READY_BYTES = [256 * 4, 256 * 1024 * 4, 1024 * 4, 1024 * 2048 * 4, 2048 * 4, 2048 * 2048 * 4, 2048 * 4, 2048 * 1024 * 4]
+MLP_READY_BYTES = [
+    256 * 4,
+    256 * 1024 * 4,
+    1024 * 4,
+    1024 * 2048 * 4,
+    2048 * 4,
+    2048 * 2048 * 4,
+    2048 * 4,
+    2048 * 1024 * 4,
+]
 
 
 def oracle(sizes: list[int], limits: list[int]) -> list[int]:
@@ -56,7 +65,12 @@ def test_python_assignment_matches_torchs_and_the_rule(numels: list[int], limits
 
 
 def test_dtypes_never_share_a_bucket() -> None:
-    tensors = [torch.empty(10), torch.empty(10, dtype=torch.float64), torch.empty(10), torch.empty(10, dtype=torch.float64)]
+    tensors = [
+        torch.empty(10),
+        torch.empty(10, dtype=torch.float64),
+        torch.empty(10),
+        torch.empty(10, dtype=torch.float64),
+    ]
     keys = [t.dtype for t in tensors]
     sizes = [t.numel() * t.element_size() for t in tensors]
     expected = layout.assign_buckets(sizes, [1000], keys)
@@ -252,7 +266,11 @@ def test_the_decision_uses_the_slowest_rank() -> None:
 
     def run(other: Any) -> tuner.BucketTuner:
         tuned = tuner.BucketTuner(
-            settings_, default_mb=25.0, first_cap_for=lambda cap: min(1.0, cap), comm=OtherRankComm(other), clock=FakeClock()
+            settings_,
+            default_mb=25.0,
+            first_cap_for=lambda cap: min(1.0, cap),
+            comm=OtherRankComm(other),
+            clock=FakeClock(),
         )
         tuned.begin(params, remaining_steps=1000)
         drive(tuned, params, {25.0: 10.0, 0.25: 9.0, 0.5: 12.0}, 60)
@@ -272,15 +290,20 @@ def test_short_runs_and_one_layout_keep_ddps_default() -> None:
     assert short.status == tuner.SKIPPED and short.chosen_mb == 25.0 and "40" in short.reason
     assert "DDP's default bucket_cap_mb=25" in short.summary()
     one = tuner.BucketTuner(
-        plan.TuningSettings(candidates_mb=(4.0, 8.0)), default_mb=25.0, first_cap_for=lambda c: min(1.0, c), clock=FakeClock()
+        plan.TuningSettings(candidates_mb=(4.0, 8.0)),
+        default_mb=25.0,
+        first_cap_for=lambda c: min(1.0, c),
+        clock=FakeClock(),
     )
     one.begin(params, remaining_steps=None)  # 0.9 MiB: every size >= 4 gives one layout
     drive(one, params, {25.0: 10.0}, 3)
     assert one.status == tuner.DONE and one.chosen_mb == 25.0 and one.results == []
     budget = tuner.BucketTuner(
-        plan.TuningSettings(candidates_mb=(0.25, 0.5), steps=10), default_mb=25.0, first_cap_for=lambda c: min(1.0, c),
+        plan.TuningSettings(candidates_mb=(0.25, 0.5), steps=10),
+        default_mb=25.0,
+        first_cap_for=lambda c: min(1.0, c),
         clock=FakeClock(),
-    )  # fmt: skip
+    )
     budget.begin(params, remaining_steps=None)
     drive(budget, params, {25.0: 10.0}, 2)
     assert budget.status == tuner.SKIPPED and "tune_steps=10 is too small" in budget.reason
@@ -414,7 +437,9 @@ def powersgd_steps(
         grads = [torch.randn(s, generator=generator) for s in shapes]
         result = [torch.empty(0)] * len(shapes)
         for index, members in enumerate(buckets):
-            bucket = FakeBucket(index, [params[i] for i in members], [grads[i] for i in members], index == len(buckets) - 1)
+            bucket = FakeBucket(
+                index, [params[i] for i in members], [grads[i] for i in members], index == len(buckets) - 1
+            )
             hook(state, bucket).wait()  # type: ignore[arg-type]
             for position, view in zip(members, bucket.gradients()):
                 result[position] = view.clone()

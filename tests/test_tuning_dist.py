@@ -47,8 +47,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     auto = tune_fit(
         tmp / "auto",
         {"bucket_cap_mb": "auto", "tune_candidates": CANDIDATES},
-        "--steps", str(STEPS), "--ckpt", str(tmp / "auto.ckpt"), *common,
-    )  # fmt: skip
+        "--steps",
+        str(STEPS),
+        "--ckpt",
+        str(tmp / "auto.ckpt"),
+        *common,
+    )
     chosen = auto["ranks"][0]["bucket_cap_mb"]
     fixed = tune_fit(
         tmp / "fixed", {"bucket_cap_mb": chosen}, "--steps", str(MORE_STEPS), "--params-at", str(STEPS), *common
@@ -56,8 +60,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     resumed = tune_fit(
         tmp / "resumed",
         {"bucket_cap_mb": "auto", "tune_candidates": CANDIDATES},
-        "--steps", str(MORE_STEPS), "--resume", str(tmp / "auto.ckpt"), *common,
-    )  # fmt: skip
+        "--steps",
+        str(MORE_STEPS),
+        "--resume",
+        str(tmp / "auto.ckpt"),
+        *common,
+    )
     return {"auto": auto, "fixed": fixed, "resumed": resumed, "ckpt": {"path": tmp / "auto.ckpt"}}
 
 
@@ -106,7 +114,9 @@ def test_rewraps_happen_only_between_accumulation_windows(runs: dict[str, dict[s
     assert accumulate == 2
     batches = rank0["batches"]
     changes = [
-        (previous, current) for previous, current in zip(batches, batches[1:]) if previous["wrapper"] != current["wrapper"]
+        (previous, current)
+        for previous, current in zip(batches, batches[1:])
+        if previous["wrapper"] != current["wrapper"]
     ]
     # the tuner's re-wraps, and CommProfiler's (its hook out of DDP after its window)
     assert len(changes) == len(rank0["rewraps"]) + len(rank0["profiler_switches"])
@@ -188,9 +198,14 @@ def powersgd_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     auto = tune_fit(tmp / "auto", auto_kwargs, "--steps", str(STEPS), "--ckpt", str(tmp / "auto.ckpt"), *aligned)
     chosen = auto["ranks"][0]["bucket_cap_mb"]
     fixed = tune_fit(
-        tmp / "fixed", {"bucket_cap_mb": chosen, **POWERSGD}, "--steps", str(MORE_STEPS), "--params-at", str(STEPS),
+        tmp / "fixed",
+        {"bucket_cap_mb": chosen, **POWERSGD},
+        "--steps",
+        str(MORE_STEPS),
+        "--params-at",
+        str(STEPS),
         *aligned,
-    )  # fmt: skip
+    )
     resumed = tune_fit(
         tmp / "resumed", auto_kwargs, "--steps", str(MORE_STEPS), "--resume", str(tmp / "auto.ckpt"), *aligned
     )
@@ -223,9 +238,13 @@ def test_powersgd_resume_restores_error_feedback(powersgd_runs: dict[str, dict[s
 
 def test_spawn_brings_the_tuned_size_back_to_the_launching_process(tmp_path: Path) -> None:
     run = tune_fit(
-        tmp_path / "spawn", {"bucket_cap_mb": "auto", "tune_candidates": CANDIDATES}, "--steps", str(STEPS),
-        "--start-method", "spawn",
-    )  # fmt: skip
+        tmp_path / "spawn",
+        {"bucket_cap_mb": "auto", "tune_candidates": CANDIDATES},
+        "--steps",
+        str(STEPS),
+        "--start-method",
+        "spawn",
+    )
     worker = run["ranks"][0]
     main = json.loads((run["dir"] / "main.json").read_text())
     assert worker["tuning"]["status"] == "done"

@@ -38,10 +38,14 @@ def noisy_steps(
 
 def candidates(count: int) -> list[Candidate]:
     return [
-        Candidate(cap_mb=25.0 if i == 0 else float(2**i), equivalent_mb=(25.0 if i == 0 else float(2**i),),
-                  bucket_bytes=(MIB * (i + 1),), is_default=i == 0)
+        Candidate(
+            cap_mb=25.0 if i == 0 else float(2**i),
+            equivalent_mb=(25.0 if i == 0 else float(2**i),),
+            bucket_bytes=(MIB * (i + 1),),
+            is_default=i == 0,
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def results_for(

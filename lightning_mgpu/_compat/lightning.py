@@ -361,11 +361,13 @@ def route_preemption_signals(
 from typing import Any as _StockAny, Callable as _StockCallable, Optional as _StockOptional
 
 _STOCK_REGISTER_HOOKS = guarded(
-    "lightning.pytorch.strategies", "DDPStrategy._register_ddp_hooks", required=False,
+    "lightning.pytorch.strategies",
+    "DDPStrategy._register_ddp_hooks",
+    required=False,
     why="DDPStrategy registers self._ddp_comm_hook (wrapped by self._ddp_comm_wrapper) here, on CUDA only; "
     "CommProfiler reads the hook and composes its timer into the wrapper (fallback: a user's hook on CUDA "
     "is left alone and the buckets are not timed)",
-)  # fmt: skip
+)
 
 
 def stock_ddp_comm_hook(strategy: _StockAny) -> "_StockOptional[_StockCallable[..., _StockAny]]":

@@ -87,19 +87,32 @@ def plan_split_points(
     fwd = [statistics.median(run[j] for run in forward) for j in range(k)]
     total_fwd, total_bwd = sum(fwd) or 1.0, statistics.median(backward)
     times = [f + total_bwd * f / total_fwd for f in fwd]
-    table = Table(title=f"{args.factory}: split points {points}, micro-batch {list(sample_shape)}, M={args.microbatches}")
+    table = Table(
+        title=f"{args.factory}: split points {points}, micro-batch {list(sample_shape)}, M={args.microbatches}"
+    )
     for column in ("stage", "begins at", "time ms", "params+grads+Adam"):
         table.add_column(column, justify="left" if column == "begins at" else "right")
     for j in range(k):
-        table.add_row(str(j), "(start)" if j == 0 else points[j - 1], f"{times[j]:.3f}", f"{4 * params[j] / 2**20:.1f} MiB")
+        table.add_row(
+            str(j), "(start)" if j == 0 else points[j - 1], f"{times[j]:.3f}", f"{4 * params[j] / 2**20:.1f} MiB"
+        )
     table.caption = f"slowest stage {max(times):.3f} ms; balance {sum(times) / k / max(times):.0%}; {threads} thread(s)"
     Console().print(table)
     if args.json:
         import json
 
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"factory": args.factory, "split_points": points, "stage_time_ms": times,
-                       "stage_param_bytes": params, "sample_shape": list(sample_shape)}, handle, indent=2)
+            json.dump(
+                {
+                    "factory": args.factory,
+                    "split_points": points,
+                    "stage_time_ms": times,
+                    "stage_param_bytes": params,
+                    "sample_shape": list(sample_shape),
+                },
+                handle,
+                indent=2,
+            )
         print(f"wrote {args.json}")
     return 0
 

@@ -68,7 +68,9 @@ def _module() -> Any:
     return SelfTestNet()
 
 
-def _fit(device: str, *, strategy: Any, precision: str = "32-true", callbacks: Optional[list[Any]] = None) -> tuple[Any, Any]:
+def _fit(
+    device: str, *, strategy: Any, precision: str = "32-true", callbacks: Optional[list[Any]] = None
+) -> tuple[Any, Any]:
     import lightning as L
     import torch
 

@@ -86,7 +86,10 @@ def check_torchvision(
     if expected is not None and _release(vision_version)[:2] != _release(expected)[:2]:
         problems.append(f"torchvision {vision_version} is for another torch (torch {torch_version} needs {expected})")
     if build_tag(vision_version) != build_tag(torch_version):
-        builds = [f"+{build_tag(v)}" if build_tag(v) else "registry's default (CUDA on Linux)" for v in (torch_version, vision_version)]
+        builds = [
+            f"+{build_tag(v)}" if build_tag(v) else "registry's default (CUDA on Linux)"
+            for v in (torch_version, vision_version)
+        ]
         problems.append(f"torch is the {builds[0]} build, torchvision the {builds[1]} build")
     if not problems:
         try:

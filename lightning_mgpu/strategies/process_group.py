@@ -84,7 +84,10 @@ def attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta
     """torchrun's agent store, under a key prefix of this restart attempt."""
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     client = torch.distributed.TCPStore(
-        environment.main_address, int(environment.main_port), world_size, False,
+        environment.main_address,
+        int(environment.main_port),
+        world_size,
+        False,
         timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
     )  # fmt: skip  (one call kept on two lines: the positional arguments read as TCPStore's signature)
     return torch.distributed.PrefixStore(f"lightning_mgpu/attempt_{attempt}", client)
@@ -122,9 +125,15 @@ def loopback_only_store(
         # multi_tenant: torch's env:// rendezvous asks for a shared server on this port and gets this one;
         # no wait for the workers here: torch's own store counts them.
         return torch.distributed.TCPStore(
-            host, port, world_size, True, timeout=timeout, wait_for_workers=False, multi_tenant=True,
+            host,
+            port,
+            world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+            multi_tenant=True,
             master_listen_fd=fd,
-        )  # fmt: skip
+        )
     except TypeError:  # a torch without master_listen_fd: its own rendezvous
         os.close(fd)
         return None

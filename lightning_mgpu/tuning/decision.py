@@ -243,9 +243,15 @@ def format_table(results: Sequence[CandidateResult], chosen: int) -> str:
     """The candidates as a plain-text table (for ``rank_zero_info``; logs have no colours)."""
     default = next((r for r in results if r.candidate.is_default), None)
     header = (
-        "", "bucket_cap_mb", "same layout", "buckets (MiB, launch order)", "step ms", "spread", "per round",
+        "",
+        "bucket_cap_mb",
+        "same layout",
+        "buckets (MiB, launch order)",
+        "step ms",
+        "spread",
+        "per round",
         "vs default [interval, %]",
-    )  # fmt: skip
+    )
     rows = [header]
     for index, result in enumerate(results):
         candidate = result.candidate

@@ -73,7 +73,7 @@ def print_table(result: dict[str, Any]) -> None:
             "per round",
             "vs default [interval, %]",
             "chosen",
-        )  # fmt: skip
+        )
     ):
         table.add_column(column, justify="left" if index < 3 else "right")
     for row in rows(record):

@@ -52,7 +52,9 @@ parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--epochs", type=int, default=5, help="passes over the data set")
 parser.add_argument("--record", default=None, help="save per-step losses and final weights here (for the tests)")
 parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (auto: the GPUs if there are at least 2)")
-parser.add_argument("--devices", type=int, default=None, help="all devices on this node (default: every GPU, else 2 CPU)")
+parser.add_argument(
+    "--devices", type=int, default=None, help="all devices on this node (default: every GPU, else 2 CPU)"
+)
 parser.add_argument("--devices-per-replica", type=int, default=2, help="devices one model is split over")
 parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step in the pipeline")
 parser.add_argument("--balance", default="time", help="time, memory, params, or stage sizes like 4,5")
@@ -135,15 +137,22 @@ def main() -> None:
     run.add_column("quantity")
     run.add_column("value", justify="right")
     run.add_row("optimizer steps", str(trainer.global_step))
-    run.add_row("global batch", f"{args.batch_size * trainer.world_size} ({trainer.world_size} replica(s) x {args.batch_size})")
-    run.add_row("samples/s", f"{trainer.global_step * args.batch_size * trainer.world_size / lightning_module.train_seconds:,.0f}")
+    run.add_row(
+        "global batch", f"{args.batch_size * trainer.world_size} ({trainer.world_size} replica(s) x {args.batch_size})"
+    )
+    run.add_row(
+        "samples/s",
+        f"{trainer.global_step * args.batch_size * trainer.world_size / lightning_module.train_seconds:,.0f}",
+    )
     run.add_row("train loss (last epoch)", f"{trainer.callback_metrics['train_loss'].item():.5f}")
     run.add_row("placement", plan.summary_line() if plan else "one device per replica")
     Console().print(run)
 
     if args.record:
         parameters = [p.detach().cpu() for p in lightning_module.layers.parameters()]
-        torch.save({"losses": lightning_module.losses, "parameters": parameters, "world_size": trainer.world_size}, args.record)
+        torch.save(
+            {"losses": lightning_module.losses, "parameters": parameters, "world_size": trainer.world_size}, args.record
+        )
 
 
 if __name__ == "__main__":

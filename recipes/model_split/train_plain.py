@@ -58,7 +58,9 @@ class ModelPart2(nn.Module):
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+        self.layers = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -89,7 +91,9 @@ def main() -> None:
     model_part1 = ModelPart1(args.width).to(device0)
     model_part2 = ModelPart2(args.width).to(device1)
     loss_fn = nn.MSELoss()
-    optimizer = torch.optim.SGD([*model_part1.parameters(), *model_part2.parameters()], lr=args.lr, momentum=args.momentum)
+    optimizer = torch.optim.SGD(
+        [*model_part1.parameters(), *model_part2.parameters()], lr=args.lr, momentum=args.momentum
+    )
 
     # -------------------------------------------------------------------------
     # Training

@@ -58,13 +58,23 @@ class Job:
         return result
 
     def describe(self) -> str:
-        return f"{self.name}: exit {self.returncode}, {self.wall_s:.1f} s, latency {self.latency_s}\n{self.output[-6000:]}"
+        return (
+            f"{self.name}: exit {self.returncode}, {self.wall_s:.1f} s, latency {self.latency_s}\n{self.output[-6000:]}"
+        )
 
 
 def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID",
-                "GLOO_SOCKET_IFNAME"):  # fmt: skip
+    for key in (
+        "LOCAL_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NODE_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "GLOO_SOCKET_IFNAME",
+    ):
         env.pop(key, None)
     env.update(
         CUDA_VISIBLE_DEVICES="",
@@ -90,9 +100,14 @@ def launch(
     command = [sys.executable, *launcher, str(SCRIPT), "--out-dir", str(out_dir), *flags]
     started = time.perf_counter()
     process = subprocess.Popen(
-        command, cwd=out_dir.parent, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=out_dir.parent,
+        env=env or child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     timed_out = False
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -140,7 +155,9 @@ def _session_processes(session: int, wait_s: float) -> list[str]:
         time.sleep(0.1)
 
 
-def listening_while_running(command: Sequence[str], *, env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, list[str]]:
+def listening_while_running(
+    command: Sequence[str], *, env: dict[str, str], cwd: Path, timeout: float
+) -> tuple[int, list[str]]:
     """Run ``command`` in its own session; every TCP socket its processes listen on, sampled every 20 ms
     until it exits: (exit code, ["address:port (pid)", ...])."""
     process = subprocess.Popen(

@@ -31,7 +31,9 @@ parser.add_argument("--batch-size", type=int, default=32, help="per process")
 parser.add_argument("--ckpt-save", default=None, help="trainer.save_checkpoint here at the end")
 parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
 parser.add_argument("--profiler", action="store_true", help="add CommProfiler(warmup_steps=1)")
-parser.add_argument("--profile-schedule", default="20,200", help="STEPS,EVERY: the profiler's profile_steps, profile_every")
+parser.add_argument(
+    "--profile-schedule", default="20,200", help="STEPS,EVERY: the profiler's profile_steps, profile_every"
+)
 parser.add_argument("--out", required=True)
 
 
@@ -46,7 +48,9 @@ class Net(StagedNet):
         x = torch.randn(128, 8, generator=g)
         data = TensorDataset(x, x[:, :1] * x[:, 1:2])
         world, rank = self.trainer.world_size, self.trainer.global_rank
-        return DataLoader(data, batch_size=self.batch_size, sampler=DistributedSampler(data, world, rank, shuffle=False))
+        return DataLoader(
+            data, batch_size=self.batch_size, sampler=DistributedSampler(data, world, rank, shuffle=False)
+        )
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -65,7 +69,9 @@ def main() -> None:
     model = Net(args.batch_size)
     balance = [int(s) for s in args.balance.split(",")] if "," in args.balance else args.balance
     if args.strategy == "hybrid":
-        strategy = HybridParallelStrategy(devices_per_replica=args.k, microbatches=args.m, checkpoint=args.checkpoint, balance=balance)
+        strategy = HybridParallelStrategy(
+            devices_per_replica=args.k, microbatches=args.m, checkpoint=args.checkpoint, balance=balance
+        )
     elif args.strategy == "ddp_tuned":
         strategy = "ddp_tuned"
     else:
@@ -80,7 +86,9 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[CommProfiler(warmup_steps=1, every_n_steps=2, profile_steps=profile_steps, profile_every=profile_every)]
+        callbacks=[
+            CommProfiler(warmup_steps=1, every_n_steps=2, profile_steps=profile_steps, profile_every=profile_every)
+        ]
         if args.profiler
         else [],
     )

@@ -47,7 +47,9 @@ class Split(L.LightningModule):
             self.data = TensorDataset(ids, ids)
         else:
             self.model = ResidualCNN()
-            self.data = TensorDataset(torch.randn(samples, 3, 8, 8, generator=g), torch.randint(0, 5, (samples,), generator=g))
+            self.data = TensorDataset(
+                torch.randn(samples, 3, 8, 8, generator=g), torch.randint(0, 5, (samples,), generator=g)
+            )
         self.seen: list[float] = []
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,10 @@ class Split(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.chunks > 1:
-            loss = sum(self.loss(a, b) for a, b in zip(x.tensor_split(self.chunks), y.tensor_split(self.chunks))) / self.chunks
+            loss = (
+                sum(self.loss(a, b) for a, b in zip(x.tensor_split(self.chunks), y.tensor_split(self.chunks)))
+                / self.chunks
+            )
         else:
             loss = self.loss(x, y)
         self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
@@ -69,7 +74,9 @@ class Split(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self.trainer.world_size, self.trainer.global_rank
-        return DataLoader(self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, world, rank, shuffle=False))
+        return DataLoader(
+            self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, world, rank, shuffle=False)
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -90,9 +97,16 @@ def main() -> None:
         else:
             strategy = "auto"
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.devices if args.strategy == "hybrid" else 1, strategy=strategy,
-            max_epochs=1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+            accelerator="cpu",
+            devices=args.devices if args.strategy == "hybrid" else 1,
+            strategy=strategy,
+            max_epochs=1,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            log_every_n_steps=1,
         )
         trainer.fit(model)
         if trainer.global_rank == 0:
@@ -102,7 +116,9 @@ def main() -> None:
                 "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                 "world_size": trainer.world_size,
                 "split_points": getattr(trainer.strategy, "split_points", None),
-                "tied": model.model.lm_head.weight is model.model.transformer.wte.weight if args.model == "gpt2" else None,
+                "tied": model.model.lm_head.weight is model.model.transformer.wte.weight
+                if args.model == "gpt2"
+                else None,
             }
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -35,7 +35,9 @@ class ResidualCNN(nn.Module):
 
     def __init__(self, channels: int = 8, classes: int = 5, blocks: int = 4) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)
+        )
         self.blocks = nn.Sequential(*(_Block(channels) for _ in range(blocks)))
         self.head = nn.Linear(channels, classes)
 
@@ -49,8 +51,17 @@ def tiny_gpt2(*, layers: int = 4, width: int = 32, vocab: int = 64, positions: i
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
-        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM",
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=width,
+        n_layer=layers,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
     )
     return GPT2LMHeadModel(config)

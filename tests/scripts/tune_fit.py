@@ -63,7 +63,9 @@ class Probe(L.Callback):
             if trainer.global_rank == 0:
                 torch.save(flat.clone(), self.out_dir / "params_at.pt")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         progress = trainer.fit_loop.epoch_loop.batch_progress.total
         self.batches.append(
             {"batch": progress.ready, "global_step": trainer.global_step, "wrapper": id(trainer.strategy.model)}
@@ -114,8 +116,11 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
-        "--out-features", type=int, default=1, help="16: every tensor a multiple of 64 bytes, so that CPU matmuls "
-        "on bucket views round the same whatever their offset in the bucket (PowerSGD comparisons)"
+        "--out-features",
+        type=int,
+        default=1,
+        help="16: every tensor a multiple of 64 bytes, so that CPU matmuls "
+        "on bucket views round the same whatever their offset in the bucket (PowerSGD comparisons)",
     )
     parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2) with exports")
     parser.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here after fit")
