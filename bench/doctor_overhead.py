@@ -171,9 +171,9 @@ def _time_doctor(doctor: Any, check_ms: list[tuple[str, float]], hook_us: dict[s
     """Wrap the doctor's checks and per-batch hooks with timers (instance attributes shadow the methods)."""
     check = doctor._check
 
-    def timed_check(trainer: Any, pl_module: Any, kind: str) -> None:
+    def timed_check(trainer: Any, kind: str) -> None:  # DistributedDoctor._check(trainer, kind)
         started = time.perf_counter()
-        check(trainer, pl_module, kind)
+        check(trainer, kind)
         check_ms.append((kind, 1e3 * (time.perf_counter() - started)))
 
     doctor._check = timed_check

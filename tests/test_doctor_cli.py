@@ -17,6 +17,7 @@ SECRET = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API ke
 CHECK_NAMES = {
     "python",
     "torch",
+    "torchvision",  # paired with torch (issue 18: a mismatch breaks import lightning)
     "lightning",
     "cuda",
     "nccl",
