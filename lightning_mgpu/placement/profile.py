@@ -72,6 +72,26 @@ class LayerCost:
         return {**asdict(self), "time_ms": self.time_ms, "memory_bytes": self.memory_bytes}
 
     @classmethod
+    def from_parameters(cls, index: int, name: str, kind: str, params: Sequence[torch.Tensor]) -> LayerCost:
+        """A cost from parameter counts only (no sample run): enough for balance="params" or given sizes;
+        gradients as large as the parameters, optimizer state twice that (Adam's two moments)."""
+        count = sum(p.numel() for p in params)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        return cls(
+            index=index,
+            name=name,
+            kind=kind,
+            forward_ms=0.0,
+            backward_ms=0.0,
+            param_count=count,
+            param_bytes=nbytes,
+            grad_bytes=nbytes,
+            optimizer_bytes=2 * nbytes,
+            activation_bytes=0,
+            output_bytes=0,
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerCost:
         names = cls.__dataclass_fields__
         return cls(**{key: value for key, value in data.items() if key in names})

@@ -206,23 +206,7 @@ def static_costs(seq: nn.Sequential) -> list[LayerCost]:
     """Parameter counts only (no sample to run): enough for balance="params" or given sizes."""
     costs = []
     for index, (name, layer) in enumerate(seq.named_children()):
-        count = sum(p.numel() for p in layer.parameters())
-        nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-        costs.append(
-            LayerCost(
-                index=index,
-                name=name,
-                kind=type(layer).__name__,
-                forward_ms=0.0,
-                backward_ms=0.0,
-                param_count=count,
-                param_bytes=nbytes,
-                grad_bytes=nbytes,
-                optimizer_bytes=2 * nbytes,
-                activation_bytes=0,
-                output_bytes=0,
-            )
-        )
+        costs.append(LayerCost.from_parameters(index, name, type(layer).__name__, list(layer.parameters())))
     return costs
 
 

@@ -94,23 +94,7 @@ def block_costs(root: nn.Module, candidates: Sequence[str]) -> list[LayerCost]:
         block = modules[name]
         params = [p for p in block.parameters() if id(p) not in inside]
         inside.update(id(p) for p in params)
-        count = sum(p.numel() for p in params)
-        nbytes = sum(p.numel() * p.element_size() for p in params)
-        costs.append(
-            LayerCost(
-                index=index,
-                name=name,
-                kind=type(block).__name__,
-                forward_ms=0.0,
-                backward_ms=0.0,
-                param_count=count,
-                param_bytes=nbytes,
-                grad_bytes=nbytes,
-                optimizer_bytes=2 * nbytes,
-                activation_bytes=0,
-                output_bytes=0,
-            )
-        )
+        costs.append(LayerCost.from_parameters(index, name, type(block).__name__, params))
     stages = stage_of_modules(root, list(candidates[1:]))
     extra = [0, 0]
     seen: set[int] = set()
