@@ -150,3 +150,17 @@ def run_recipe(
     proc = run_python([*launcher, script_path, *flags, "--record", str(record)], cwd=workdir, timeout=timeout)
     result: dict[str, Any] = torch.load(record, weights_only=True)
     return result, proc
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real one-rank gloo group in this process (an in-memory store: no socket, no process)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

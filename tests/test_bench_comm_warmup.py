@@ -7,8 +7,7 @@ The first collectives of a new process group pay one-time costs; they used to la
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,15 +15,6 @@ import torch.distributed as dist
 
 from lightning_mgpu.comm import allreduce_bench
 from lightning_mgpu.comm.allreduce_bench import SWEEP_WARMUP, warm_up_group
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_group_is_warmed_up_untimed_at_the_smallest_size(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,16 +41,6 @@ def _clean_process(request: pytest.FixtureRequest) -> Iterator[None]:
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environ)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Bucket:

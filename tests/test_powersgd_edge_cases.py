@@ -8,12 +8,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -47,17 +44,6 @@ def test_the_range_check_still_comes_first() -> None:
 
 
 # ----------------------------------------------------------------------------- complex parameters (item 9)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real one-rank gloo group in this process (an in-memory store: no socket, no process)."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class ComplexNet(nn.Module):

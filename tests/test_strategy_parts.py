@@ -6,13 +6,11 @@ process group where DDP needs one, and fakes stand in for hooks, buckets and lau
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -24,17 +22,6 @@ from lightning_mgpu.comm.hook_chain import CommHookHost, HookChain
 from lightning_mgpu.strategies import launchers
 from lightning_mgpu.strategies.ddp_options import bucket_kwargs, check_options, first_cap_for
 from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real one-rank gloo group in this process (an in-memory store: no socket, no process)."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- hook chain
