@@ -41,6 +41,10 @@ class TinyMLP(MLPRegressor):
         self.grad_checks.append(
             {
                 "fp16_exact": bool(torch.equal(grad, grad.half().float())),
+                # float16's 11 significant bits, whatever the exponent (a scaled fp16 hook keeps small values)
+                "fp16_precision": bool(
+                    torch.equal(torch.frexp(grad)[0], torch.round(torch.frexp(grad)[0] * 2048) / 2048)
+                ),
                 "bf16_exact": bool(torch.equal(grad, grad.bfloat16().float())),
                 "rank": int(torch.linalg.matrix_rank(grad).item()),
             }
