@@ -164,3 +164,17 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def clean_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Lightning's DDP on one device (an in-process fit) leaves the process group up and its launcher's
+    variables in ``os.environ``: undone after the test, so the next one sees a clean process."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized() and "one_rank_group" not in request.fixturenames:
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)

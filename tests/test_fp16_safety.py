@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,16 +29,8 @@ from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compres
 from tests.scripts.fail_harness import launch_all
 
 
-@pytest.fixture(autouse=True)
-def _clean_process(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Lightning's DDP on one device (the in-process fits here) leaves the process group up and its
-    launcher's variables in ``os.environ``: undone after each test, so the next one sees a clean process."""
-    environ = dict(os.environ)
-    yield
-    if dist.is_available() and dist.is_initialized() and "one_rank_group" not in request.fixturenames:
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
+# In-process fits leave Lightning's process group and launcher variables behind: conftest undoes them.
+pytestmark = pytest.mark.usefixtures("clean_process")
 
 
 class Bucket:

@@ -21,12 +21,11 @@ import re
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -38,16 +37,8 @@ from tests.scripts.fail_harness import Job, launch_all
 
 
 # ----------------------------------------------------------------------------- in-process
-@pytest.fixture(autouse=True)
-def _clean_process(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Lightning's DDP on one device (the in-process fits here) leaves the process group up and its
-    launcher's variables in ``os.environ``: undone after each test, so the next one sees a clean process."""
-    environ = dict(os.environ)
-    yield
-    if dist.is_available() and dist.is_initialized() and "one_rank_group" not in request.fixturenames:
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
+# In-process fits leave Lightning's process group and launcher variables behind: conftest undoes them.
+pytestmark = pytest.mark.usefixtures("clean_process")
 
 
 class Tiny(L.LightningModule):
