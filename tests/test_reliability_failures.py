@@ -54,6 +54,9 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (*HYBRID, "--fail", "mismatch", "--rank", "0", "--timeout-s", str(TIMEOUT_S)),
     ),
 }
+OBSERVER_KILL = "terminated with code 1. Forcefully terminating all other processes"
+"""Under Lightning's launcher rank 0 watches its children: when the failing rank is 1, rank 0 may be killed by that
+watcher (this message) before its own collective fails; either way it did not hang (the job ended promptly)."""
 RAISING = [name for name in SCENARIOS if not re.search(r"sigkill|stuck|mismatch", name)]
 
 
@@ -98,7 +101,8 @@ def test_an_exception_on_one_rank_ends_the_job_naming_the_rank_and_the_message(j
         # every line a rank prints after the process group exists carries its rank
         assert re.search(rf"^\[rank{rank}\]: .*{message}", job.output, re.MULTILINE), job.describe()
     other = 1 - rank
-    if not name.startswith("spawn"):
+    observer_killed = name.startswith("lightning") and rank == 1 and OBSERVER_KILL in job.output
+    if not name.startswith("spawn") and not observer_killed:
         # the other rank did not hang: its collective failed at once, and it says what that means
         assert re.search(rf"^\[rank{other}\]: .*(Connection closed by peer|Connection reset by peer)", job.output, re.M)
         assert f"[lightning_mgpu] rank {other}: another rank's process ended" in job.output, job.describe()

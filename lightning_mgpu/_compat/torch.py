@@ -269,37 +269,3 @@ BATCHNORM_TYPES: "tuple[type[_nn_for_hooks.Module], ...]" = (
 def is_batchnorm(module: object) -> bool:
     """Whether ``module`` is a BatchNorm layer of any flavour (1d/2d/3d, lazy, SyncBatchNorm)."""
     return isinstance(module, BATCHNORM_TYPES)
-
-
-# ---------------------------------------------------------------------------------------
-# One module run with some of its parameters replaced: placement/shared_params.py (a parameter
-# shared by pipeline stages on different devices, e.g. tied embeddings: the module of the
-# stage that does not hold it runs with a differentiable copy on its own device)
-# ---------------------------------------------------------------------------------------
-from torch.nn.utils import stateless as _stateless  # noqa: E402
-
-_REPARAMETRIZE_MODULE = guarded(
-    "torch.nn.utils.stateless",
-    "_reparametrize_module",
-    required=False,
-    why="run a module with a parameter replaced by another tensor and put the parameter back after (what "
-    "torch.func.functional_call does inside), entered in a forward pre-hook and left in a forward hook; "
-    "fallback: a parameter shared across stages on different devices is refused",
-)
-
-
-def can_replace_parameters() -> bool:
-    """Whether :func:`replacing_parameters` works with this torch."""
-    return hasattr(_stateless, _REPARAMETRIZE_MODULE.attribute)
-
-
-def replacing_parameters(module: _torch.nn.Module, values: "dict[str, _torch.Tensor]") -> "Any":
-    """A context manager in which ``module.<name>`` is ``values[name]`` (names relative to ``module``); the
-    parameters (same objects) are back when it exits. Raises RuntimeError where this torch lacks it."""
-    reparametrize = getattr(_stateless, _REPARAMETRIZE_MODULE.attribute, None)
-    if reparametrize is None:
-        raise RuntimeError(
-            "this torch has no torch.nn.utils.stateless._reparametrize_module: a parameter shared by pipeline "
-            "stages on different devices cannot be copied to the other device"
-        )
-    return reparametrize(module, values, tie_weights=False, strict=False)

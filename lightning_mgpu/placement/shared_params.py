@@ -6,12 +6,18 @@ on the first stage's device (where its module is defined first,
 :func:`~lightning_mgpu.placement.split_points.stage_of_modules`) and the output layer runs on
 another device. :class:`SharedParameterCopies` runs every such module with a
 **differentiable copy** of the parameter on its own stage's device (``param.to(device,
-copy=True)``, made in a forward pre-hook, the parameter put back in a forward hook that runs
-even when the forward raises). The copy's backward sends its gradient to the one parameter,
+copy=True)``, made in a forward pre-hook). The module is not changed: the copy is put in the
+parameter's place in every torch call the forward makes, by a :class:`~torch.overrides.TorchFunctionMode`
+entered in the pre-hook and left in a forward hook that runs even when the forward raises. A
+mode is the calling thread's alone, so a block that two stages call at the same time (two
+micro-batch threads) sees the copy in one and the parameter in the other; replacing the
+module's attribute instead would show one thread's copy to the other. The copy's backward sends its gradient to the one parameter,
 so the staged pipeline sums both stages' parts as it does on one device; the optimizer and
 DDP see one parameter, the ``state_dict`` is unchanged. A forward that reads the parameter
 outside the module that holds it (``F.linear(x, self.wte.weight)``) is not covered: give the
 sharing module its own attribute (``self.lm_head.weight = self.wte.weight``), as GPT-2 does.
+Nor is a forward that hands the parameter to code torch does not see (a C++ extension called
+without going through a torch function).
 
 :func:`foreign_uses` lists the (module, parameter name, stage) that need a copy. On devices
 of one kind (CPU stages) nothing does; ``always=True`` copies anyway, which is how the tests
@@ -20,15 +26,14 @@ exercise the GPU path on a CPU.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu._compat.torch import replacing_parameters
 from lightning_mgpu.placement.handover import current_run
 from lightning_mgpu.placement.split_points import stage_of_modules
 
@@ -62,6 +67,33 @@ def holders(root: nn.Module, split_points: Sequence[str]) -> dict[int, int]:
         for param in module.parameters(recurse=False):
             holder.setdefault(id(param), stages.get(name, 0))
     return holder
+
+
+class _InPlaceOf(TorchFunctionMode):
+    """While entered (in one thread): every torch function, tensor method and tensor property given one of the
+    parameters gets its copy instead."""
+
+    def __init__(self, copies: Mapping[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.copies = copies  # id(parameter) -> its copy
+
+    def _swap(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.copies.get(id(value), value)
+        if type(value) in (list, tuple):  # torch.cat([...]); not a subclass such as torch.Size
+            return type(value)(self._swap(item) for item in value)
+        if type(value) is dict:
+            return {key: self._swap(item) for key, item in value.items()}
+        return value
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Optional[Mapping[str, Any]] = None,
+    ) -> Any:
+        return func(*self._swap(tuple(args)), **self._swap(dict(kwargs or {})))
 
 
 class SharedParameterCopies:
@@ -108,17 +140,20 @@ class SharedParameterCopies:
             copies = {}
             for name, held in own:
                 if held != stage and (self.always or self.devices[held] != device):
-                    copies[name] = getattr(module, name).to(device, copy=True)
-            context = replacing_parameters(module, copies) if copies else contextlib.nullcontext()
-            context.__enter__()
-            self._stack().append(context)
+                    param = getattr(module, name)
+                    copies[id(param)] = param.to(device, copy=True)
+            mode = _InPlaceOf(copies) if copies else None
+            if mode is not None:
+                mode.__enter__()
+            self._stack().append(mode)
 
         return hook
 
     def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         stack = self._stack()
-        if stack:
-            stack.pop().__exit__(None, None, None)
+        mode = stack.pop() if stack else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     def close(self) -> None:
         for handle in self._handles:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.torch import apply_to_own_tensors, can_replace_parameters
+from lightning_mgpu._compat.torch import apply_to_own_tensors
 from lightning_mgpu.placement.block_profile import profile_blocks
 from lightning_mgpu.placement.handover import current_microbatch
 from lightning_mgpu.placement.microbatch import map_tensors, split_batch
@@ -159,22 +159,6 @@ def check_staged_model(
             "the model contains SyncBatchNorm: its collectives would run in the pipeline's micro-batch threads, in an "
             "order that differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
         )
-    stages = stage_of_modules(module, split_points)
-    used: dict[int, set[int]] = {}
-    names: dict[int, str] = {}
-    for name, sub in module.named_modules(remove_duplicate=False):
-        for pname, param in sub.named_parameters(recurse=False):
-            used.setdefault(id(param), set()).add(stages.get(name, 0))
-            names.setdefault(id(param), f"{name}.{pname}" if name else pname)
-    for key, where in used.items():
-        on = {devices[stage] for stage in where}
-        if len(on) > 1 and not can_replace_parameters():
-            raise ValueError(
-                f"parameter {names[key]} belongs to modules of stages {sorted(where)} on different devices "
-                f"{sorted(map(str, on))}: this torch ({torch.__version__}) cannot run a module with a copy of a "
-                "parameter on its own device. Choose split points that keep the sharing modules in one stage, "
-                "or untie them."
-            )
 
 
 def place_modules(module: nn.Module, split_points: Sequence[str], devices: Sequence[torch.device]) -> None:
