@@ -144,7 +144,7 @@ class SharedParameterCopies:
                     copies[id(param)] = param.to(device, copy=True)
             mode = _InPlaceOf(copies) if copies else None
             if mode is not None:
-                mode.__enter__()
+                mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves TorchFunctionMode.__enter__ untyped
             self._stack().append(mode)
 
         return hook
