@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu.callbacks.comm_profiler import report
+from lightning_mgpu.callbacks.comm_profiler import advice, report
 from lightning_mgpu.callbacks.comm_profiler.schedule import SETTLE_STEPS, Phase, ProfileSchedule
 from lightning_mgpu.callbacks.comm_profiler.stats import CommStats
 from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost
@@ -106,6 +106,12 @@ class CommProfiler(L.Callback):
             first right after ``warmup_steps``); between windows DDP runs without the
             profiler's hook. ``None``: profile every step (on CPU ~2-3% slower steps with
             ``ddp_tuned``, see the README).
+        whatif: at the end, rank 0 replays the profile (:mod:`lightning_mgpu.whatif`) and adds a
+            short "what would help" block to the summary, to ``comm_profile.json``
+            (``"what_would_help"``) and to W&B: ``True`` (default) on the system as profiled; a
+            link preset (``"10gbe"``), a rate in Gbit/s or a ``Link`` to predict over that link;
+            ``False``/``None`` off. Pure Python, milliseconds; it never fails the fit (a failure
+            is one line).
     """
 
     def __init__(
@@ -119,6 +125,7 @@ class CommProfiler(L.Callback):
         sweep: Optional[Union[str, Path]] = None,
         profile_steps: int = 20,
         profile_every: Optional[int] = 200,
+        whatif: Optional[advice.WhatIf] = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, owner="CommProfiler")
         check_int("every_n_steps", every_n_steps, owner="CommProfiler")
@@ -137,6 +144,7 @@ class CommProfiler(L.Callback):
             raise ValueError(
                 f"CommProfiler: sweep must be the path of a bench-comm JSON result or None, got {sweep!r:.80}"
             )
+        self.whatif = advice.check_whatif(whatif)
         self.every_n_steps = every_n_steps
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.timeline_steps = timeline_steps
@@ -146,6 +154,8 @@ class CommProfiler(L.Callback):
         """After fit: the ``summary`` of comm_profile.json (every rank), for code and tests."""
         self.ranks: list[dict[str, float]] = []
         """After fit: each rank's own medians (the ``ranks`` of comm_profile.json)."""
+        self.advice: Optional[dict[str, Any]] = None
+        """After fit, on rank 0 with ``whatif``: the ``what_would_help`` of comm_profile.json."""
         self._reset_run_state()
 
     @property
@@ -412,7 +422,12 @@ class CommProfiler(L.Callback):
             return
         self.summary, self.ranks = profile["summary"], profile["ranks"]
         if trainer.global_rank == 0:
+            advice.add_bucket_gradients(profile, trainer.strategy)  # for the replay: only if the bytes agree
             report.print_summary(profile)
+            if self.whatif is not False:
+                found = advice.advise(profile, self.whatif)
+                print("\n".join(advice.block_lines(found)), flush=True)
+                self.advice = profile["what_would_help"] = found.as_dict()
             if self.export_dir is not None:
                 report.write_all(self.export_dir, profile, CommStats.gathered_timelines(gathered))
                 rank_zero_info(f"CommProfiler: wrote {', '.join(report.EXPORTED_FILES)} to {self.export_dir}")

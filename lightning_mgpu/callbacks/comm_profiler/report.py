@@ -317,7 +317,8 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
 
 
 def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Optional[Path]) -> None:
-    """With a WandbLogger: the bucket table and, if written, the timeline image."""
+    """With a WandbLogger: the bucket table, the "what would help" table (when the profile has
+    one) and, if written, the timeline image."""
     from lightning.pytorch.loggers import WandbLogger
 
     loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
@@ -328,6 +329,12 @@ def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Option
     columns: list[Union[str, int]] = list(BUCKET_COLUMNS)  # wandb's annotation allows int names too
     table = wandb.Table(columns=columns, data=[[b[c] for c in BUCKET_COLUMNS] for b in profile["buckets"]])
     payload: dict[str, Any] = {"comm/buckets": table}
+    if profile.get("what_would_help"):
+        from lightning_mgpu.callbacks.comm_profiler.advice import ADVICE_COLUMNS, advice_rows
+
+        payload["comm/what_would_help"] = wandb.Table(
+            columns=list(ADVICE_COLUMNS), data=advice_rows(profile["what_would_help"])
+        )
     image = export_dir / "comm_timeline.png" if export_dir is not None else None
     if image is not None and image.exists():
         payload["comm/timeline"] = wandb.Image(str(image))
