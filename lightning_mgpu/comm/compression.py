@@ -144,12 +144,15 @@ class ScaledFp16Allreduce:
             -_SCALE_EXPONENT_LIMIT, _SCALE_EXPONENT_LIMIT
         )  # log2(0) = -inf: clamped; a NaN peak stays NaN here and is replaced just below
         scale = torch.where(torch.isfinite(peak), torch.exp2(exponent), torch.ones_like(peak))
-        compressed = torch.empty_like(buffer, dtype=torch.float16)
-        torch.mul(buffer, scale / world_size, out=compressed)  # divided before the cast
         self._peaks.append(peak)
-        if self.counting_underflow:
-            self._nonzero.append(torch.count_nonzero(buffer))
-            self._lost.append(torch.count_nonzero(buffer) - torch.count_nonzero(compressed))
+        nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
+        # Divided before the cast, in the bucket's own buffer (the average overwrites it anyway): a
+        # same-dtype multiply then a cast is ~4x faster on CPU than one multiply writing float16
+        # (torch.mul(..., out=half) takes an unvectorised casting path), and rounds the same.
+        compressed = buffer.mul_(scale / world_size).to(torch.float16)
+        if nonzero is not None:
+            self._nonzero.append(nonzero)
+            self._lost.append(nonzero - torch.count_nonzero(compressed))
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
