@@ -486,7 +486,9 @@ def headlines() -> str:
         ),
         (
             "`CommProfiler()` cost (default schedule)",
-            f"×{p['ratio']:.3f} (95% CI {_ci(p['ci95'])})",
+            f"×{p['ratio']:.3f} (95% CI {_ci(p['ci95'])}"
+            + ("" if p["ci95"][1] <= p["limit"] else f"; reaches past the ×{p['limit']} limit: not conclusive")
+            + ")",
             "[profiler](docs/benchmarks.md#what-commprofiler-costs)",
         ),
         (
