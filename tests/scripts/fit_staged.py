@@ -120,8 +120,11 @@ def main() -> None:
                 if args.model == "gpt2"
                 else None,
             }
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    # The process group stays between the schedules' fits, as Lightning leaves it for a later Trainer. Destroying
+    # it between them (most likely) let rank 1 start the next rendezvous while rank 0's old store still served the last one's
+    # keys: rank 1 then dialled rank 0's closing gloo socket ("Connection reset by peer"; torch's env:// alike).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if records:
         torch.save(records, args.out)
         print(json.dumps({s: r["split_points"] for s, r in records.items()}))
