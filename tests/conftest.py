@@ -125,6 +125,9 @@ def run_python(
                 os.killpg(child.pid, signal.SIGKILL)
             stdout, stderr = child.communicate()
             pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{stdout or ''}\n{stderr or ''}")
+        finally:  # whatever happened, nothing of the run outlives it (e.g. a rank whose parent died)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
     proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         pytest.fail(
