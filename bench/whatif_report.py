@@ -90,6 +90,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.5, 6))
     markers = {"loopback_profile": "o", "profile_at_1gbps": "s", "one_rank_plus_bench_comm": "^"}
+    short = {
+        "loopback_profile": "2-rank loopback profile",
+        "profile_at_1gbps": "profile at 1 Gbit/s",
+        "one_rank_plus_bench_comm": "1-rank profile + bench-comm",
+    }
     values: list[float] = []
     for name, rows in report["validations"].items():
         if not rows:
@@ -97,7 +102,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         measured = [r["measured_ms"] for r in rows]
         predicted = [r["predicted_ms"] for r in rows]
         values += measured + predicted
-        ax.scatter(measured, predicted, marker=markers.get(name, "x"), label=TITLES.get(name, name)[:60], alpha=0.8)
+        label = short.get(name, name)
+        errors = summarize_errors(rows)
+        if errors.get("n"):
+            label += f": median {errors['median_abs_error_pct']:.1f}%, worst {errors['worst_abs_error_pct']:.0f}%"
+        ax.scatter(measured, predicted, marker=markers.get(name, "x"), label=label, alpha=0.8)
     if values:
         low, high = min(values) / 1.3, max(values) * 1.3
         ax.plot([low, high], [low, high], color="black", linewidth=1, label="y = x")
