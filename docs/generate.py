@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from docs import bench_tables, code_tables, package_map
+from docs import bench_tables, code_tables, lab_tables, package_map
 from docs.markdown import heading_anchors, links
 
 __all__ = [
@@ -63,6 +63,8 @@ def _blocks() -> dict[str, Block]:
         "bench-planner-timing": bench_tables.planner_timing,
         "bench-comm": bench_tables.bench_comm,
         "bench-soak": bench_tables.soak,
+        "lab-whatif": lab_tables.whatif_summary,
+        "lab-whatif-by-rate": lab_tables.whatif_by_rate,
         "package-map": package_map.package_map,
         "import-graph": package_map.import_graph,
     }

@@ -93,6 +93,8 @@ def test_exports(two_ranks: dict[str, Any]) -> None:
     export: Path = two_ranks["export"]
     profile = json.loads((export / "comm_profile.json").read_text())
     assert profile["world_size"] == 2 and profile["backend"] == "gloo" and profile["device_type"] == "cpu"
+    assert profile["nodes"] == 1  # two CPU ranks on one machine: whatif says their timings share cores
+    assert any("shared its cores" in note for note in profile["what_would_help"]["notes"])
     assert DESIGN_SUMMARY_KEYS <= set(profile["summary"])
     assert set(profile["summary"]["step_ms"]) == {"median", "p90"}
     assert len(profile["steps"]) == 30 - WARMUP

@@ -128,6 +128,20 @@ def test_load_profile_without_gradients_says_what_it_cannot_do(tmp_path: Path) -
     assert run.source == str(path)
 
 
+def test_cpu_ranks_sharing_one_machine_are_flagged_with_what_to_do_instead() -> None:
+    """The lab's finding: a 2-rank loopback profile on 2 cores measured backward at 109 ms where a real link saw
+    44 ms, and predictions from it missed by up to +133%. Such a profile says so; one rank, more nodes, or a
+    profile that does not record its nodes do not."""
+    shared = load_profile({**mlp_profile(), "nodes": 1})
+    assert shared.nodes == 1
+    (note,) = [n for n in shared.notes if "shared its cores" in n]
+    assert note.startswith("profiled with 2 CPU ranks on one machine") and "--link-bench" in note
+    assert predict(shared, Scenario(system=System(nodes=2, inter=link_from_gbps(1.0)))).assumptions.count(note) == 1
+    for quiet in ({**mlp_profile(), "nodes": 2}, {**mlp_profile(world_size=1), "nodes": 1}, mlp_profile()):
+        assert not any("shared its cores" in n for n in load_profile(quiet).notes)
+    assert load_profile({**mlp_profile(), "nodes": True}).nodes is None  # not a count: ignored, like a missing one
+
+
 def test_parameters_given_separately_are_cut_into_the_recorded_buckets() -> None:
     flat = [{"shape": s} for shapes in MLP_BUCKETS for s in shapes]
     run = load_profile(mlp_profile(params=False), parameters=flat)

@@ -42,6 +42,16 @@ DTYPE_BYTES: dict[str, int] = {
 """Bytes per element of the gradient dtypes DDP buckets (``torch.`` prefix accepted)."""
 
 
+SHARED_CORES_NOTE = (
+    "profiled with {ranks} CPU ranks on one machine: their compute and gloo's transfers shared its cores, so the "
+    "profile's compute times and all-reduce rate carry that contention, and predictions for other links can be far "
+    "too slow (the lab: backward 109 ms profiled on loopback, 44 ms on a real 1 Gbit/s link; errors up to +133%). "
+    "Profile one rank and give a bench-comm result over the target link instead (--link-bench; the lab: median "
+    "error 2.3%, worst 12.5%)"
+)
+"""The note on a profile of several CPU ranks on one node (``docs/whatif.md``, "Results")."""
+
+
 class ProfileError(ValueError):
     """A profile (or parameter list) the replay model cannot use; the message says how to fix it."""
 
@@ -108,6 +118,8 @@ class ProfiledRun:
     wire_ratio: Optional[float] = 1.0
     """Bytes on the wire per gradient byte when profiled (0.5 for fp16/bf16; None: unknown)."""
     source: str = "<dict>"
+    nodes: Optional[int] = None
+    """Machines the profiled ranks ran on (None: not recorded, profiles before it was)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What was assumed while reading (missing optional fields)."""
 
@@ -264,6 +276,11 @@ def load_profile(
         notes.append("the profile was taken with a casting compression (fp16 or bf16)")
     if summary.get("measures_comm") is False:
         notes.append("the profile did not time communication (no CommHookHost strategy)")
+    nodes = document.get("nodes")
+    nodes = nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else None
+    device_type = str(document.get("device_type", "cpu"))
+    if device_type == "cpu" and world_size > 1 and nodes == 1:
+        notes.append(SHARED_CORES_NOTE.format(ranks=world_size))
     if parameters:
         gradients = assign_to_buckets(parameters, buckets)
     else:
@@ -276,7 +293,7 @@ def load_profile(
     return ProfiledRun(
         world_size=world_size,
         backend=str(document.get("backend", "unknown")),
-        device_type=str(document.get("device_type", "cpu")),
+        device_type=device_type,
         step_ms=step_ms,
         forward_ms=_number(summary, "forward_ms", f"{where}: summary"),
         backward_compute_ms=_number(summary, "backward_compute_ms", f"{where}: summary"),
@@ -288,6 +305,7 @@ def load_profile(
         compression=str(compression) if compression else None,
         wire_ratio=wire_ratio,
         source=where,
+        nodes=nodes,
         notes=tuple(notes),
     )
 
@@ -310,6 +328,7 @@ def load_parameters(path: Union[str, os.PathLike[str]]) -> list[dict[str, Any]]:
 
 __all__ = [
     "DTYPE_BYTES",
+    "SHARED_CORES_NOTE",
     "Bucket",
     "Gradient",
     "ProfileError",

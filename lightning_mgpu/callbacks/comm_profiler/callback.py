@@ -420,6 +420,7 @@ class CommProfiler(L.Callback):
                 "are always skipped). Train longer or lower warmup_steps."
             )
             return
+        profile["nodes"] = trainer.num_nodes  # whatif: CPU ranks sharing one machine's cores measure contention
         self.summary, self.ranks = profile["summary"], profile["ranks"]
         if trainer.global_rank == 0:
             advice.add_bucket_gradients(profile, trainer.strategy)  # for the replay: only if the bytes agree

@@ -1,0 +1,89 @@
+"""The network lab's figures, read from ``bench/results/``: the what-if validation and the options sweep.
+
+Like :mod:`docs.bench_tables` (whose helpers it uses), one function per table; each returns
+Markdown computed from the results file, never measured here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from docs.bench_tables import _machine, _mark, load
+from docs.markdown import table
+
+__all__ = ["whatif_by_rate", "whatif_summary"]
+
+_VALIDATIONS = {
+    "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
+    "profile_at_1gbps": "one profile at 1 Gbit/s → bucket sizes and compression there",
+    "one_rank_plus_bench_comm": "a 1-rank profile + `bench-comm` over the link → 2 ranks",
+}
+
+
+def _errors(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    errors = [abs(r["error_pct"]) for r in rows]
+    return statistics.median(errors), max(errors)
+
+
+def whatif_summary() -> str:
+    """``bench/whatif.py``: each validation's median and worst error against the targets."""
+    r = load("whatif")
+    rows = []
+    for name, title in _VALIDATIONS.items():
+        found = r["validations"].get(name) or []
+        if not found:
+            continue
+        summary = r["summary"][name]
+        worst = max(found, key=lambda row: abs(row["error_pct"]))
+        rows.append(
+            (
+                title,
+                str(len(found)),
+                f"{summary['median_abs_error_pct']:.1f}%",
+                f"{summary['worst_abs_error_pct']:.1f}% ({worst['model']}, {worst['rate_gbps']:g} Gbit/s, "
+                f"{worst['config']})",
+                _mark(summary["meets_targets"]),
+            )
+        )
+    targets = next(iter(r["summary"].values()))["targets"]
+    links = ", ".join(f"{v['configured_gbps']:g} → {v['gbps']:.2f}" for v in r["links"].values())
+    note = (
+        f"Targets: median |error| ≤ {targets['median_pct']:g}%, worst ≤ {targets['worst_pct']:g}%. "
+        f"Link rates configured → achieved (raw TCP, Gbit/s): {links}. {_machine(r)}; "
+        f"{r['settings']['rounds']} round(s), each run's median step after {r['settings']['warmup']} warm-up steps."
+    )
+    header = ("prediction", "runs", "median |error|", "worst |error|", "met")
+    return f"{table(header, rows)}\n\n{note}"
+
+
+def whatif_by_rate() -> str:
+    """The loopback-profile validation by rate and model: where it misses."""
+    r = load("whatif")
+    rows_in = r["validations"].get("loopback_profile") or []
+    models = list(dict.fromkeys(row["model"] for row in rows_in))
+    rates = sorted({row["rate_gbps"] for row in rows_in})
+    rows = []
+    for rate in rates:
+        cells = [f"{rate:g} Gbit/s"]
+        for model in models:
+            mine = [row for row in rows_in if row["rate_gbps"] == rate and row["model"] == model]
+            median, worst = _errors(mine)
+            cells.append(f"{median:.1f}% / {worst:.1f}%")
+        rows.append(tuple(cells))
+    profiles = r["inputs"]
+    compute = []
+    for model in models:
+        loop = profiles["loopback_2"][model]["profile"]["summary"]
+        real = profiles["at_1gbps"][model]["profile"]["summary"]
+        compute.append(
+            (
+                model,
+                f"{loop['forward_ms']:.1f} / {real['forward_ms']:.1f}",
+                f"{loop['backward_compute_ms']:.1f} / {real['backward_compute_ms']:.1f}",
+                f"{loop['busbw_gbps']:.2f}",
+            )
+        )
+    by_rate = table(("link", *(f"{m}: median / worst" for m in models)), rows)
+    contention = table(("model", "forward ms (loopback / 1 Gbit/s)", "backward ms (same)", "loopback busbw GB/s"), compute)
+    return f"{by_rate}\n\n{contention}"
