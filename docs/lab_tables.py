@@ -85,5 +85,7 @@ def whatif_by_rate() -> str:
             )
         )
     by_rate = table(("link", *(f"{m}: median / worst" for m in models)), rows)
-    contention = table(("model", "forward ms (loopback / 1 Gbit/s)", "backward ms (same)", "loopback busbw GB/s"), compute)
+    contention = table(
+        ("model", "forward ms (loopback / 1 Gbit/s)", "backward ms (same)", "loopback busbw GB/s"), compute
+    )
     return f"{by_rate}\n\n{contention}"

@@ -125,7 +125,9 @@ def test_a_noisy_machine_is_told_apart_from_a_decision() -> None:
     assert "spread" in table and "[" in table and table.splitlines()[1].startswith("*")
 
 
-def rounds_of(rng: random.Random, round_medians: Sequence[Sequence[float]], count: int) -> list[decision.CandidateResult]:
+def rounds_of(
+    rng: random.Random, round_medians: Sequence[Sequence[float]], count: int
+) -> list[decision.CandidateResult]:
     """Results from per-round medians (``round_medians[candidate][round]``), +-2% scatter within a round."""
     timed = [
         (i, r, ms)
