@@ -63,6 +63,8 @@ def _blocks() -> dict[str, Block]:
         "bench-planner-timing": bench_tables.planner_timing,
         "bench-comm": bench_tables.bench_comm,
         "bench-soak": bench_tables.soak,
+        "lab-headlines": lab_tables.headlines,
+        "lab-sweep-1gbps-mlp": partial(lab_tables.sweep, "netlab_sweep_1gbps_mlp"),
         "lab-whatif": lab_tables.whatif_summary,
         "lab-whatif-by-rate": lab_tables.whatif_by_rate,
         "package-map": package_map.package_map,

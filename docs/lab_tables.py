@@ -12,7 +12,7 @@ from typing import Any
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 
-__all__ = ["whatif_by_rate", "whatif_summary"]
+__all__ = ["headlines", "sweep", "whatif_by_rate", "whatif_summary"]
 
 _VALIDATIONS = {
     "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
@@ -89,3 +89,62 @@ def whatif_by_rate() -> str:
         ("model", "forward ms (loopback / 1 Gbit/s)", "backward ms (same)", "loopback busbw GB/s"), compute
     )
     return f"{by_rate}\n\n{contention}"
+
+
+def headlines() -> str:
+    """The lab's lines for the front page: what compression buys at 1 Gbit/s, how well whatif predicts."""
+    sweep, r = load("netlab_sweep_1gbps_mlp"), load("whatif")
+    by_option = {row["option"]: row for row in sweep["rows"]}
+    rate = by_option["ddp"]["measured_gbps"]
+    fp16, powersgd = by_option["fp16"], by_option["powersgd1"]
+    one_rank = r["summary"]["one_rank_plus_bench_comm"]
+    loopback = r["summary"]["loopback_profile"]
+    rows = [
+        (
+            f"8M MLP, 2 nodes over a {rate:.2f} Gbit/s link: step time against Lightning `ddp`",
+            f"fp16 {fp16['speedup_vs_ddp']:.2f}×, PowerSGD rank 1 {powersgd['speedup_vs_ddp']:.2f}× "
+            f"(loss after 200 steps {fp16['eval_loss']:.4f} / {powersgd['eval_loss']:.4f}, "
+            f"`ddp` {by_option['ddp']['eval_loss']:.4f})",
+            "[netlab](docs/benchmarks.md#what-each-option-buys-where-communication-costs---sweep)",
+        ),
+        (
+            "`whatif`: 2 ranks predicted from a 1-rank profile + `bench-comm`, 0.1–10 Gbit/s",
+            f"median error {one_rank['median_abs_error_pct']:.1f}%, worst {one_rank['worst_abs_error_pct']:.1f}% "
+            f"(from a 2-rank loopback profile: worst {loopback['worst_abs_error_pct']:.0f}%)",
+            "[whatif](docs/whatif.md#results)",
+        ),
+    ]
+    return f"{table(('over a real link (the network lab)', 'figure', 'details'), rows)}"
+
+
+def sweep(name: str) -> str:
+    """``python -m bench.netlab --sweep`` (results file ``name``): step time per option and rate, beside its loss."""
+    r = load(name)
+    rows_in = r["rows"]
+    rates = sorted({row["rate_gbps"] for row in rows_in})
+    achieved = {row["rate_gbps"]: row["measured_gbps"] for row in rows_in}
+    rows = []
+    for model in dict.fromkeys(row["model"] for row in rows_in):
+        for option in dict.fromkeys(row["option"] for row in rows_in if row["model"] == model):
+            cells = [model, f"`{option}`"]
+            loss = None
+            for rate in rates:
+                row = next(x for x in rows_in if (x["model"], x["option"], x["rate_gbps"]) == (model, option, rate))
+                speedup = row["speedup_vs_ddp"]
+                cells.append(f"{row['step_ms']:,.1f}" + (f" ({speedup:.2f}×)" if speedup else ""))
+                loss = row["eval_loss"] if loss is None else loss
+            chosen = ""
+            if option == "auto":
+                picks = [t.get("chosen_mb") for t in (row.get("tuning") or []) if t]
+                chosen = ", ".join(f"{c:g}" for c in picks if c is not None)
+            cells += ["–" if loss is None else f"{loss:.4f}", chosen]
+            rows.append(tuple(cells))
+    header = ("model", "option", *(f"{rate:g} Gbit/s (got {achieved[rate]:.2f}): ms (× `ddp`)" for rate in rates))
+    header += ("loss after {} steps".format(r["settings"]["loss_steps"]), "`auto` chose (MiB, per round)")
+    settings = r["settings"]
+    note = (
+        f"{settings['rounds']} interleaved rounds; each figure the median over rounds of a run's median step after "
+        f"{settings['warmup']} warm-up steps ({settings['steps']} steps; `auto`: its mean over {settings['auto_steps']} "
+        f"steps, tuning included). {_machine(r)}; {r['wall_s'] / 60:.0f} minutes."
+    )
+    return f"{table(header, rows)}\n\n{note}"
