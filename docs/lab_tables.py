@@ -12,7 +12,7 @@ from typing import Any
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 
-__all__ = ["headlines", "sweep", "whatif_by_rate", "whatif_summary"]
+__all__ = ["buckets", "headlines", "sweep", "whatif_by_rate", "whatif_summary"]
 
 _VALIDATIONS = {
     "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
@@ -97,6 +97,10 @@ def headlines() -> str:
     by_option = {row["option"]: row for row in sweep["rows"]}
     rate = by_option["ddp"]["measured_gbps"]
     fp16, powersgd = by_option["fp16"], by_option["powersgd1"]
+    tuner, fast = load("netlab_buckets_2.5gbps"), load("netlab_buckets_10gbps")
+    totals = [m["targets"]["total_vs_default"]["ratio"] for m in tuner["models"]]
+    fast_totals = [m["targets"]["total_vs_default"]["ratio"] for m in fast["models"]]
+    tuner_rate = statistics.median(tuner["settings"]["link"]["measured_gbps"])
     one_rank = r["summary"]["one_rank_plus_bench_comm"]
     loopback = r["summary"]["loopback_profile"]
     rows = [
@@ -106,6 +110,12 @@ def headlines() -> str:
             f"(loss after 200 steps {fp16['eval_loss']:.4f} / {powersgd['eval_loss']:.4f}, "
             f"`ddp` {by_option['ddp']['eval_loss']:.4f})",
             "[netlab](docs/benchmarks.md#what-each-option-buys-where-communication-costs---sweep)",
+        ),
+        (
+            f'`bucket_cap_mb="auto"`, 2 nodes over a {tuner_rate:.2f} Gbit/s link: 500-step fit, tuning included',
+            f"×{min(totals):.2f}–{max(totals):.2f} DDP default's time on {len(totals)} models "
+            f"(over 10 Gbit/s: ×{min(fast_totals):.2f}–{max(fast_totals):.2f})",
+            "[netlab](docs/benchmarks.md#the-bucket-tuner-where-overlap-matters---buckets)",
         ),
         (
             "`whatif`: 2 ranks predicted from a 1-rank profile + `bench-comm`, 0.1–10 Gbit/s",
@@ -147,4 +157,49 @@ def sweep(name: str) -> str:
         f"{settings['warmup']} warm-up steps ({settings['steps']} steps; `auto`: its mean over {settings['auto_steps']} "
         f"steps, tuning included). {_machine(r)}; {r['wall_s'] / 60:.0f} minutes."
     )
+    return f"{table(header, rows)}\n\n{note}"
+
+
+def _judged(targets: dict[str, Any], key: str) -> str:
+    """A target's ratio and mark, or a dash where the run does not judge it."""
+    return f"{targets[key]['ratio']:.3f} {_mark(targets[key]['met'])}" if key in targets else "–"
+
+
+def buckets(rates: tuple[str, ...] = ("10", "2.5")) -> str:
+    """``python -m bench.netlab --buckets``: the tuner against DDP's default and the best fixed size, per link."""
+    rows = []
+    links = []
+    for rate in rates:
+        r = load(f"netlab_buckets_{rate}gbps")
+        link = r["settings"]["link"]
+        links.append(f"{link['configured_gbps']:g} → " + " / ".join(f"{g:.2f}" for g in link["measured_gbps"]))
+        for m in r["models"]:
+            targets = m["targets"]
+            rows.append(
+                (
+                    f"{link['configured_gbps']:g} Gbit/s",
+                    m["model"],
+                    f"{m['default']['step_ms']:.1f}",
+                    f"{m['best']['cap_mb']:g} MiB, {m['best']['step_ms']:.1f} ms",
+                    ", ".join(f"{c:g}" for c in m["auto"]["chosen_mb"]),
+                    _judged(targets, "tuned_vs_best"),
+                    _judged(targets, "total_vs_default_1pct"),
+                    _judged(targets, "repeat_consistency"),
+                    f"{m['sweep_gap']:+.1%}",
+                    _judged(targets, "gap_left"),
+                )
+            )
+    header = (
+        "link",
+        "model",
+        "DDP default ms",
+        "best fixed",
+        "`auto` chose (per round)",
+        "`auto` step / best fixed (≤ 1.05)",
+        "`auto` total / default (≤ 1.01)",
+        "repeat (≤ 1.03)",
+        "default/best − 1",
+        "gap left (≤ 0.20 where ≥ 10%)",
+    )
+    note = f"Links configured → measured (raw TCP, Gbit/s, per node): {'; '.join(links)}. {_machine(r)}."
     return f"{table(header, rows)}\n\n{note}"
