@@ -92,7 +92,7 @@ def whatif_by_rate() -> str:
 
 
 def headlines() -> str:
-    """The lab's lines for the front page: what compression buys at 1 Gbit/s, how well whatif predicts."""
+    """The lab's lines for the front page: what compression buys at 1 Gbit/s, what the tuner buys, how well whatif predicts."""
     sweep, r = load("netlab_sweep_1gbps_mlp"), load("whatif")
     by_option = {row["option"]: row for row in sweep["rows"]}
     rate = by_option["ddp"]["measured_gbps"]
@@ -114,7 +114,7 @@ def headlines() -> str:
         (
             f'`bucket_cap_mb="auto"`, 2 nodes over a {tuner_rate:.2f} Gbit/s link: 500-step fit, tuning included',
             f"×{min(totals):.2f}–{max(totals):.2f} DDP default's time on {len(totals)} models "
-            f"(over 10 Gbit/s: ×{min(fast_totals):.2f}–{max(fast_totals):.2f})",
+            f"(at 10 Gbit/s: ×{min(fast_totals):.2f}–{max(fast_totals):.2f})",
             "[netlab](docs/benchmarks.md#the-bucket-tuner-where-overlap-matters---buckets)",
         ),
         (
