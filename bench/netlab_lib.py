@@ -423,10 +423,16 @@ class Lab:
 
 
 def handle_signals() -> None:
-    """SIGTERM and SIGHUP raise ``SystemExit`` (SIGINT already raises ``KeyboardInterrupt``), so ``finally`` tears down."""
+    """SIGTERM and SIGHUP raise ``SystemExit`` and SIGINT ``KeyboardInterrupt``, so ``finally`` tears down.
+
+    SIGINT is set explicitly: a process started in the background by a shell without job
+    control (``nohup ... &``) inherits SIGINT ignored, and Python then never raises
+    ``KeyboardInterrupt``: ``kill -INT`` would leave the namespaces behind.
+    """
 
     def stop(signum: int, _: Any) -> None:
         raise SystemExit(f"netlab: stopped by signal {signal.Signals(signum).name}")
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -97,8 +97,13 @@ with Lab(2, 0.1) as lab:
 """
 
 
+def _ignore_sigint() -> None:
+    """What a shell without job control does to a background job (``nohup ... &``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGINT, inherited ignored", "SIGKILL"])
 def test_a_stopped_lab_is_torn_down(how: str) -> None:
     if lab_unavailable() is not None:
         pytest.skip(f"network namespaces cannot be made here: {lab_unavailable()}")
@@ -107,6 +112,7 @@ def test_a_stopped_lab_is_torn_down(how: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ignore_sigint if "ignored" in how else None,
     )
     try:
         assert child.stdout is not None
@@ -114,7 +120,7 @@ def test_a_stopped_lab_is_torn_down(how: str) -> None:
         if not names:
             pytest.skip(f"network namespaces cannot be made here: {child.stderr.read() if child.stderr else ''}")
         assert names <= _namespaces()
-        child.send_signal(getattr(signal, how))
+        child.send_signal(getattr(signal, how.split(",")[0]))
         child.wait(timeout=30)
     finally:
         if child.poll() is None:
