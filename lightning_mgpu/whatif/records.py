@@ -45,9 +45,8 @@ DTYPE_BYTES: dict[str, int] = {
 SHARED_CORES_NOTE = (
     "profiled with {ranks} CPU ranks on one machine: their compute and gloo's transfers shared its cores, so the "
     "profile's compute times and all-reduce rate carry that contention, and predictions for other links can be far "
-    "too slow (the lab: backward 109 ms profiled on loopback, 44 ms on a real 1 Gbit/s link; errors up to +133%). "
-    "Profile one rank and give a bench-comm result over the target link instead (--link-bench; the lab: median "
-    "error 2.3%, worst 12.5%)"
+    "too slow. Profile one rank and give a bench-comm result over the target link instead (--link-bench); "
+    "docs/whatif.md, 'Results', has the measured errors of both"
 )
 """The note on a profile of several CPU ranks on one node (``docs/whatif.md``, "Results")."""
 
