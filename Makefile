@@ -1,7 +1,7 @@
 # Two entry points, both from a clean clone on a machine with nothing installed:
 #   make demo   set up, then train the flagship recipe on every device found
 #               (all GPUs; 2 CPU processes over gloo when there is none)
-#   make test   set up, then run the whole test suite (CI: .ci/run; ~25 min on 2 cores: over the 15-min goal)
+#   make test   set up, then run the whole test suite (CI: .ci/run; ~28 min on 2 cores: over the 15-min goal)
 # and the developer's loop after every edit:
 #   make test-fast  in-process tests only (no `multiprocess`, no `bench` marker), under a minute
 # TORCH picks the torch build: the default is the pinned CPU wheel; GPU users
