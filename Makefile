@@ -1,7 +1,7 @@
 # Two entry points, both from a clean clone on a machine with nothing installed:
 #   make demo   set up, then train the flagship recipe on every device found
 #               (all GPUs; 2 CPU processes over gloo when there is none)
-#   make test   set up, then run the whole test suite (CI: .ci/run; ~28 min on 2 cores: over the 15-min goal)
+#   make test   set up, then run the whole test suite (CI: .ci/run) on 2 pytest-xdist workers
 # and the developer's loop after every edit:
 #   make test-fast  in-process tests only (no `multiprocess`, no `bench` marker), under a minute
 # TORCH picks the torch build: the default is the pinned CPU wheel; GPU users
@@ -9,6 +9,10 @@
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 VENV   ?= .venv
+# Two workers, a test file at a time each (a module's fixture launches once), longest files first
+# (tests/conftest.py, tests/file_seconds.json). `make test WORKERS=0` runs everything in one process.
+WORKERS ?= 2
+XDIST  := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 BIN    := $(VENV)/bin
 
 .PHONY: setup demo test test-fast clean
@@ -29,11 +33,11 @@ test: setup
 	$(BIN)/ruff check lightning_mgpu recipes bench tests docs
 	$(BIN)/ruff format --check lightning_mgpu recipes bench tests docs
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 # tests/conftest.py fails any test here that starts a process: it must be marked multiprocess.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not multiprocess and not bench"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not multiprocess and not bench"
 
 clean:
 	rm -rf $(VENV) lightning_logs wandb .pytest_cache

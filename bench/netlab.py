@@ -15,6 +15,8 @@ a run killed with SIGKILL is cleaned up by a run 10 minutes later, or at once by
     # what each option buys: ddp, ddp_tuned, auto, fp16, bf16, PowerSGD r1/r4 x 3 models x 0.1/1/10 Gbit/s
     python -m bench.netlab --sweep              # bench/results/netlab_sweep.json + .png
     python -m bench.netlab --sweep --quick      # smoke run (the test suite's)
+    # a rate added to an existing sweep (its rounds interleave among themselves; its losses stand)
+    python -m bench.netlab --sweep --rates 0.1 --rounds 2 --add-to bench/results/netlab_sweep.json
     # the bucket tuner's targets: bench.buckets as 2 nodes at 10 and 2.5 Gbit/s
     python -m bench.netlab --buckets            # bench/results/netlab_buckets_<rate>gbps.json + .png
     python -m bench.netlab --cleanup            # remove namespaces left by killed runs
@@ -27,6 +29,7 @@ Run from the repository root (``bench`` is a package). The targets' training scr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -47,6 +50,8 @@ from bench.netlab_sweep import (
     STEPS,
     WARMUP,
     analyse,
+    check_addable,
+    merge,
     run_sweep,
     run_worker,
 )
@@ -102,6 +107,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--probe-seconds", type=float, default=1.0, help="link measurement: seconds of traffic (1)")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="sweep: JSON report (%(default)s); PNG beside it")
+    parser.add_argument(
+        "--add-to",
+        type=Path,
+        default=None,
+        help="sweep: measure --rates and add them to this sweep report (same models, options and steps; its\n"
+        "losses stand); the merged report goes to --out",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
     parser.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds per launch")
     parser.add_argument("--worker-plan", default=None, help=argparse.SUPPRESS)
@@ -125,6 +137,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.warmup < 2 or args.warmup >= min(args.steps, args.auto_steps):
         parser.error(f"argument --warmup: must be >= 2 and below --steps/--auto-steps, got {args.warmup}")
+    if args.add_to is not None:
+        if not args.sweep:
+            parser.error("argument --add-to: only with --sweep")
+        try:
+            check_addable(json.loads(args.add_to.read_text()), args)
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"argument --add-to: {args.add_to}: {error}")
     if not (args.sweep or args.buckets or args.measure or args.cleanup) and not target:
         parser.error("give a target after '--' (a script and its arguments, or -m MODULE ...), or --sweep/--measure")
     return args
@@ -179,12 +198,17 @@ def sweep_and_report(args: argparse.Namespace) -> None:
     from bench.netlab_report import plot, print_report
 
     started = time.perf_counter()
+    existing = None if args.add_to is None else json.loads(args.add_to.read_text())
     raw = run_sweep(args)
-    rows = analyse(raw, args)
-    keys = ("models", "options", "rates", "rounds", "steps", "auto_steps", "warmup", "loss_steps", "quick")
-    settings = {key: getattr(args, key) for key in keys}
-    settings.update(nodes=2, ranks_per_node=1, link="veth pair, tbf rate R burst 256kb latency 50ms on both ends")
     wall_s = time.perf_counter() - started
+    if existing is None:
+        keys = ("models", "options", "rates", "rounds", "steps", "auto_steps", "warmup", "loss_steps", "quick")
+        settings = {key: getattr(args, key) for key in keys}
+        settings.update(nodes=2, ranks_per_node=1, link="veth pair, tbf rate R burst 256kb latency 50ms on both ends")
+    else:
+        raw, settings = merge(existing, raw, args)
+        wall_s += existing["wall_s"]
+    rows = analyse(raw, argparse.Namespace(**{**vars(args), "rates": settings["rates"]}))
     payload = {
         "benchmark": "netlab_sweep",
         "machine": machine_facts(backend="gloo", world_size=2, device_type="cpu", threads_per_rank=args.threads),
@@ -196,7 +220,7 @@ def sweep_and_report(args: argparse.Namespace) -> None:
     out = write_json(args.out, payload)
     png = plot(rows, out.with_suffix(".png"))
     print_report(rows, args.loss_steps)
-    print(f"wrote {out} and {png} ({wall_s / 60:.1f} min)")
+    print(f"wrote {out} and {png} ({(time.perf_counter() - started) / 60:.1f} min)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -241,12 +241,54 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 label = f"round{round_index}_{rate:g}gbps"
                 for result in launch(lab, timing_plan(args, round_index), args, Path(scratch), label):
                     runs.append({**result, "round": round_index, "rate_gbps": rate, "link": link})
-        fastest = max(args.rates)
-        print(f"loss after {args.loss_steps} steps ({fastest:g} Gbit/s; the result does not depend on the link)")
-        measure(lab, fastest, args.probe_seconds)
-        plan = [[m, o, args.loss_steps] for m in args.models for o in args.options]
-        losses = launch(lab, plan, args, Path(scratch), "loss")
+        losses: list[dict[str, Any]] = []
+        if args.add_to is None:  # adding rates to a sweep: its losses stand (they do not depend on the link)
+            fastest = max(args.rates)
+            print(f"loss after {args.loss_steps} steps ({fastest:g} Gbit/s; the result does not depend on the link)")
+            measure(lab, fastest, args.probe_seconds)
+            plan = [[m, o, args.loss_steps] for m in args.models for o in args.options]
+            losses = launch(lab, plan, args, Path(scratch), "loss")
     return {"runs": runs, "links": links, "losses": losses}
+
+
+MUST_MATCH = ("models", "options", "steps", "auto_steps", "warmup", "loss_steps", "quick")
+"""Settings a sweep added to must share with it, or its rows would not compare."""
+
+
+def check_addable(existing: dict[str, Any], args: argparse.Namespace) -> None:
+    """Refuse to add ``args.rates`` to ``existing`` where the rows would not compare (raises ValueError)."""
+    if existing.get("benchmark") != "netlab_sweep":
+        raise ValueError(f"--add-to: not a netlab sweep report (benchmark {existing.get('benchmark')!r})")
+    settings = existing["settings"]
+    differ = [
+        f"{key}: {settings.get(key)!r} there, {getattr(args, key)!r} here"
+        for key in MUST_MATCH
+        if settings.get(key) != getattr(args, key)
+    ]
+    if differ:
+        raise ValueError("--add-to: the report was measured with other settings (" + "; ".join(differ) + ")")
+    both = sorted(set(settings["rates"]) & set(args.rates))
+    if both:
+        raise ValueError(
+            f"--add-to: the report already has {', '.join(f'{r:g}' for r in both)} Gbit/s; drop it from --rates"
+        )
+
+
+def merge(
+    existing: dict[str, Any], raw: dict[str, Any], args: argparse.Namespace
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The existing report's raw results with this run's rates added, and the merged settings.
+
+    Rounds are interleaved within each run, not across the two: ``rounds_by_rate`` says which
+    run measured which rate, and the losses are the existing run's."""
+    settings = dict(existing["settings"])
+    before = settings.get("rounds_by_rate") or {f"{rate:g}": settings["rounds"] for rate in settings["rates"]}
+    settings["rounds_by_rate"] = {**before, **{f"{rate:g}": args.rounds for rate in args.rates}}
+    settings["rates"] = sorted({*settings["rates"], *args.rates})
+    settings["added"] = [*settings.get("added", []), {"rates": sorted(args.rates), "rounds": args.rounds}]
+    old = existing["raw"]
+    merged = {"runs": old["runs"] + raw["runs"], "links": old["links"] + raw["links"], "losses": old["losses"]}
+    return merged, settings
 
 
 def median(values: list[float]) -> Optional[float]:

@@ -152,8 +152,18 @@ def sweep(name: str) -> str:
     header = ("model", "option", *(f"{rate:g} Gbit/s (got {achieved[rate]:.2f}): ms (× `ddp`)" for rate in rates))
     header += ("loss after {} steps".format(r["settings"]["loss_steps"]), "`auto` chose (MiB, per round)")
     settings = r["settings"]
+    by_rate = settings.get("rounds_by_rate")
+    rounds = (
+        f"{settings['rounds']} interleaved rounds"
+        if not by_rate
+        else "interleaved rounds within each run ("
+        + ", ".join(f"{n} at {rate} Gbit/s" for rate, n in sorted(by_rate.items(), key=lambda kv: float(kv[0])))
+        + "; "
+        + " and ".join(", ".join(f"{rate:g}" for rate in added["rates"]) for added in settings.get("added", []))
+        + " Gbit/s measured in a later run with `--add-to`, the losses in the first)"
+    )
     note = (
-        f"{settings['rounds']} interleaved rounds; each figure the median over rounds of a run's median step after "
+        f"{rounds}; each figure the median over rounds of a run's median step after "
         f"{settings['warmup']} warm-up steps ({settings['steps']} steps; `auto`: its mean over {settings['auto_steps']} "
         f"steps, tuning included). {_machine(r)}; {r['wall_s'] / 60:.0f} minutes."
     )

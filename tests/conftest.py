@@ -36,8 +36,48 @@ class ProcessStartedInFastTest(RuntimeError):
     """An in-process test started a process: it would slip into the fast lane unnoticed."""
 
 
+FILE_SECONDS = REPO / "tests" / "file_seconds.json"
+"""Seconds each test file took in a measured ``make test`` (``MGPU_RECORD_FILE_SECONDS=1 make test`` rewrites it).
+
+``make test`` runs the files on two pytest-xdist workers, a file at a time each (module fixtures
+launch once), longest first: a long file left to the end would keep one worker busy while the
+other idles. Only the order depends on these figures: a stale or missing entry costs time, never
+a result."""
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    try:
+        seconds: dict[str, float] = json.loads(FILE_SECONDS.read_text())
+    except (OSError, ValueError):
+        return
+    # A stable sort: a file's tests stay together and in their order.
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("MGPU_RECORD_FILE_SECONDS") and "PYTEST_XDIST_WORKER" not in os.environ:
+        path = report.nodeid.split("::", 1)[0]
+        _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _file_seconds and not session.config.option.collectonly:
+        try:  # a partial run updates its files' entries and keeps the others
+            known: dict[str, float] = json.loads(FILE_SECONDS.read_text())
+        except (OSError, ValueError):
+            known = {}
+        measured = {**known, **{path: round(seconds, 1) for path, seconds in _file_seconds.items()}}
+        ranked = dict(sorted(measured.items(), key=lambda kv: -kv[1]))
+        FILE_SECONDS.write_text(json.dumps(ranked, indent=1) + "\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A multi-process test without its own ceiling could hang the CI lane for the global 300 s default."""
+    """Longest files first (see ``FILE_SECONDS``); a multi-process test without its own ceiling could hang the CI
+    lane for the global 300 s default."""
+    _longest_files_first(items)
     missing = [
         item.nodeid
         for item in items

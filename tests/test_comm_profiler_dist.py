@@ -106,7 +106,8 @@ def test_exports(two_ranks: dict[str, Any]) -> None:
     for b in buckets:  # launch and completion are measured from the start of backward
         assert 0 <= b["launch_ms"] <= b["done_ms"]
         assert b["duration_ms"] > 0 and b["algbw_gbps"] == pytest.approx(b["busbw_gbps"])  # n = 2
-    assert buckets[0]["launch_ms"] <= buckets[-1]["launch_ms"]  # launched in index order
+    # No launch order across rows: each bucket's row is the step where that bucket's duration was its median
+    # (CommStats.local_buckets), so two rows may come from different steps (seen: 10.3 ms before 8.4 ms).
     with open(export / "comm_buckets.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["bytes"]) for r in rows] == [b["bytes"] for b in buckets]

@@ -8,8 +8,11 @@ tests/test_netlab_dist.py.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
 import os
+from pathlib import Path
 from typing import Sequence
 
 import pytest
@@ -167,3 +170,80 @@ def test_the_command_refuses_clearly_and_checks_its_arguments(
     assert args.gbps == [10.0, 1.0] and args.target == ["-m", "mod", "--x"] and args.nproc_per_node == 2
     quick = netlab.parse_args(["--sweep", "--quick", "--steps", "7"])
     assert quick.rates == [1.0] and quick.models == ["mlp"] and quick.steps == 7 and quick.rounds == 1
+
+
+def _sweep_report(path: Path, rates: list[float], losses: list[dict[str, object]]) -> dict[str, object]:
+    """A sweep report as ``--sweep --quick`` writes it: one run per rate of ddp and fp16 on the MLP."""
+    from bench.netlab_sweep import QUICK
+
+    runs = [
+        {"model": "mlp", "option": option, "rate_gbps": rate, "round": 0, "step_ms": [9.0, 9.0, ms, ms, ms]}
+        for rate in rates
+        for option, ms in (("ddp", 100.0 / rate), ("fp16", 60.0 / rate))
+    ]
+    links = [{"configured_gbps": rate, "measured_gbps": [rate * 0.95, rate * 0.96], "round": 0} for rate in rates]
+    settings = {
+        "models": ["mlp"],
+        "options": ["ddp", "fp16"],
+        "rates": rates,
+        "rounds": 1,
+        **{key: QUICK[key] for key in ("steps", "auto_steps", "warmup", "loss_steps")},
+        "quick": True,
+    }
+    report = {
+        "benchmark": "netlab_sweep",
+        "settings": settings,
+        "raw": {"runs": runs, "links": links, "losses": losses},
+    }
+    path.write_text(json.dumps({**report, "rows": [], "wall_s": 60.0}))
+    return report
+
+
+def test_a_rate_is_added_to_an_existing_sweep_keeping_its_losses(tmp_path: Path) -> None:
+    """``--sweep --rates 0.1 --add-to REPORT``: the report's rows gain the rate; its losses and rounds stand."""
+    from bench import netlab
+    from bench.netlab_sweep import analyse, merge
+
+    losses = [
+        {"model": "mlp", "option": "ddp", "eval_loss": 0.5},
+        {"model": "mlp", "option": "fp16", "eval_loss": 0.51},
+    ]
+    existing = _sweep_report(tmp_path / "sweep.json", [1.0, 10.0], losses)
+    args = netlab.parse_args(
+        ["--sweep", "--quick", "--options", "ddp,fp16", "--rates", "0.1", "--add-to", str(tmp_path / "sweep.json")]
+    )
+    added = _sweep_report(tmp_path / "new.json", [0.1], [])["raw"]
+    raw, settings = merge(existing, added, args)  # type: ignore[arg-type]
+    assert settings["rates"] == [0.1, 1.0, 10.0]
+    assert settings["rounds_by_rate"] == {"0.1": 1, "1": 1, "10": 1}
+    assert settings["added"] == [{"rates": [0.1], "rounds": 1}]
+    assert raw["losses"] == losses  # the loss does not depend on the link: the first run's stands
+    rows = analyse(raw, argparse.Namespace(**{**vars(args), "rates": settings["rates"]}))
+    slow = {row["option"]: row for row in rows if row["rate_gbps"] == 0.1}
+    assert slow["ddp"]["step_ms"] == pytest.approx(1000.0) and slow["fp16"]["speedup_vs_ddp"] == pytest.approx(
+        1000 / 600
+    )
+    assert slow["fp16"]["eval_loss"] == 0.51 and slow["ddp"]["measured_gbps"] == pytest.approx(0.0955)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rates", "1"], "already has 1 Gbit/s"),
+        (["--rates", "0.1", "--steps", "9"], "steps: 5 there, 9 here"),
+        (["--rates", "0.1", "--options", "ddp"], "options: ['ddp', 'fp16'] there, ['ddp'] here"),
+    ],
+)
+def test_adding_to_a_sweep_refuses_rows_that_would_not_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from bench import netlab
+
+    _sweep_report(tmp_path / "sweep.json", [1.0, 10.0], [])
+    base = ["--sweep", "--quick", "--options", "ddp,fp16", "--add-to", str(tmp_path / "sweep.json")]
+    with pytest.raises(SystemExit):
+        netlab.parse_args([*base, *argv])
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        netlab.parse_args(["--measure", "--add-to", str(tmp_path / "sweep.json")])
+    assert "only with --sweep" in capsys.readouterr().err
