@@ -59,3 +59,33 @@ def test_the_fast_lane_leaves_out_exactly_the_markers_that_may_start_processes()
     assert found, 'Makefile has no test-fast target running pytest -m "..."'
     excluded = re.findall(r"not (\w+)", found.group(1))
     assert sorted(excluded) == sorted(PROCESS_MARKERS) and found.group(1) == " and ".join(f"not {m}" for m in excluded)
+
+
+def test_files_start_longest_first_each_kept_together_in_its_order(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make test``'s workers take a file at a time: the longest go first; unknown files last, as collected."""
+    seconds = tmp_path / "file_seconds.json"
+    seconds.write_text('{"tests/test_b.py": 90.0, "tests/test_c.py": 5.0}')
+    monkeypatch.setattr(conftest, "FILE_SECONDS", seconds)
+    names = ["a.py::t1", "a.py::t2", "b.py::t1", "c.py::t1", "b.py::t2", "d.py::t1"]
+    items: Any = [_Item(f"tests/test_{name}") for name in names]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [item.nodeid.removeprefix("tests/test_") for item in items] == [
+        "b.py::t1",
+        "b.py::t2",
+        "c.py::t1",
+        "a.py::t1",
+        "a.py::t2",
+        "d.py::t1",
+    ]
+    seconds.write_text("not json")  # a broken file leaves the collected order
+    backwards = items[::-1]
+    conftest.pytest_collection_modifyitems(None, backwards)  # type: ignore[arg-type]
+    assert backwards == items[::-1]
+
+
+def test_the_test_lane_runs_on_xdist_workers_a_file_each_in_the_given_order() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^XDIST\s*:=.*-n \$\(WORKERS\) --dist loadfile --no-loadscope-reorder", makefile, re.MULTILINE)
+    assert re.search(r"^test: .*\n(\t.*\n)*\t\$\(BIN\)/python -m pytest \$\(XDIST\)$", makefile, re.MULTILINE)
