@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import pytest
+import lightning_utilities.core.rank_zero
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch import nn
@@ -298,9 +299,17 @@ def test_a_rule_that_cannot_be_checked_is_named_not_passed(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(_Plain())
+    # rank_zero_info writes to whichever logger the last-imported of lightning.fabric / lightning.pytorch
+    # installed, and lightning.pytorch's may not propagate to the root logger caplog listens on: the
+    # summary is caught on the logger that writes it, whatever the import order in this process.
+    writer = lightning_utilities.core.rank_zero.log
+    writer.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=writer.name), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_Plain())
+    finally:
+        writer.removeHandler(caplog.handler)
     assert doctor.not_checked == {"dataloader-starving", "unsynced-logging"} and doctor.findings == []
     messages = [str(w.message) for w in caught if not issubclass(w.category, DistributedDoctorWarning)]
     assert any("dataloader-starving is not checked in this run" in m for m in messages), messages
