@@ -34,6 +34,14 @@ def headline_ms(row: dict[str, Any]) -> Optional[float]:
     return None if value is None else float(value)
 
 
+def headline_speedup(row: dict[str, Any]) -> Optional[float]:
+    """``ddp``'s median step over :func:`headline_ms` (for ``auto``, its whole-run mean)."""
+    speedup, step, headline = row["speedup_vs_ddp"], row["step_ms"], headline_ms(row)
+    if speedup is None or not step or not headline:
+        return None
+    return float(speedup * step / headline)
+
+
 def print_report(rows: list[dict[str, Any]], loss_steps: int) -> None:
     """One table per model: options down, link rates across (step ms, x vs ddp), loss at the end."""
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -50,9 +58,7 @@ def print_report(rows: list[dict[str, Any]], loss_steps: int) -> None:
             cells = [option]
             for rate in rates:
                 row = next(r for r in mine if (r["option"], r["rate_gbps"]) == (option, rate))
-                speedup = row["speedup_vs_ddp"]
-                if option == "auto" and row["mean_step_ms"] and row["speedup_vs_ddp"] and row["step_ms"]:
-                    speedup = row["speedup_vs_ddp"] * row["step_ms"] / row["mean_step_ms"]
+                speedup = headline_speedup(row)
                 cells += [_ms(headline_ms(row)), "-" if speedup is None else f"{speedup:.2f}x"]
             loss = next((r["eval_loss"] for r in mine if r["option"] == option and r["eval_loss"] is not None), None)
             cells.append("-" if loss is None else f"{loss:.4f}")

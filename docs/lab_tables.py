@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench.netlab_report import headline_ms, headline_speedup
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 
@@ -140,13 +141,20 @@ def sweep(name: str) -> str:
             loss = None
             for rate in rates:
                 row = next(x for x in rows_in if (x["model"], x["option"], x["rate_gbps"]) == (model, option, rate))
-                speedup = row["speedup_vs_ddp"]
-                cells.append(f"{row['step_ms']:,.1f}" + (f" ({speedup:.2f}×)" if speedup else ""))
+                speedup, step = headline_speedup(row), headline_ms(row)
+                cells.append("–" if step is None else f"{step:,.1f}" + (f" ({speedup:.2f}×)" if speedup else ""))
                 loss = row["eval_loss"] if loss is None else loss
             chosen = ""
-            if option == "auto":
-                picks = [t.get("chosen_mb") for t in (row.get("tuning") or []) if t]
-                chosen = ", ".join(f"{c:g}" for c in picks if c is not None)
+            if option == "auto":  # per rate where the table has several: "0.1: 25; 1: 25, 25"
+                by_rate = []
+                for rate in rates:
+                    here = next(
+                        x for x in rows_in if (x["model"], x["option"], x["rate_gbps"]) == (model, option, rate)
+                    )
+                    picks = [t.get("chosen_mb") for t in (here.get("tuning") or []) if t]
+                    listed = ", ".join(f"{c:g}" for c in picks if c is not None)
+                    by_rate.append(listed if len(rates) == 1 else f"{rate:g}: {listed or '–'}")
+                chosen = "; ".join(by_rate)
             cells += ["–" if loss is None else f"{loss:.4f}", chosen]
             rows.append(tuple(cells))
     header = ("model", "option", *(f"{rate:g} Gbit/s (got {achieved[rate]:.2f}): ms (× `ddp`)" for rate in rates))
