@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing.process
 import os
 import signal
@@ -117,6 +118,18 @@ def _processes_need_the_multiprocess_marker(request: pytest.FixtureRequest) -> I
             if hasattr(os, name):
                 patch.setattr(os, name, refuse)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _lightning_log_levels_restored() -> Iterator[None]:
+    """Give back Lightning's logger levels after each test: code run in-process (a worker's
+    ``run``, a bench function) may quiet them for its own process, which here is the xdist
+    worker's, shared with the test files after it."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
 
 
 def cpu_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
