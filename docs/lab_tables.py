@@ -139,22 +139,22 @@ def sweep(name: str) -> str:
         for option in dict.fromkeys(row["option"] for row in rows_in if row["model"] == model):
             cells = [model, f"`{option}`"]
             loss = None
-            for rate in rates:
-                row = next(x for x in rows_in if (x["model"], x["option"], x["rate_gbps"]) == (model, option, rate))
+            by_rate = {
+                rate: next(x for x in rows_in if (x["model"], x["option"], x["rate_gbps"]) == (model, option, rate))
+                for rate in rates
+            }
+            for row in by_rate.values():
                 speedup, step = headline_speedup(row), headline_ms(row)
                 cells.append("–" if step is None else f"{step:,.1f}" + (f" ({speedup:.2f}×)" if speedup else ""))
                 loss = row["eval_loss"] if loss is None else loss
             chosen = ""
             if option == "auto":  # per rate where the table has several: "0.1: 25; 1: 25, 25"
-                by_rate = []
-                for rate in rates:
-                    here = next(
-                        x for x in rows_in if (x["model"], x["option"], x["rate_gbps"]) == (model, option, rate)
-                    )
-                    picks = [t.get("chosen_mb") for t in (here.get("tuning") or []) if t]
+                picked = []
+                for rate, row in by_rate.items():
+                    picks = [t.get("chosen_mb") for t in (row.get("tuning") or []) if t]
                     listed = ", ".join(f"{c:g}" for c in picks if c is not None)
-                    by_rate.append(listed if len(rates) == 1 else f"{rate:g}: {listed or '–'}")
-                chosen = "; ".join(by_rate)
+                    picked.append(listed if len(rates) == 1 else f"{rate:g}: {listed or '–'}")
+                chosen = "; ".join(picked)
             cells += ["–" if loss is None else f"{loss:.4f}", chosen]
             rows.append(tuple(cells))
     header = ("model", "option", *(f"{rate:g} Gbit/s (got {achieved[rate]:.2f}): ms (× `ddp`)" for rate in rates))
