@@ -386,7 +386,10 @@ class Lab:
         total = max(total, 1 << 20)
         port = 29000 + secrets.randbelow(2000)
         probe = [sys.executable, "-m", "bench.netlab_probe"]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        }
         receiver = subprocess.Popen(
             [
                 *self.nodes[destination].exec_prefix(),

@@ -7,6 +7,7 @@ to start processes.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -89,3 +90,34 @@ def test_the_test_lane_runs_on_xdist_workers_a_file_each_in_the_given_order() ->
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^XDIST\s*:=.*-n \$\(WORKERS\) --dist loadfile --no-loadscope-reorder", makefile, re.MULTILINE)
     assert re.search(r"^test: .*\n(\t.*\n)*\t\$\(BIN\)/python -m pytest \$\(XDIST\)$", makefile, re.MULTILINE)
+
+
+_START_UP_PROBE = """
+import json, sys
+import lightning.pytorch
+import torchmetrics.utilities.imports as flags
+eager = {name: name in sys.modules for name in ("transformers", "matplotlib")}
+import transformers, matplotlib  # still importable by whoever needs them
+print(json.dumps({"eager": eager, "bert_flag": bool(flags._TRANSFORMERS_GREATER_EQUAL_4_4)}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_children_start_without_torchmetrics_optional_imports_and_can_opt_out() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    assert str(conftest.SITE) in os.environ["PYTHONPATH"].split(os.pathsep)
+    runs = {}
+    for name, extra in (("quick", {}), ("full", {"MGPU_TEST_FULL_IMPORTS": "1"})):
+        out = subprocess.run(
+            [sys.executable, "-c", _START_UP_PROBE],
+            env=conftest.cpu_env(extra),
+            capture_output=True,
+            text=True,
+            timeout=100,
+            check=True,
+        )
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["quick"] == {"eager": {"transformers": False, "matplotlib": False}, "bert_flag": False}
+    assert runs["full"] == {"eager": {"transformers": True, "matplotlib": True}, "bert_flag": True}

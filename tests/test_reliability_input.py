@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from lightning_mgpu import CommProfiler, HybridParallelStrategy, TunedDDPStrategy, cli, envcheck as doctor_env
 from lightning_mgpu.callbacks.doctor import DistributedDoctor
 from lightning_mgpu.placement import partition
-from tests.conftest import REPO
+from tests.conftest import REPO, cpu_env
 from tests.scripts.fail_harness import child_env, launch, listening_while_running
 
 PACKAGE = REPO / "lightning_mgpu"
@@ -440,7 +440,7 @@ def test_valid_flags_get_through_to_the_work(stubbed: Path, argv: list[str]) -> 
 @pytest.mark.timeout(300)  # four CLI runs in a child each, ~10 s apiece on a loaded 2-core machine
 def test_bad_input_from_the_console_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "factory_mod.py").write_text("def boom():\n    raise RuntimeError('factory exploded')\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env = cpu_env()
     for argv, message in (
         (
             ["plan", "factory_mod:boom", "--shape", "8,16"],

@@ -1,0 +1,61 @@
+"""Faster start-up for the processes the test suite starts (on their ``PYTHONPATH``: see ``tests/conftest.py``).
+
+``import lightning`` imports torchmetrics, and torchmetrics imports ``transformers`` (its BERTScore,
+InfoLM and CLIP metrics) and ``matplotlib`` (its ``Metric.plot``) whenever they are installed. The
+test extra installs both, which costs every process about 1.1 s of CPU out of the 4.8 s that
+importing Lightning takes, and the suite starts about 280 such processes on a 2-core machine.
+
+This module, run by Python at start-up, lets torchmetrics see those two packages as absent: right
+after ``torchmetrics.utilities.imports`` has run, its availability flags for them are set to
+False. Nothing else changes: ``import transformers`` and ``import matplotlib`` still work (the
+Hugging Face tests and the profiler's plots import them themselves); only torchmetrics' own text,
+multimodal and plotting features are off in these processes, and no test uses them.
+
+``MGPU_TEST_FULL_IMPORTS=1`` turns this off.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+from typing import Optional, Sequence
+
+_TARGET = "torchmetrics.utilities.imports"
+_FLAGS = (
+    "_TRANSFORMERS_AVAILABLE",
+    "_TRANSFORMERS_GREATER_EQUAL_4_4",
+    "_TRANSFORMERS_GREATER_EQUAL_4_10",
+    "_MATPLOTLIB_AVAILABLE",
+)
+
+
+class _OptionalImportsOff(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of ``torchmetrics.utilities.imports`` to clear the flags after it ran."""
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != _TARGET:
+            return None
+        sys.meta_path.remove(self)  # once is enough, and the real finders do the finding
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = spec.loader if spec is not None else None
+        exec_module = getattr(loader, "exec_module", None)
+        if loader is None or exec_module is None:
+            return spec
+
+        def exec_then_clear(module: ModuleType) -> None:
+            exec_module(module)
+            for flag in _FLAGS:
+                if hasattr(module, flag):
+                    setattr(module, flag, False)
+
+        loader.exec_module = exec_then_clear  # type: ignore[method-assign]
+        return spec
+
+
+if not os.environ.get("MGPU_TEST_FULL_IMPORTS"):
+    sys.meta_path.insert(0, _OptionalImportsOff())
