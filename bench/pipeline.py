@@ -26,7 +26,11 @@ runs, with the same batch and loss:
   (:mod:`bench.pipeline_torch`), launched once per round.
 
 Throughput is samples per second of training steps; the speed-up is against the unsplit
-model on one core, next to GPipe's bound ``M*K / (M + K - 1)``. Configurations are
+model on one core, next to GPipe's bound ``M*K / (M + K - 1)`` and the 2-core ceiling: ``K``
+times the unsplit step over ``sequential M=m, 1 core`` (the same model running the batch as
+``m`` micro-batches one after another), i.e. what K cores could give if each were busy all
+the time with its share of the micro-batched work. "CPU ms/step" is this process's CPU time
+per step, all threads (torch's ranks are other processes: not counted). Configurations are
 interleaved round by round (ABC ABC ..., torch's launch last in each round) and each figure
 is the median over rounds of the median step time within a round.
 
@@ -133,15 +137,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     per_round: dict[tuple[str, str], list[float]] = {(n, c.name): [] for n, group in configs.items() for c in group}
     faults: dict[tuple[str, str], list[float]] = {key: [] for key in per_round}
+    cpu: dict[tuple[str, str], list[float]] = {key: [] for key in per_round}
     torch_rows: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         for round_index in range(args.rounds):
             for name, group in configs.items():
                 order = group if round_index % 2 == 0 else list(reversed(group))
                 for config in order:
-                    ms, page_faults = time_steps(config.step, args.steps)
+                    ms, page_faults, cpu_ms = time_steps(config.step, args.steps)
                     per_round[(name, config.name)].append(ms)
                     faults[(name, config.name)].append(page_faults)
+                    cpu[(name, config.name)].append(cpu_ms)
             if args.torch_schedules:
                 rows = run_torch_round(
                     args, torch_config(args, plans, measure_memory=round_index == 0), Path(tmp), round_index
@@ -168,6 +174,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for name, group in configs.items():
         base = statistics.median(per_round[(name, "unsplit, 1 core")])
         batch = benches[name].batch.shape[0]
+        # What STAGES cores could give, both busy all the time with the micro-batched work (see sequential()).
+        ceilings = {
+            c.microbatches: STAGES * base / statistics.median(per_round[(name, c.name)])
+            for c in group
+            if c.schedule is None and c.microbatches is not None
+        }
+        ceilings[1] = float(STAGES)
         for config in group:
             ms = statistics.median(per_round[(name, config.name)])
             results.append(
@@ -183,6 +196,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     config.plan,
                     peaks[(name, config.name)],
                     statistics.median(faults[(name, config.name)]),
+                    statistics.median(cpu[(name, config.name)]),
+                    ceilings.get(config.microbatches) if config.schedule else None,
                 )
             )
             assert ms > 0
@@ -202,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         plans[name].get(m),
                         entry.get("peak_activation_bytes"),
                         None,
+                        None,
+                        ceilings.get(m),
                     )
                 )
     payload = {
@@ -231,6 +248,8 @@ def _row(
     plan: Optional[PlacementPlan],
     peak: Optional[list[int]],
     faults: Optional[float],
+    cpu_ms: Optional[float],
+    ceiling: Optional[float],
 ) -> dict[str, Any]:
     ms = statistics.median(rounds)
     estimate_schedule = {"fill-drain": "gpipe"}.get(schedule or "", schedule)
@@ -244,7 +263,8 @@ def _row(
         "step_ms_rounds": rounds,
         "samples_per_s": batch / ms * 1e3,
         "speedup": base / ms,
-        "gpipe_bound": (m * STAGES / (m + STAGES - 1)) if m else None,
+        "gpipe_bound": (m * STAGES / (m + STAGES - 1)) if m and schedule else None,
+        "two_core_ceiling": ceiling,
         "plan_ideal_speedup": plan.ideal_speedup if plan else None,
         "stage_sizes": plan.sizes if plan else None,
         "peak_activation_bytes": peak,
@@ -252,6 +272,7 @@ def _row(
         if plan and estimate_schedule
         else None,
         "page_faults_per_step": faults,
+        "cpu_ms_per_step": cpu_ms,
     }
 
 
@@ -312,6 +333,8 @@ def report(payload: dict[str, Any], args: argparse.Namespace) -> None:
                 f"{r['samples_per_s']:.0f}",
                 f"{r['speedup']:.2f}x",
                 f"{r['gpipe_bound']:.2f}x" if r["gpipe_bound"] else "-",
+                f"{r['two_core_ceiling']:.2f}x" if r["two_core_ceiling"] else "-",
+                f"{r['cpu_ms_per_step']:.0f}" if r["cpu_ms_per_step"] is not None else "-",
                 _sizes(r["peak_activation_bytes"]),
                 _sizes(r["estimated_activation_bytes"]),
                 f"{r['page_faults_per_step']:.0f}" if r["page_faults_per_step"] is not None else "-",
@@ -327,6 +350,8 @@ def report(payload: dict[str, Any], args: argparse.Namespace) -> None:
                 "samples/s",
                 "speed-up",
                 "GPipe bound",
+                "2-core ceiling",
+                "CPU ms/step",
                 "peak activations (measured)",
                 "peak activations (plan)",
                 "faults/step",

@@ -1,5 +1,5 @@
-"""``bench.pipeline``'s configurations of ours: the unsplit model, the fill-drain ``nn.Sequential`` pipeline and the
-staged pipeline under each schedule, each with its timed step and its untimed, metered step.
+"""``bench.pipeline``'s configurations of ours: the unsplit model (whole batch, or micro-batches one after another),
+the fill-drain ``nn.Sequential`` pipeline and the staged pipeline under each schedule, each with its timed step and its untimed, metered step.
 
 Each :class:`Config` carries ``step()`` (one training step, timed by :func:`time_steps`) and ``memory()``
 (one more step under :class:`~bench.pipeline_memory.ActivationMeter`, returning each stage's peak of saved
@@ -82,6 +82,31 @@ def unsplit(bench: BenchModel, threads: int) -> Config:
         return meter.peak
 
     return Config(f"unsplit, {threads} {'core' if threads == 1 else 'threads'}", step, memory)
+
+
+def sequential(bench: BenchModel, m: int) -> Config:
+    """The unsplit model on one core, the batch run as ``m`` micro-batches one after another: the work a
+    pipeline of ``m`` micro-batches has to do, without any pipeline (its cost over ``unsplit, 1 core`` is
+    what smaller matrix products and gradient accumulation cost on this CPU)."""
+    model, fn, x = bench.model, bench.step_fn(), bench.batch
+    chunks = x.chunk(m)
+    weights = [len(c) / len(x) if bench.loss_reduction == "mean" else 1.0 for c in chunks]
+
+    def step() -> None:
+        torch.set_num_threads(1)
+        model.zero_grad(set_to_none=True)
+        for chunk, weight in zip(chunks, weights):
+            (fn(model, chunk) * weight).backward()
+
+    def memory() -> list[int]:
+        meter = ActivationMeter(1, [*model.parameters(), x])
+        with meter.recording(0):
+            loss = fn(model, chunks[0])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return meter.peak
+
+    return Config(f"sequential M={m}, 1 core", step, memory, microbatches=m)
 
 
 def fill_drain(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
@@ -171,6 +196,8 @@ def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
     configs = [unsplit(bench, 1), unsplit(bench, 2)]
     for m in args.microbatches:
         plan = make_plan(bench, m)
+        if m > 1:
+            configs.append(sequential(bench, m))
         for schedule in args.schedules:
             if schedule == "fill-drain":
                 if bench.name == "mlp":  # the nn.Sequential pipeline takes an nn.Sequential only
@@ -180,12 +207,15 @@ def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
     return configs
 
 
-def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float]:
+def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float, float]:
+    """Median step ms, page faults per step, and median CPU ms per step (all of this process's threads)."""
     step()  # warm-up
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
+        cpu.append(time.process_time() - start_cpu)
+    per_step_faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
+    return statistics.median(times) * 1e3, per_step_faults, statistics.median(cpu) * 1e3

@@ -297,6 +297,8 @@ def _pipeline_schedules(plain: Any, retain: Any) -> str:
                 f"{bold}{row['speedup']:.2f}×{bold}",
                 f"{other['speedup']:.2f}×" if other else "–",
                 "–" if row["gpipe_bound"] is None else f"{row['gpipe_bound']:.2f}×",
+                "–" if row.get("two_core_ceiling") is None else f"{row['two_core_ceiling']:.2f}×",
+                "–" if row.get("cpu_ms_per_step") is None else f"{row['cpu_ms_per_step']:.0f}",
                 _mib_per_stage(row["peak_activation_bytes"]),
                 _mib_per_stage(row["estimated_activation_bytes"]),
             )
@@ -308,6 +310,8 @@ def _pipeline_schedules(plain: Any, retain: Any) -> str:
         "speed-up",
         "speed-up (retain)",
         "GPipe bound M·K/(M+K−1)",
+        "2-core ceiling",
+        "CPU ms per step",
         "peak activations MiB, measured (stage 0 / 1)",
         "plan's estimate",
     )
@@ -321,7 +325,7 @@ def _pipeline_schedules(plain: Any, retain: Any) -> str:
         f"{plain['settings']['rounds']} interleaved rounds × {plain['settings']['steps']} steps, medians; "
         f"{_machine(plain)}."
     )
-    return f"{table(header, rows, right=(2, 3, 4, 5, 6, 7))}\n\n{verdict}"
+    return f"{table(header, rows, right=(2, 3, 4, 5, 6, 7, 8, 9))}\n\n{verdict}"
 
 
 def _pipeline_headline(pipe: Any) -> str:

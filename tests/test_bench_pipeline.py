@@ -26,6 +26,7 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
         "gpipe M=1",
         "1f1b M=1",
         "zero_bubble M=1",
+        "sequential M=2, 1 core",
         "fill-drain M=2",
         "gpipe M=2",
         "1f1b M=2",
@@ -40,6 +41,7 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
         "gpipe M=1",
         "1f1b M=1",
         "zero_bubble M=1",
+        "sequential M=2, 1 core",
         "gpipe M=2",
         "1f1b M=2",
         "zero_bubble M=2",
@@ -52,9 +54,19 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
         for row in rows:
             assert row["step_ms"] > 0 and row["samples_per_s"] > 0 and len(row["step_ms_rounds"]) == 1
             measured = row["peak_activation_bytes"]
-            if row["microbatches"] is None:
-                assert len(measured) == 1 and measured[0] > 0  # the unsplit model: one "stage"
+            ours = row["engine"] == "ours"
+            assert (row["cpu_ms_per_step"] > 0) if ours else (row["cpu_ms_per_step"] is None)
+            if row["schedule"] is None:  # the unsplit model, whole batch or micro-batches in turn: one "stage"
+                assert len(measured) == 1 and measured[0] > 0
+                assert row["gpipe_bound"] is None and row["two_core_ceiling"] is None
                 continue
+            sequential = (
+                next(r for r in rows if r["config"] == f"sequential M={row['microbatches']}, 1 core")
+                if (row["microbatches"] > 1)
+                else None
+            )
+            want = 2.0 if sequential is None else 2 * rows[0]["step_ms"] / sequential["step_ms"]
+            assert row["two_core_ceiling"] == pytest.approx(want)
             assert row["gpipe_bound"] == pytest.approx(row["microbatches"] * 2 / (row["microbatches"] + 1))
             assert len(row["stage_sizes"]) == 2 and len(measured) == 2 and min(measured) > 0
             # the plan's estimate is one micro-batch's saved activations x the micro-batches in flight: the
@@ -64,7 +76,7 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
             for got, want in zip(measured, estimate):
                 assert 0.5 * want <= got <= 2 * want, (row["config"], measured, estimate)
     mlp = {r["config"]: r for r in by_model["mlp"]}
-    assert all(sum(mlp[c]["stage_sizes"]) == 8 for c in mlp if mlp[c]["microbatches"])
+    assert all(sum(mlp[c]["stage_sizes"]) == 8 for c in mlp if mlp[c]["schedule"])
     # at M = 2 the last stage of 1F1B holds one micro-batch, GPipe's two: measured, not estimated
     assert mlp["1f1b M=2"]["peak_activation_bytes"][1] < 0.75 * mlp["gpipe M=2"]["peak_activation_bytes"][1]
     assert mlp["torch 1f1b M=2"]["peak_activation_bytes"][1] < 0.75 * mlp["torch gpipe M=2"]["peak_activation_bytes"][1]
