@@ -173,6 +173,29 @@ def test_profile_counts_bytes_exactly_and_leaves_the_model_untouched() -> None:
     assert LayerCost.from_dict(json.loads(json.dumps(costs[0].as_dict()))) == costs[0]
 
 
+def test_profile_computes_the_first_input_gradient_only_when_the_sample_needs_one() -> None:
+    """The first stage of a pipeline never computes its input's gradient (a batch of data needs none): its
+    backward is profiled the same way, and a first layer writing its input in place leaves the sample alone."""
+
+    class Probe(nn.Module):
+        def __init__(self, in_place: bool = False) -> None:
+            super().__init__()
+            self.linear, self.in_place, self.seen = nn.Linear(4, 4), in_place, []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():  # the timed runs (not the pass that makes the next layer's input)
+                self.seen.append(x.requires_grad)
+            return self.linear(x.mul_(2) if self.in_place and not x.requires_grad else x)
+
+    for sample_needs_grad in (False, True):
+        seq = nn.Sequential(Probe(in_place=True), Probe())
+        sample = torch.randn(3, 4).requires_grad_(sample_needs_grad)
+        before = sample.detach().clone()
+        profile_layers(seq, sample, repeats=2, warmup=1)
+        assert set(seq[0].seen) == {sample_needs_grad} and set(seq[1].seen) == {True}
+        torch.testing.assert_close(sample.detach(), before, rtol=0, atol=0)
+
+
 def test_profile_refuses_what_it_cannot_measure() -> None:
     with pytest.raises(TypeError, match="needs an nn.Sequential"):
         profile_layers(nn.Linear(2, 2), torch.randn(1, 2))

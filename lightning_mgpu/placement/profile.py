@@ -7,7 +7,8 @@ the previous one, and returns one :class:`LayerCost` per layer:
   untimed ones; ``time_spread_ms`` is the interquartile range of their sum (how far to
   trust the median). Backward is ``torch.autograd.grad`` of the layer's output with respect
   to its input and parameters, i.e. exactly the work a pipeline stage does per
-  micro-batch. On CUDA the times come from ``torch.cuda.Event`` pairs (read once per
+  micro-batch; for the first layer, with respect to its input only if ``sample.requires_grad``
+  (a batch of data needs no gradient, so the first stage never computes one). On CUDA the times come from ``torch.cuda.Event`` pairs (read once per
   layer, after all repeats, so the GPU is not drained between runs); on CPU from
   ``time.perf_counter``.
 * ``param_bytes`` + ``grad_bytes`` + ``optimizer_bytes``: parameters, their gradients,
@@ -147,9 +148,9 @@ def profile_layers(
         else (next((h for h in homes if h is not None), None) or sample.device)
     )
     costs: list[LayerCost] = []
-    x = sample.detach().to(target)
-    if x.untyped_storage().nbytes() > x.numel() * x.element_size():
-        x = x.clone()  # a micro-batch sliced from a larger batch: its saved bytes are its own, not the batch's
+    # A copy: the caller's sample is never written (an in-place first layer), and a micro-batch sliced from a
+    # larger batch saves bytes of its own, not the batch's.
+    x = sample.detach().to(target, copy=True)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(check_int("threads", threads))
@@ -157,7 +158,8 @@ def profile_layers(
         for index, (name, layer) in enumerate(layers.named_children()):
             layer.to(target)
             with torch.cuda.device(target) if target.type == "cuda" else contextlib.nullcontext():
-                cost, x = _profile_one(index, name, layer, x, repeats, warmup, optimizer_state_factor)
+                input_grad = index > 0 or sample.requires_grad
+                cost, x = _profile_one(index, name, layer, x, repeats, warmup, optimizer_state_factor, input_grad)
             costs.append(cost)
     finally:
         torch.set_num_threads(previous_threads)
@@ -176,10 +178,17 @@ def _home_device(layer: nn.Module) -> Optional[torch.device]:
 
 
 def _profile_one(
-    index: int, name: str, layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, optimizer_state_factor: float
+    index: int,
+    name: str,
+    layer: nn.Module,
+    x: torch.Tensor,
+    repeats: int,
+    warmup: int,
+    optimizer_state_factor: float,
+    input_grad: bool = True,
 ) -> tuple[LayerCost, torch.Tensor]:
     params = [p for p in layer.parameters() if p.requires_grad]
-    needs_input_grad = x.is_floating_point() or x.is_complex()
+    needs_input_grad = input_grad and (x.is_floating_point() or x.is_complex())
     clock = _Clock(x.device)
 
     in_place = [_starts_in_place(layer)]
@@ -187,8 +196,9 @@ def _profile_one(
     def run_forward() -> tuple[torch.Tensor, torch.Tensor]:
         inp = x.detach().requires_grad_(needs_input_grad)
         try:
-            # an in-place first op cannot modify the leaf we differentiate against: give it a copy
-            out = layer(inp.clone() if in_place[0] and needs_input_grad else inp)
+            # an in-place first op cannot modify the leaf we differentiate against, and no op may modify the
+            # sample shared by the repeats (nothing raises when it needs no gradient): give those a copy
+            out = layer(inp.clone() if in_place[0] or not needs_input_grad else inp)
         except RuntimeError as exc:
             if in_place[0] or "in-place" not in str(exc) and "inplace" not in str(exc):
                 raise
