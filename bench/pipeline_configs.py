@@ -19,6 +19,7 @@ import torch
 from bench.pipeline_memory import ActivationMeter, Metered
 from bench.pipeline_models import BenchModel
 from lightning_mgpu.placement.block_profile import profile_blocks
+from lightning_mgpu.placement.microbatch import scatter
 from lightning_mgpu.placement.pipeline import Pipeline
 from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
 from lightning_mgpu.placement.profile import profile_layers
@@ -89,7 +90,7 @@ def sequential(bench: BenchModel, m: int) -> Config:
     pipeline of ``m`` micro-batches has to do, without any pipeline (its cost over ``unsplit, 1 core`` is
     what smaller matrix products and gradient accumulation cost on this CPU)."""
     model, fn, x = bench.model, bench.step_fn(), bench.batch
-    chunks = x.chunk(m)
+    chunks = scatter(x, m)  # cut as the pipelines cut it (tensor_split: equal sizes within one sample)
     weights = [len(c) / len(x) if bench.loss_reduction == "mean" else 1.0 for c in chunks]
 
     def step() -> None:

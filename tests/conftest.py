@@ -76,8 +76,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 SITE = REPO / "tests" / "_site"
-"""Put on the ``PYTHONPATH`` of every process the suite starts: its ``sitecustomize`` keeps torchmetrics from
-importing ``transformers`` and ``matplotlib`` at start-up (about 1.2 s of CPU per process; see that module)."""
+"""Put on the ``PYTHONPATH`` of every process the suite starts (xdist workers too): its ``sitecustomize`` keeps
+torchmetrics from importing ``transformers`` and ``matplotlib`` at start-up (about 1.2 s of CPU per process; see
+that module)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -188,12 +188,13 @@ def test_profile_computes_the_first_input_gradient_only_when_the_sample_needs_on
             return self.linear(x.mul_(2) if self.in_place and not x.requires_grad else x)
 
     for sample_needs_grad in (False, True):
-        seq = nn.Sequential(Probe(in_place=True), Probe())
-        sample = torch.randn(3, 4).requires_grad_(sample_needs_grad)
-        before = sample.detach().clone()
-        profile_layers(seq, sample, repeats=2, warmup=1)
-        assert set(seq[0].seen) == {sample_needs_grad} and set(seq[1].seen) == {True}
-        torch.testing.assert_close(sample.detach(), before, rtol=0, atol=0)
+        for lead in ([], [nn.Flatten()]):  # a layer without parameters lets no gradient in either
+            seq = nn.Sequential(*lead, Probe(in_place=True), Probe())
+            sample = torch.randn(3, 4).requires_grad_(sample_needs_grad)
+            before = sample.detach().clone()
+            profile_layers(seq, sample, repeats=2, warmup=1)
+            assert set(seq[-2].seen) == {sample_needs_grad} and set(seq[-1].seen) == {True}
+            torch.testing.assert_close(sample.detach(), before, rtol=0, atol=0)
 
 
 def test_profile_refuses_what_it_cannot_measure() -> None:

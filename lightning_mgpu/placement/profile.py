@@ -7,8 +7,9 @@ the previous one, and returns one :class:`LayerCost` per layer:
   untimed ones; ``time_spread_ms`` is the interquartile range of their sum (how far to
   trust the median). Backward is ``torch.autograd.grad`` of the layer's output with respect
   to its input and parameters, i.e. exactly the work a pipeline stage does per
-  micro-batch; for the first layer, with respect to its input only if ``sample.requires_grad``
-  (a batch of data needs no gradient, so the first stage never computes one). On CUDA the times come from ``torch.cuda.Event`` pairs (read once per
+  micro-batch; with respect to its input only where a gradient flows into it (from
+  ``sample.requires_grad`` or a trainable layer before it: a batch of data needs none, so a
+  pipeline's first layers never compute one). On CUDA the times come from ``torch.cuda.Event`` pairs (read once per
   layer, after all repeats, so the GPU is not drained between runs); on CPU from
   ``time.perf_counter``.
 * ``param_bytes`` + ``grad_bytes`` + ``optimizer_bytes``: parameters, their gradients,
@@ -154,13 +155,14 @@ def profile_layers(
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(check_int("threads", threads))
+    input_grad = sample.requires_grad  # does a gradient flow into this layer's input?
     try:
         for index, (name, layer) in enumerate(layers.named_children()):
             layer.to(target)
             with torch.cuda.device(target) if target.type == "cuda" else contextlib.nullcontext():
-                input_grad = index > 0 or sample.requires_grad
                 cost, x = _profile_one(index, name, layer, x, repeats, warmup, optimizer_state_factor, input_grad)
             costs.append(cost)
+            input_grad = input_grad or any(p.requires_grad for p in layer.parameters())
     finally:
         torch.set_num_threads(previous_threads)
         for layer, home in zip(layers, homes):
@@ -193,12 +195,17 @@ def _profile_one(
 
     in_place = [_starts_in_place(layer)]
 
-    def run_forward() -> tuple[torch.Tensor, torch.Tensor]:
+    def make_input() -> tuple[torch.Tensor, torch.Tensor]:
+        """The leaf to differentiate against, and what the layer is given: a copy where it could be written (an
+        in-place first op cannot modify that leaf, and no op may modify the input shared by the repeats;
+        nothing raises when it needs no gradient). Made outside the timed region."""
         inp = x.detach().requires_grad_(needs_input_grad)
+        return inp, (inp.clone() if in_place[0] or not needs_input_grad else inp)
+
+    def run_forward(prepared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inp, given = prepared or make_input()
         try:
-            # an in-place first op cannot modify the leaf we differentiate against, and no op may modify the
-            # sample shared by the repeats (nothing raises when it needs no gradient): give those a copy
-            out = layer(inp.clone() if in_place[0] or not needs_input_grad else inp)
+            out = layer(given)
         except RuntimeError as exc:
             if in_place[0] or "in-place" not in str(exc) and "inplace" not in str(exc):
                 raise
@@ -222,8 +229,9 @@ def _profile_one(
     try:
         forward_times, backward_times = [], []
         for repeat in range(warmup + repeats):
+            prepared = make_input()
             start = clock.now()
-            inp, out = run_forward()
+            inp, out = run_forward(prepared)
             middle = clock.now()
             grad = torch.ones_like(out) if out.requires_grad else None
             middle_after_setup = clock.now()
