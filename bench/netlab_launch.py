@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench.netlab_lib import REPO_ROOT, Lab, LabError
+from bench.netlab_lib import REPO_ROOT, Lab, LabError, repo_on_pythonpath
 
 _NOISE = re.compile(
     r"^\[W|site-packages|warnings.warn|^(GPU|TPU) available|Initializing distributed|distributed_backend=|"
@@ -75,7 +75,7 @@ def node_env(lab: Lab, node: int, *, threads: int = 1, extra: Optional[dict[str,
         env.pop(key, None)
     env.update(
         GLOO_SOCKET_IFNAME=lab.nodes[node].interface,
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        PYTHONPATH=repo_on_pythonpath(),
         OMP_NUM_THREADS=str(threads),
         PYTHONUNBUFFERED="1",
         CUDA_VISIBLE_DEVICES="",

@@ -53,6 +53,13 @@ SUBNET = "127.78.0"
 BURST = "256kb"
 LATENCY = "50ms"
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_on_pythonpath() -> str:
+    """This process's ``PYTHONPATH`` with the repository first: what a child needs to import ``bench``."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(?:n\d+|sw)$")
 
 Runner = Callable[[Sequence[str]], str]
@@ -386,10 +393,7 @@ class Lab:
         total = max(total, 1 << 20)
         port = 29000 + secrets.randbelow(2000)
         probe = [sys.executable, "-m", "bench.netlab_probe"]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        }
+        env = {**os.environ, "PYTHONPATH": repo_on_pythonpath()}
         receiver = subprocess.Popen(
             [
                 *self.nodes[destination].exec_prefix(),

@@ -174,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for name, group in configs.items():
         base = statistics.median(per_round[(name, "unsplit, 1 core")])
         batch = benches[name].batch.shape[0]
-        # What STAGES cores could give, both busy all the time with the micro-batched work (see sequential()).
+        # What STAGES cores could give, both busy all the time with the micro-batched work (see unsplit()).
         ceilings = {
             c.microbatches: STAGES * base / statistics.median(per_round[(name, c.name)])
             for c in group

@@ -1,5 +1,6 @@
-"""``bench.pipeline``'s configurations of ours: the unsplit model (whole batch, or micro-batches one after another),
-the fill-drain ``nn.Sequential`` pipeline and the staged pipeline under each schedule, each with its timed step and its untimed, metered step.
+"""``bench.pipeline``'s configurations of ours: the unsplit model (whole batch, or micro-batches one after
+another), the fill-drain ``nn.Sequential`` pipeline and the staged pipeline under each schedule, each with its
+timed step and its untimed, metered step.
 
 Each :class:`Config` carries ``step()`` (one training step, timed by :func:`time_steps`) and ``memory()``
 (one more step under :class:`~bench.pipeline_memory.ActivationMeter`, returning each stage's peak of saved
@@ -66,35 +67,16 @@ def make_plan(bench: BenchModel, microbatches: int) -> PlacementPlan:
 
 
 # ----------------------------------------------------------------------------- configurations
-def unsplit(bench: BenchModel, threads: int) -> Config:
+def unsplit(bench: BenchModel, threads: int, microbatches: int = 1) -> Config:
+    """The unsplit model on ``threads`` intra-op threads; with ``microbatches`` > 1 (one thread), the batch run as
+    that many micro-batches one after another: the work a pipeline of them has to do, without any pipeline (its
+    cost over ``unsplit, 1 core`` is what smaller matrix products and gradient accumulation cost on this CPU)."""
     model, fn, x = bench.model, bench.step_fn(), bench.batch
-
-    def step() -> None:
-        torch.set_num_threads(threads)
-        model.zero_grad(set_to_none=True)
-        fn(model, x).backward()
-
-    def memory() -> list[int]:
-        meter = ActivationMeter(1, [*model.parameters(), x])
-        with meter.recording(0):
-            loss = fn(model, x)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return meter.peak
-
-    return Config(f"unsplit, {threads} {'core' if threads == 1 else 'threads'}", step, memory)
-
-
-def sequential(bench: BenchModel, m: int) -> Config:
-    """The unsplit model on one core, the batch run as ``m`` micro-batches one after another: the work a
-    pipeline of ``m`` micro-batches has to do, without any pipeline (its cost over ``unsplit, 1 core`` is
-    what smaller matrix products and gradient accumulation cost on this CPU)."""
-    model, fn, x = bench.model, bench.step_fn(), bench.batch
-    chunks = scatter(x, m)  # cut as the pipelines cut it (tensor_split: equal sizes within one sample)
+    chunks = scatter(x, microbatches)  # cut as the pipelines cut it (tensor_split: equal sizes within one sample)
     weights = [len(c) / len(x) if bench.loss_reduction == "mean" else 1.0 for c in chunks]
 
     def step() -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         model.zero_grad(set_to_none=True)
         for chunk, weight in zip(chunks, weights):
             (fn(model, chunk) * weight).backward()
@@ -107,7 +89,9 @@ def sequential(bench: BenchModel, m: int) -> Config:
         model.zero_grad(set_to_none=True)
         return meter.peak
 
-    return Config(f"sequential M={m}, 1 core", step, memory, microbatches=m)
+    if microbatches == 1:
+        return Config(f"unsplit, {threads} {'core' if threads == 1 else 'threads'}", step, memory)
+    return Config(f"sequential M={microbatches}, 1 core", step, memory, microbatches=microbatches)
 
 
 def fill_drain(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
@@ -198,7 +182,7 @@ def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
     for m in args.microbatches:
         plan = make_plan(bench, m)
         if m > 1:
-            configs.append(sequential(bench, m))
+            configs.append(unsplit(bench, 1, m))
         for schedule in args.schedules:
             if schedule == "fill-drain":
                 if bench.name == "mlp":  # the nn.Sequential pipeline takes an nn.Sequential only

@@ -187,7 +187,7 @@ def _profile_one(
     repeats: int,
     warmup: int,
     optimizer_state_factor: float,
-    input_grad: bool = True,
+    input_grad: bool,
 ) -> tuple[LayerCost, torch.Tensor]:
     params = [p for p in layer.parameters() if p.requires_grad]
     needs_input_grad = input_grad and (x.is_floating_point() or x.is_complex())
