@@ -115,8 +115,8 @@ def test_zero_bubble_defers_weight_gradients_to_w() -> None:
     calls: list[tuple[int, int]] = []
     original = staged_module.split_backward
 
-    def spy(*args: Any) -> Any:
-        leaf_grads, now, deferred = original(*args)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        leaf_grads, now, deferred = original(*args, **kwargs)
         calls.append((len(now), sum(len(indices) for _, _, indices in deferred.groups)))
         return leaf_grads, now, deferred
 
@@ -181,6 +181,8 @@ def test_what_cannot_be_staged_is_refused_before_any_gradient_lands(schedule: st
         (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["1", "0"], "called exactly once per step"),
     ]
     for model, points, match in cases:
+        if schedule == "zero_bubble" and match.startswith("skip"):
+            match = "backward also reached.*" + match  # found from the graphs, not left to a freed buffer's timing
         engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=2)
         try:
             with pytest.raises((StagedStepError, PipelineError), match=match):

@@ -68,6 +68,7 @@ class MicroRun:
     sources: dict[tuple[int, int], tuple[int, GradientEdge]] = field(default_factory=dict)
     leaf_stage: dict[int, int] = field(default_factory=dict)  # id(leaf) -> its stage (pass-through detection)
     deferred: dict[int, Any] = field(default_factory=dict)  # stage -> what its W pass needs
+    claimed: dict[Any, int] = field(default_factory=dict)  # autograd node -> the stage whose split backward reached it
 
     def __post_init__(self) -> None:
         if not self.cuts:

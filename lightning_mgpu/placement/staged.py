@@ -69,7 +69,7 @@ from lightning_mgpu.placement.handover import (
 from lightning_mgpu.placement.microbatch import map_tensors, split_batch
 from lightning_mgpu.placement.shared_params import SharedParameterCopies
 from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
-from lightning_mgpu.placement.weight_pass import DeferredWeights, split_backward
+from lightning_mgpu.placement.weight_pass import DeferredWeights, reached_graph, split_backward
 from lightning_mgpu.placement.worker import Receive, Send, StageWorkers, stage_context, thread_modes
 
 __all__ = ["LOSS_REDUCTIONS", "StagedStep", "StagedStepError", "current_microbatch", "split_batch"]
@@ -296,7 +296,9 @@ class StagedStep:
             results: tuple[Optional[torch.Tensor], ...] = (None,) * len(leaves)
             param_grads: dict[int, torch.Tensor] = {}
         elif split_weight:
-            results, param_grads, deferred = split_backward(roots, grads, leaves, self.params)
+            graph = reached_graph(roots)
+            _claim(micro, j, graph[0], self.split_points)
+            results, param_grads, deferred = split_backward(roots, grads, leaves, self.params, graph=graph)
             micro.deferred[j] = deferred
         else:
             try:
@@ -462,10 +464,28 @@ def _loss_of(result: Any) -> Optional[torch.Tensor]:
 def _explain(exc: RuntimeError, split_points: Sequence[str], stage: int) -> BaseException:
     text = str(exc)
     if "backward through the graph a second time" in text or "has been freed" in text:
-        return StagedStepError(
-            f"stage {stage}'s backward reached a part of the graph that another stage already ran: a tensor computed "
-            f"before one of the split points {list(split_points)} is used after it without being passed to it (e.g. a "
-            "skip connection around a split point). Pass it as an argument of the split point, or choose split points "
-            "that no such connection crosses."
-        )
+        return _crossing(split_points, stage, "another stage already ran")
     return exc
+
+
+def _claim(micro: MicroRun, stage: int, nodes: set[Any], split_points: Sequence[str]) -> None:
+    """Record the autograd nodes of ``stage``'s backward for ``micro``; refuse a node a later stage's backward reached.
+
+    With a split backward (``B`` keeps the graph for ``W``), the freed-buffer error that gives away a tensor crossing
+    a split point unpassed comes only if the two stages' backward passes happen not to run the shared node at the
+    same moment; this finds it every time. Leaf nodes (a parameter's accumulator, used by every stage) are not claimed."""
+    for node in nodes:
+        if not node.next_functions:
+            continue
+        other = micro.claimed.setdefault(node, stage)
+        if other != stage:
+            raise _crossing(split_points, stage, f"stage {other}'s backward also reached")
+
+
+def _crossing(split_points: Sequence[str], stage: int, what: str) -> StagedStepError:
+    return StagedStepError(
+        f"stage {stage}'s backward reached a part of the graph that {what}: a tensor computed before one of the "
+        f"split points {list(split_points)} is used after it without being passed to it (e.g. a skip connection "
+        "around a split point). Pass it as an argument of the split point, or choose split points that no such "
+        "connection crosses."
+    )

@@ -31,7 +31,10 @@ from typing import Any, Optional
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["DeferredWeights", "split_backward"]
+__all__ = ["DeferredWeights", "Graph", "reached_graph", "split_backward"]
+
+Graph = tuple[set[Node], dict[Node, list[Node]]]
+"""The nodes a backward from some roots reaches, and each one's parents among them."""
 
 
 class DeferredWeights:
@@ -68,24 +71,14 @@ def split_backward(
     grads: Sequence[torch.Tensor],
     leaves: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    *,
+    graph: Optional[Graph] = None,
 ) -> tuple[tuple[Optional[torch.Tensor], ...], dict[int, torch.Tensor], DeferredWeights]:
     """``B`` of one stage and micro-batch: the leaves' gradients, the parameter gradients that could not be deferred
-    (by index), and the :class:`DeferredWeights` for ``W``. ``roots``: tensors or ``GradientEdge`` s, ``grads`` their gradients."""
+    (by index), and the :class:`DeferredWeights` for ``W``. ``roots``: tensors or ``GradientEdge`` s, ``grads`` their
+    gradients; ``graph``: :func:`reached_graph` of ``roots`` where the caller already has it."""
     deferred = DeferredWeights()
-    root_nodes = [root.node if isinstance(root, GradientEdge) else root.grad_fn for root in roots]
-    parents: dict[Node, list[Node]] = {}
-    seen: set[Node] = set()
-    stack = [node for node in root_nodes if node is not None]
-    seen.update(stack)
-    while stack:
-        node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            parents.setdefault(child, []).append(node)
-            if child not in seen:
-                seen.add(child)
-                stack.append(child)
+    seen, parents = reached_graph(roots) if graph is None else graph
     param_nodes: dict[Node, int] = {}
     for n, param in enumerate(params):
         node = get_gradient_edge(param).node
@@ -135,6 +128,25 @@ def split_backward(
     leaf_grads = tuple(results[: len(leaves)])
     param_grads = {n: g for n, g in zip(now, results[len(leaves) :]) if g is not None}
     return leaf_grads, param_grads, deferred
+
+
+def reached_graph(roots: Sequence[Any]) -> Graph:
+    """The autograd nodes reachable from ``roots`` (tensors or ``GradientEdge`` s) and their parents there."""
+    root_nodes = [root.node if isinstance(root, GradientEdge) else root.grad_fn for root in roots]
+    parents: dict[Node, list[Node]] = {}
+    seen: set[Node] = set()
+    stack = [node for node in root_nodes if node is not None]
+    seen.update(stack)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents.setdefault(child, []).append(node)
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return seen, parents
 
 
 def _closure(starts: Sequence[Node]) -> set[Node]:
