@@ -25,6 +25,8 @@ from typing import Any, Iterator, NoReturn, Optional, Sequence
 import pytest
 import torch
 
+from tests import warm
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 RECIPES = REPO / "recipes"
@@ -126,6 +128,7 @@ def _processes_need_the_multiprocess_marker(request: pytest.FixtureRequest) -> I
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(warm, "_request", refuse)  # a warm start forks from the worker's zygote
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
             if hasattr(os, name):
@@ -171,18 +174,13 @@ def free_port() -> int:
 def run_python(
     args: Sequence[str], *, cwd: Path, timeout: float, env: Optional[dict[str, str]] = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS``; fail the test with the child's output if it hangs, or fails and ``check``."""
+    """Run ``python ARGS`` (warm where it can be: ``tests/warm.py``); fail the test with the child's output if it
+    hangs, or fails and ``check``."""
     cmd = [sys.executable, *args]
     # Own session: on a timeout the whole process group goes (Lightning's launcher starts
     # the other ranks as children; killing only the direct child would leave them running).
-    with subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env or cpu_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    with warm.start(
+        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as child:
         try:
             stdout, stderr = child.communicate(timeout=timeout)

@@ -14,6 +14,10 @@ multimodal and plotting features are off in these processes, and no test uses th
 ``sitecustomize`` that this one hides on the path (a system Python's) still runs, after it.
 
 ``MGPU_TEST_FULL_IMPORTS=1`` turns this off.
+
+``MGPU_PROC_LOG=FILE`` (off by default) appends one JSON line per process as it exits: its argv, the
+test that started it (``PYTEST_CURRENT_TEST``), its CPU seconds, and whether it imported torch and
+Lightning. ``docs/development.md`` says how the suite's CPU was accounted with it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,36 @@ def _run_the_next_sitecustomize() -> None:
         spec.loader.exec_module(module)
 
 
+def _log_this_process(path: str) -> None:
+    import atexit
+    import json
+    import resource
+    import time
+
+    started = [time.time()]
+    # a process forked from a warm interpreter (tests/warm.py) starts its own clock; its CPU counters start at 0
+    os.register_at_fork(after_in_child=lambda: started.__setitem__(0, time.time()))
+
+    def record() -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        entry = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "argv": sys.argv[:6],
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+            "wall_s": round(time.time() - started[0], 3),
+            "torch": "torch" in sys.modules,
+            "lightning": "lightning" in sys.modules,
+        }
+        with open(path, "a") as log:
+            log.write(json.dumps(entry) + "\n")
+
+    atexit.register(record)
+
+
+if os.environ.get("MGPU_PROC_LOG"):
+    _log_this_process(os.environ["MGPU_PROC_LOG"])
 if os.environ.get("MGPU_TEST_FULL_IMPORTS", "") in ("", "0"):
     sys.meta_path.insert(0, _OptionalImportsOff())
 _run_the_next_sitecustomize()

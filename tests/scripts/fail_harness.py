@@ -21,6 +21,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from tests import warm
+
 SCRIPT = Path(__file__).with_name("fail_fit.py")
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.5")
@@ -96,17 +98,12 @@ def launch(
     timeout: float = 150,
     env: Optional[dict[str, str]] = None,
 ) -> Job:
-    """``python [LAUNCHER] fail_fit.py --out-dir OUT FLAGS`` in its own session, killed at ``timeout``."""
+    """``python [LAUNCHER] fail_fit.py --out-dir OUT FLAGS`` in its own session (warm: ``tests/warm.py``), killed at
+    ``timeout``."""
     command = [sys.executable, *launcher, str(SCRIPT), "--out-dir", str(out_dir), *flags]
     started = time.perf_counter()
-    process = subprocess.Popen(
-        command,
-        cwd=out_dir.parent,
-        env=env or child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    process = warm.start(
+        command, cwd=out_dir.parent, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     timed_out = False
     try:
