@@ -153,10 +153,8 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
 # ----------------------------------------------------------------------------- the client (in the pytest worker)
 class _Zygote:
-    def __init__(self) -> None:
-        from tests.conftest import cpu_env
-
-        self.env = cpu_env()
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
         self.dir = tempfile.mkdtemp(prefix="mgpu_zygote_")
         self.path = os.path.join(self.dir, "sock")
         self.process = subprocess.Popen(
@@ -201,11 +199,16 @@ def _zygote_for(env: Mapping[str, str]) -> Optional[_Zygote]:
     global _zygote
     if os.environ.get(COLD, "") not in ("", "0") or env.get(COLD, "") not in ("", "0"):
         return None
+    from tests.conftest import cpu_env
+
     with _lock:
         if _zygote is None or not _zygote.alive():
+            base = cpu_env()  # what the suite's children start with; a start that differs would go cold anyway
+            if _start_time_env(base) != _start_time_env(env):
+                return None
             if _zygote is not None:
                 _zygote.close()
-            _zygote = _Zygote()
+            _zygote = _Zygote(base)
             import atexit
 
             atexit.register(_zygote.close)
