@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
@@ -188,6 +189,7 @@ class _Zygote:
 
 _lock = threading.Lock()
 _zygote: Optional[_Zygote] = None
+_unavailable: Optional[str] = None
 
 
 def _start_time_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -196,8 +198,8 @@ def _start_time_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def _zygote_for(env: Mapping[str, str]) -> Optional[_Zygote]:
     """The worker's zygote if it can start a process with ``env`` warm (started on first use), else None."""
-    global _zygote
-    if os.environ.get(COLD, "") not in ("", "0") or env.get(COLD, "") not in ("", "0"):
+    global _zygote, _unavailable
+    if _unavailable or os.environ.get(COLD, "") not in ("", "0") or env.get(COLD, "") not in ("", "0"):
         return None
     from tests.conftest import cpu_env
 
@@ -208,7 +210,12 @@ def _zygote_for(env: Mapping[str, str]) -> Optional[_Zygote]:
                 return None
             if _zygote is not None:
                 _zygote.close()
-            _zygote = _Zygote(base)
+            try:
+                _zygote = _Zygote(base)
+            except (OSError, RuntimeError) as error:  # e.g. a TMPDIR too long for a socket path: cold, as before
+                _unavailable = f"no warm starts in this worker: {error}"
+                warnings.warn(f"tests/warm.py: {_unavailable}; every process starts cold", stacklevel=2)
+                return None
             import atexit
 
             atexit.register(_zygote.close)
