@@ -138,15 +138,21 @@ def test_merged_output_timeouts_and_a_kill_by_session(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_code_and_other_start_time_settings_start_cold(probe: Path, tmp_path: Path) -> None:
+    piped = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     code = [sys.executable, "-c", "import sys; print('torch' in sys.modules)"]
-    with warm.start(code, cwd=tmp_path, env=cpu_env(), stdout=subprocess.PIPE, text=True) as process:
+    with warm.start(code, cwd=tmp_path, env=cpu_env(), text=True, **piped) as process:
         assert isinstance(process, subprocess.Popen) and process.communicate(timeout=60)[0] == "False\n"
+    script = [sys.executable, str(probe)]
+    with warm.start(script, cwd=tmp_path, env=cpu_env(), **piped) as warmed:  # the control: this one is warm
+        assert isinstance(warmed, warm.WarmProcess)
+        warmed.communicate(timeout=60)
     for changed in ({"OMP_NUM_THREADS": "2"}, {"PYTHONHASHSEED": "1"}, {"PYTHONPATH": str(REPO)}):
-        with warm.start(
-            [sys.executable, str(probe)], cwd=tmp_path, env=cpu_env(changed), stdout=subprocess.PIPE
-        ) as cold:
+        with warm.start(script, cwd=tmp_path, env=cpu_env(changed), **piped) as cold:
             assert isinstance(cold, subprocess.Popen), changed
             cold.communicate(timeout=60)
+    # output the handle would not read the way the tests do: cold, with Popen's own handling
+    with warm.start(script, cwd=tmp_path, env=cpu_env(), stdout=subprocess.DEVNULL) as cold:
+        assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 0
 
 
 def test_the_fast_lane_cannot_start_a_warm_process(probe: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ launcher, torchrun's workers) starts cold, through the real ``subprocess``/``mul
 paths those tests are about. A start is cold, as before, when:
 
 * it runs ``-c`` code or anything but a script or ``-m`` (the tests of what importing does);
+* its output is not read through pipes (stdout piped; stderr piped or merged into it);
 * its environment differs from the zygote's in a variable read while the interpreter or the
   preloaded libraries start (``START_PREFIXES``, ``PYTHONPATH`` included);
 * ``MGPU_TEST_COLD=1`` is set (everything cold: the suite as it ran before this module).
@@ -26,6 +27,7 @@ leader; Python's hash seed is the zygote's.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
@@ -197,17 +199,17 @@ def _start_time_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _zygote_for(env: Mapping[str, str]) -> Optional[_Zygote]:
-    """The worker's zygote if it can start a process with ``env`` warm (started on first use), else None."""
+    """The worker's zygote (started on first use) if a process with ``env`` can start warm, else None."""
     global _zygote, _unavailable
     if _unavailable or os.environ.get(COLD, "") not in ("", "0") or env.get(COLD, "") not in ("", "0"):
         return None
     from tests.conftest import cpu_env
 
+    base = cpu_env()  # what the zygote starts with: the suite's children's environment
+    if _start_time_env(base) != _start_time_env(env):
+        return None
     with _lock:
         if _zygote is None or not _zygote.alive():
-            base = cpu_env()  # what the suite's children start with; a start that differs would go cold anyway
-            if _start_time_env(base) != _start_time_env(env):
-                return None
             if _zygote is not None:
                 _zygote.close()
             try:
@@ -216,11 +218,8 @@ def _zygote_for(env: Mapping[str, str]) -> Optional[_Zygote]:
                 _unavailable = f"no warm starts in this worker: {error}"
                 warnings.warn(f"tests/warm.py: {_unavailable}; every process starts cold", stacklevel=2)
                 return None
-            import atexit
-
             atexit.register(_zygote.close)
-        zygote = _zygote
-    return zygote if _start_time_env(zygote.env) == _start_time_env(env) else None
+        return _zygote
 
 
 def _request(zygote: _Zygote, argv: list[str], cwd: str, env: Mapping[str, str], fds: list[int]) -> socket.socket:
@@ -242,40 +241,27 @@ class WarmProcess:
         *,
         cwd: str,
         env: Mapping[str, str],
-        stdout: Any,
         stderr: Any,
         text: bool,
     ) -> None:
         self.args = [sys.executable, *argv]
         self.returncode: Optional[int] = None
         self._text = text
-        own: list[int] = []  # the child's ends, closed here once sent
-
-        def target(spec: Any) -> tuple[int, Optional[int]]:
-            if spec == subprocess.PIPE:
-                read, write = os.pipe()
-                own.append(write)
-                return write, read
-            if spec == subprocess.DEVNULL or spec is None:
-                fd = os.open(os.devnull, os.O_WRONLY)
-                own.append(fd)
-                return fd, None
-            fd = spec if isinstance(spec, int) else spec.fileno()
-            return fd, None
-
+        # stdout is a pipe; stderr a pipe of its own or the same one (``start`` sends anything else cold)
         null_in = os.open(os.devnull, os.O_RDONLY)
-        own.append(null_in)
-        out_fd, out_read = target(stdout)
-        if stderr == subprocess.STDOUT:
-            err_fd, err_read = out_fd, None
-        else:
-            err_fd, err_read = target(stderr)
+        out_read, out_fd = os.pipe()
+        own = [null_in, out_fd]  # the child's ends, closed here once sent
+        err_read: Optional[int] = None
+        err_fd = out_fd
+        if stderr == subprocess.PIPE:
+            err_read, err_fd = os.pipe()
+            own.append(err_fd)
         try:
             self._conn = _request(zygote, argv, cwd, env, [null_in, out_fd, err_fd])
         finally:
             for fd in own:
                 os.close(fd)
-        self.stdout: Optional[IO[Any]] = os.fdopen(out_read, "rb") if out_read is not None else None
+        self.stdout: Optional[IO[Any]] = os.fdopen(out_read, "rb")
         self.stderr: Optional[IO[Any]] = os.fdopen(err_read, "rb") if err_read is not None else None
         self._status = self._conn.makefile("rb")
         line = self._status.readline()
@@ -362,15 +348,17 @@ def start(
 ) -> Union[WarmProcess, subprocess.Popen[Any]]:
     """``subprocess.Popen(command, cwd=..., env=..., start_new_session=True, ...)``, forked warm when it can be.
 
-    ``command`` starts with ``sys.executable``; warm for ``SCRIPT ...`` and ``-m MODULE ...``."""
+    ``command`` starts with ``sys.executable``; warm for ``SCRIPT ...`` and ``-m MODULE ...`` with stdout piped and
+    stderr piped or merged into it."""
     env = dict(os.environ if env is None else env)
     argv = list(command[1:])
     runnable = (
         command[0] == sys.executable and argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-"))
     )
-    zygote = _zygote_for(env) if runnable else None
+    piped = stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT)  # how the tests read it
+    zygote = _zygote_for(env) if runnable and piped else None
     if zygote is not None:
-        return WarmProcess(zygote, argv, cwd=str(cwd), env=env, stdout=stdout, stderr=stderr, text=text)
+        return WarmProcess(zygote, argv, cwd=str(cwd), env=env, stderr=stderr, text=text)
     return subprocess.Popen(
         list(command), cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=True
     )
