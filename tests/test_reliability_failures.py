@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 LATENCY_LIMIT_S = 30.0
 """Failure to end of the whole job (every process gone): seconds, where torch's default timeout is 30 minutes."""
 WALL_LIMIT_S = 90.0
-TIMEOUT_S = 8  # longer than a rank takes to import Lightning on 2 busy cores (~5.5 s): the rendezvous waits that long
+TIMEOUT_S = 8  # fail_fit.py holds the rendezvous (bound by it too) until every rank has imported Lightning
 """The collective timeout given to the runs that hang."""
 
 HYBRID = ("--strategy", "hybrid")

@@ -263,6 +263,32 @@ def latest_checkpoint(directory: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+STARTUP_WAIT_S = 120.0
+
+
+def wait_for_every_process_to_start(strategy: TunedDDPStrategy, out_dir: Path, processes: int) -> None:
+    """With ``--timeout-s``, hold this rank's rendezvous until every process of the job has started.
+
+    torch bounds the rendezvous by the same ``timeout`` as the collectives: with the few seconds
+    these runs give it (so that a hang ends quickly), a rank that Lightning's launcher starts while
+    2 busy cores import Lightning can reach the rendezvous too late, and rank 0 fails there ("1/2
+    clients joined") instead of in the collective under test. Each process marks ``OUT/started/``
+    once its imports are done; the rendezvous waits for all of them, so only the collectives run
+    under the short timeout. Start-up is not what these runs test."""
+    marks = out_dir / "started"
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / str(os.getpid())).touch()
+    setup_distributed = strategy.setup_distributed
+
+    def setup_when_all_started() -> None:
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while len(list(marks.iterdir())) < processes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        setup_distributed()
+
+    strategy.setup_distributed = setup_when_all_started  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -310,6 +336,8 @@ def main() -> None:
         devices = 4  # 2 processes x 2 CPU stages
     else:
         strategy = TunedDDPStrategy(**kwargs)
+    if args.timeout_s is not None:
+        wait_for_every_process_to_start(strategy, args.out_dir, processes=2)
     callbacks: list[L.Callback] = [FailingCallback(plan), Report(args.out_dir)]
     every = args.ckpt_every or 4
     if args.profiler:
