@@ -89,7 +89,10 @@ def test_files_start_longest_first_each_kept_together_in_its_order(
 def test_the_test_lane_runs_on_xdist_workers_a_file_each_in_the_given_order() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^XDIST\s*:=.*-n \$\(WORKERS\) --dist loadfile --no-loadscope-reorder", makefile, re.MULTILINE)
-    assert re.search(r"^test: .*\n(\t.*\n)*\t\$\(BIN\)/python -m pytest \$\(XDIST\)$", makefile, re.MULTILINE)
+    test_recipe = re.search(r"^test: .*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert test_recipe is not None
+    assert re.search(r"^\t\$\(BIN\)/python -m pytest \$\(XDIST\)(;|$)", test_recipe.group(1), re.MULTILINE)
+    assert "$(BIN)/mypy" in test_recipe.group(1)  # still checked, beside pytest
 
 
 _START_UP_PROBE = """
