@@ -111,6 +111,10 @@ def test_uneven_micro_batches_weigh_by_their_share_and_each_accumulator_fires_on
     assert set(hits.values()) == {1} and len(hits) == len(list(model.parameters()))
 
 
+class _Dense(nn.Linear):
+    """An nn.Linear subclass: not the fast path's (exactly nn.Linear), so its weights go through autograd's split."""
+
+
 def test_zero_bubble_defers_weight_gradients_to_w() -> None:
     calls: list[tuple[int, int]] = []
     original = staged_module.split_backward
@@ -121,7 +125,7 @@ def test_zero_bubble_defers_weight_gradients_to_w() -> None:
         return leaf_grads, now, deferred
 
     torch.manual_seed(0)
-    model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(8, 8), nn.GELU())))
+    model = nn.Sequential(*(m for _ in range(4) for m in (_Dense(8, 8), nn.GELU())))
     reference = copy.deepcopy(model)
     x = torch.randn(6, 8)
     reference(x).square().mean().backward()
@@ -133,6 +137,42 @@ def test_zero_bubble_defers_weight_gradients_to_w() -> None:
     # the last stage: both Linears' weight and bias wait for W, nothing is computed in B; the first stage sends nothing
     assert (0, 4) in calls
     _assert_same_grads(model, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_linear_weight_gradients_are_added_in_place_and_wait_for_w_in_zero_bubble(schedule: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(8, 8), nn.GELU())))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    reference(x).square().mean().backward()
+    engine = StagedStep(model, ["4"], ["cpu", "cpu"], schedule=schedule, microbatches=3)
+    assert all(type(m) is not nn.Linear for m in model if isinstance(m, nn.Linear))  # swapped while the engine lives
+    after_b: list[tuple[int, int, int]] = []  # (stage, sums its B added, records waiting for W) for each B
+    backward = engine._backward
+
+    def spy(j: int, micro: Any, *args: Any) -> Any:
+        before = {n: g.clone() for n, g in engine._sums[j].items()}
+        out = backward(j, micro, *args)
+        changed = sum(n not in before or not torch.equal(g, before[n]) for n, g in engine._sums[j].items())
+        after_b.append((j, changed, len(micro.linear_deferred.get(j, []))))
+        return out
+
+    engine._backward = spy  # type: ignore[method-assign]
+    try:
+        engine.run(lambda net, x: net(x).square().mean(), model, x).backward()
+        assert engine.accumulate()
+    finally:
+        engine.close()
+    assert all(type(m) is nn.Linear for m in model if isinstance(m, nn.Linear))  # given back
+    _assert_same_grads(model, reference)
+    last = [entry for entry in after_b if entry[0] == 1]
+    if schedule == "zero_bubble":
+        # nothing summed in B: the last stage's two Linears wait for W, with their inputs and output gradients
+        assert len(last) == 3 and all(added == 0 and waiting == 2 for _, added, waiting in last)
+    else:
+        # summed at once: every micro-batch's B adds into the weight and bias sums of the stage's two Linears
+        assert len(last) == 3 and all(added == 4 and waiting == 0 for _, added, waiting in last)
 
 
 def test_split_batch_cuts_every_tensor_and_keeps_the_rest() -> None:

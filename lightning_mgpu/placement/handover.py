@@ -69,6 +69,8 @@ class MicroRun:
     leaf_stage: dict[int, int] = field(default_factory=dict)  # id(leaf) -> its stage (pass-through detection)
     deferred: dict[int, Any] = field(default_factory=dict)  # stage -> what its W pass needs
     claimed: dict[Any, int] = field(default_factory=dict)  # autograd node -> the stage whose split backward reached it
+    splitting: int = -1  # the stage running this micro-batch's split backward (B) now, if any
+    linear_deferred: dict[int, list[Any]] = field(default_factory=dict)  # stage -> nn.Linear weight gradients for W
 
     def __post_init__(self) -> None:
         if not self.cuts:

@@ -66,6 +66,7 @@ from lightning_mgpu.placement.handover import (
     current_run,
     running,
 )
+from lightning_mgpu.placement.linear_grads import LinearWeightGrads
 from lightning_mgpu.placement.microbatch import map_tensors, split_batch
 from lightning_mgpu.placement.shared_params import SharedParameterCopies
 from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
@@ -135,6 +136,8 @@ class StagedStep:
         ]
         # after the split-point hooks: a split point that also uses a shared parameter gets its copy once its turn came
         self._shared = SharedParameterCopies(root, self.split_points, self.devices, always=copy_shared)
+        copied = {id(getattr(root.get_submodule(module), name)) for module, name, _ in self._shared.uses}
+        self.linear_grads = LinearWeightGrads(root, self.params, self._sums, exclude=frozenset(copied))
 
     @property
     def num_stages(self) -> int:
@@ -298,7 +301,13 @@ class StagedStep:
         elif split_weight:
             graph = reached_graph(roots)
             _claim(micro, j, graph[0], self.split_points)
-            results, param_grads, deferred = split_backward(roots, grads, leaves, self.params, graph=graph)
+            micro.splitting = j
+            try:
+                results, param_grads, deferred = split_backward(
+                    roots, grads, leaves, self.params, graph=graph, accumulated=self.linear_grads.accumulated
+                )
+            finally:
+                micro.splitting = -1
             micro.deferred[j] = deferred
         else:
             try:
@@ -331,12 +340,12 @@ class StagedStep:
 
     def _weight(self, j: int, micro: MicroRun) -> None:
         deferred: Optional[DeferredWeights] = micro.deferred.pop(j, None)
-        if deferred is None:
-            return
-        try:
-            self._add(j, deferred.run(self.params), set())
-        except RuntimeError as exc:
-            raise _explain(exc, self.split_points, j) from exc
+        if deferred is not None:
+            try:
+                self._add(j, deferred.run(self.params), set())
+            except RuntimeError as exc:
+                raise _explain(exc, self.split_points, j) from exc
+        self.linear_grads.run_deferred(micro, j)
 
     def _add(self, j: int, param_grads: dict[int, torch.Tensor], foreign: set[int]) -> None:
         sums = self._sums[j]
@@ -430,6 +439,7 @@ class StagedStep:
             handle.remove()
         self._handles = []
         self._shared.close()
+        self.linear_grads.close()
         self._workers.close()
         if self._threads is not None:
             self._threads.shutdown(wait=True)

@@ -73,21 +73,28 @@ def split_backward(
     params: Sequence[torch.Tensor],
     *,
     graph: Optional[Graph] = None,
+    accumulated: frozenset[int] = frozenset(),
 ) -> tuple[tuple[Optional[torch.Tensor], ...], dict[int, torch.Tensor], DeferredWeights]:
     """``B`` of one stage and micro-batch: the leaves' gradients, the parameter gradients that could not be deferred
     (by index), and the :class:`DeferredWeights` for ``W``. ``roots``: tensors or ``GradientEdge`` s, ``grads`` their
-    gradients; ``graph``: :func:`reached_graph` of ``roots`` where the caller already has it."""
+    gradients; ``graph``: :func:`reached_graph` of ``roots`` where the caller already has it.
+
+    ``accumulated``: indices of parameters whose node computes their gradient itself and hands autograd None
+    (:mod:`~lightning_mgpu.placement.linear_grads`; it defers its own part while ``B`` runs). They are asked for in
+    the one pass that runs their node exactly once: ``B`` where their node is on no deferred weight side, else the
+    ``W`` of the region holding it, so that no node runs both in ``B`` and in ``W``."""
     deferred = DeferredWeights()
     seen, parents = reached_graph(roots) if graph is None else graph
     param_nodes: dict[Node, int] = {}
+    self_made: dict[Node, int] = {}
     for n, param in enumerate(params):
         node = get_gradient_edge(param).node
         if node in seen:
-            param_nodes[node] = n
+            (self_made if n in accumulated else param_nodes)[node] = n
     leaf_nodes = {get_gradient_edge(leaf).node for leaf in leaves if leaf.requires_grad}
     targets = leaf_nodes & seen
     if not targets:  # nothing to send upstream: the whole backward waits for W
-        deferred.full = (list(roots), list(grads), sorted(param_nodes.values()))
+        deferred.full = (list(roots), list(grads), sorted([*param_nodes.values(), *self_made.values()]))
         return (None,) * len(leaves), {}, deferred
 
     input_side: set[Node] = set(targets)
@@ -109,11 +116,12 @@ def split_backward(
         indices = sorted(param_nodes[member] for member in region if member in param_nodes)
         if not indices:
             continue
+        indices = sorted([*indices, *(self_made[member] for member in region if member in self_made)])
         received: list[Optional[torch.Tensor]] = []
         deferred.groups.append((node, received, indices))
         deferred_params.update(indices)
         handles.append(node.register_prehook(_recorder(received)))
-    now = sorted(n for n in param_nodes.values() if n not in deferred_params)
+    now = sorted(n for n in [*param_nodes.values(), *self_made.values()] if n not in deferred_params)
     try:
         results = torch.autograd.grad(
             list(roots),
