@@ -11,10 +11,11 @@ allocations, not tensors. So :class:`ActivationMeter` counts exactly those tenso
 * a ``torch.autograd.graph.saved_tensors_hooks`` pack hook, active in every thread that
   runs a stage's forward, records each saved tensor's storage (by address, each storage
   once however many saved tensors view it; parameters and the batch left out) against the stage running
-  in that thread, and returns a small holder;
-* autograd drops the holder when it frees that saved tensor (after the backward that used
-  it, or when the graph is released): the holder's finaliser takes the storage's bytes off
-  the stage's live count;
+  in that thread;
+* when the storage itself is freed (autograd released the saved tensor after the backward
+  that used it, or with the graph, and nothing else holds it: the staged pipeline's
+  ``nn.Linear`` fast path keeps a layer's input until zero-bubble's ``W``), a finaliser on it
+  takes its bytes off the stage's live count;
 * each stage's peak of live bytes is the figure reported.
 
 It measures real tensors over a real step of each engine (ours and torch's pipelining),
@@ -27,6 +28,7 @@ tensor, so it runs in its own, untimed step.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,18 +39,6 @@ from torch import nn
 __all__ = ["ActivationMeter", "Metered"]
 
 
-class _Held:
-    """What autograd keeps in place of a saved tensor while the meter runs; counted until it is dropped."""
-
-    __slots__ = ("meter", "stage", "key", "tensor")
-
-    def __init__(self, meter: ActivationMeter, stage: int, key: tuple[int, int], tensor: torch.Tensor) -> None:
-        self.meter, self.stage, self.key, self.tensor = meter, stage, key, tensor
-
-    def __del__(self) -> None:
-        self.meter.release(self.stage, self.key)
-
-
 class ActivationMeter:
     """Live and peak bytes of saved activations for ``num_stages`` stages (see the module docstring)."""
 
@@ -57,7 +47,7 @@ class ActivationMeter:
         caller holds whatever the schedule: the micro-batches are views of it)."""
         self.live = [0] * num_stages
         self.peak = [0] * num_stages
-        self._counts: dict[tuple[int, tuple[int, int]], int] = {}
+        self._tracked: set[tuple[int, int]] = set()  # (stage, id of a storage) counted and still alive
         self._lock = threading.Lock()
         self._local = threading.local()
         self._excluded = {t.untyped_storage().data_ptr() for t in not_activations}
@@ -89,30 +79,26 @@ class ActivationMeter:
         address, nbytes = storage.data_ptr(), storage.nbytes()
         if stage is None or address in self._excluded or nbytes == 0:
             return tensor
-        key = (address, nbytes)
+        key = (stage, id(storage))
         with self._lock:
-            count = self._counts.get((stage, key), 0)
-            self._counts[(stage, key)] = count + 1
-            if count == 0:
+            if key not in self._tracked:
+                self._tracked.add(key)
                 self.live[stage] += nbytes
                 self.peak[stage] = max(self.peak[stage], self.live[stage])
-        # Hold a detached alias (same storage): holding the tensor itself would, for a saved output, tie the
-        # holder to the output's grad_fn, the node that saved it, a cycle through C++ that is never freed
-        # when that node is not run again (zero-bubble's input-side nodes after a retained B).
-        return _Held(self, stage, key, tensor.detach())
+                weakref.finalize(storage, self._release, key, nbytes)  # torch keeps one storage object per storage
+        # Autograd keeps a detached alias (same storage) in the tensor's place: holding the tensor itself would,
+        # for a saved output, tie it to the output's grad_fn, the node that saved it, a cycle through C++ that
+        # is never freed when that node is not run again (zero-bubble's input-side nodes after a retained B).
+        return tensor.detach()
 
     @staticmethod
-    def _unpack(held: Any) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held  # type: ignore[no-any-return]
+    def _unpack(alias: Any) -> torch.Tensor:
+        return alias  # type: ignore[no-any-return]
 
-    def release(self, stage: int, key: tuple[int, int]) -> None:
+    def _release(self, key: tuple[int, int], nbytes: int) -> None:
         with self._lock:
-            count = self._counts[(stage, key)] - 1
-            if count:
-                self._counts[(stage, key)] = count
-            else:
-                del self._counts[(stage, key)]
-                self.live[stage] -= key[1]
+            self._tracked.discard(key)
+            self.live[key[0]] -= nbytes
 
 
 class Metered(nn.Module):

@@ -317,6 +317,7 @@ def _pipeline_schedules(plain: Any, retain: Any) -> str:
     )
     verdicts = "; ".join(
         f"{key.replace('_', ' ')} {t['want']}: {t['got']:.2f} {_mark(t['met'])}"
+        + (f" (rounds {min(t['per_round']):.2f}–{max(t['per_round']):.2f})" if t.get("per_round") else "")
         for key, t in plain["targets"].items()
         if t["got"] is not None
     )

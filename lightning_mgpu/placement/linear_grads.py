@@ -79,7 +79,8 @@ class LinearWeightGrads:
         self.slots: dict[int, _Slot] = {}
         self._modules: list[nn.Module] = []
         for module in root.modules():
-            if type(module) is not nn.Linear or not module.weight.requires_grad:
+            # _StagedLinear: another engine on the same model uses it too (the class stays until both are closed)
+            if type(module) not in (nn.Linear, _StagedLinear) or not module.weight.requires_grad:
                 continue
             own = [p for p in (module.weight, module.bias) if p is not None]
             if any(registrations[id(p)] != 1 or id(p) in exclude or id(p) not in index for p in own if p.requires_grad):
