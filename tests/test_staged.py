@@ -175,6 +175,17 @@ def test_linear_weight_gradients_are_added_in_place_and_wait_for_w_in_zero_bubbl
         assert len(last) == 3 and all(added == 4 and waiting == 0 for _, added, waiting in last)
 
 
+def test_two_engines_on_one_model_both_take_the_linear_fast_path_and_give_the_class_back_last() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    first = StagedStep(model, ["2"], ["cpu", "cpu"])
+    second = StagedStep(model, ["2"], ["cpu", "cpu"], schedule="zero_bubble")
+    assert len(first.linear_grads.slots) == len(second.linear_grads.slots) == 2
+    first.close()
+    assert type(model[0]) is not nn.Linear  # the second engine still uses it
+    second.close()
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+
+
 def test_split_batch_cuts_every_tensor_and_keeps_the_rest() -> None:
     batch = ({"ids": torch.arange(10).view(5, 2), "mask": torch.ones(5)}, 7, [torch.zeros(5, 1)])
     pieces, sizes = split_batch(batch, 2)
