@@ -12,6 +12,7 @@ In-process on a one-rank gloo group here; the 2-rank fit is in ``test_fp16_compr
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -81,6 +82,65 @@ def test_inf_or_nan_gradients_are_reported_not_hidden(one_rank_group: None) -> N
         said.append(hook.end_step())
     assert [m is not None for m in said] == [True, True, False, True, False, False, False, True]
     assert hook.stats["nonfinite_steps"] == 8
+
+
+def _ddp_steps(hook: ScaledFp16Allreduce, factors: list[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One-rank DDP with the hook, one backward per factor (the loss times it): (reduced, float32) gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, hook)  # type: ignore[arg-type]  # the instance is the hook
+    out = []
+    for step, factor in enumerate(factors):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for net in (ddp, reference):
+            net.zero_grad(set_to_none=True)
+            (net(x).square().mean() * factor).backward()
+        flat = lambda net: torch.cat([p.grad.reshape(-1) for p in net.parameters()])  # noqa: E731
+        out.append((flat(model), flat(reference)))
+        hook.end_step()
+    return out
+
+
+def test_a_carried_over_scale_needs_no_exchange_and_falls_back_to_float32_when_gradients_jump(
+    one_rank_group: None,
+) -> None:
+    hook = ScaledFp16Allreduce()
+    # step 4: gradients 10,000x larger than the carried scale allows; step 7: 100,000x smaller
+    factors = [1.0, 1.0, 2.0, 0.5, 1.0e4, 1.0, 1.0, 1.0e-5, 1.0]
+    steps = _ddp_steps(hook, factors)
+    # one bucket: its scale is exchanged at the first step and at the steps after the fallbacks, carried over otherwise
+    assert hook.stats["fallbacks"] == 2
+    assert hook.stats["exchanged_buckets"] == 3, hook.stats
+    for step, (got, want) in enumerate(steps):
+        if step in (4, 7):  # summed in float32: exact
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        else:  # float16's 11 bits, relative to the bucket's largest gradient (4 more bits of headroom when carried)
+            torch.testing.assert_close(got, want, rtol=0, atol=float(want.abs().max()) * 2**-10)
+            assert not torch.equal(got, want)  # it did go through float16
+    assert hook.stats["nonfinite_steps"] == 0
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_carried_over_scale_still_reports_inf_or_nan_gradients(one_rank_group: None, bad: float) -> None:
+    hook = ScaledFp16Allreduce()
+    steps = _ddp_steps(hook, [1.0, 1.0, 1.0, bad])
+    assert hook.stats["fallbacks"] == 1 and hook.stats["nonfinite_steps"] == 1
+    assert not torch.isfinite(steps[-1][0]).all()  # the model's own inf/NaN reaches the gradients, as uncompressed
+
+
+def test_an_all_zero_bucket_keeps_its_scale_and_sends_zeros(one_rank_group: None) -> None:
+    hook = ScaledFp16Allreduce()
+    steps = _ddp_steps(hook, [0.0, 0.0, 0.0, 1.0e-3])
+    assert all((got == 0).all() for got, _ in steps[:3])
+    # no exchange after the first, and the scale kept for zeros (2**15 at most) carries the first real gradients
+    assert hook.stats["exchanged_buckets"] == 1 and hook.stats["fallbacks"] == 0
+    got, want = steps[-1]
+    torch.testing.assert_close(got, want, rtol=0, atol=float(want.abs().max()) * 2**-10)
+    assert float(want.abs().max()) > 0
 
 
 def test_underflow_is_counted_and_said(one_rank_group: None) -> None:

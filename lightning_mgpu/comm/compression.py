@@ -21,6 +21,7 @@ registration and rejects them as strings; it also refuses any hook *named*
 ``bf16_compress_hook`` without NCCL, hence the other name.
 """
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, cast
@@ -64,35 +65,58 @@ FP16_PEAK_EXPONENT = 15
 
 Every partial sum of the all-reduce adds terms ``g_i * scale / n`` of at most ``peak * scale / n``
 each, over at most ``n`` ranks: it stays below 2**15 (+ rounding), far from float16's 65504."""
+FP16_HEADROOM_BITS = 4
+"""With a scale carried over from the bucket's previous step (CPU), its estimated peak is mapped to
+2**(15 - 4): the gradients may grow about 16-fold (more with fewer ranks) before the all-reduce
+could overflow; beyond that the bucket is summed again in float32 (never an inf)."""
 _SCALE_EXPONENT_LIMIT = 100  # |exponent| at most this: a scale float32 holds (2**±100), 0 and inf peaks included
+_FP16_MAX = 65504.0
+_FP16_TINY = 2.0**-24  # float16's smallest subnormal
+_FP32_SAFE = 2.0**100  # a scaled gradient beyond this is not scaled (float32 ends near 2**128)
+_FP16_LEAST_PEAK = 2.0  # a carried scale that leaves the bucket's peak below this (gradients shrank ~1000-fold since
+# the scale was set, so the small ones underflowed) is redone in float32
 
 
 class ScaledFp16Allreduce:
     """``compression="fp16"``: gradients all-reduced in float16 without overflow, and no silent NaN.
 
-    For each bucket, on every rank:
+    For each bucket, every rank multiplies the bucket by the same power of two, ``scale``,
+    divides by the world size, casts to float16 and sums; the sum, back in the bucket's dtype,
+    divided by ``scale`` is the average. ``scale`` is chosen so that no partial sum of the
+    all-reduce can reach float16's 65504 and small gradients are lifted away from float16's
+    underflow (~6e-8) as far as the bucket's largest one allows. Where ``scale`` comes from:
 
-    1. the largest magnitude of the bucket, all-reduced with ``MAX`` (one scalar): every rank gets
-       the same value, hence the same scale (their collectives stay in lockstep);
-    2. ``scale`` = the power of two that maps that peak to at most 2**15 (:data:`FP16_PEAK_EXPONENT`):
-       exact to apply and to undo, no overflow in any partial sum, and small gradients lifted
-       away from float16's underflow (~6e-8) by as much as the bucket's largest one allows;
-    3. ``bucket * scale / world_size`` cast to float16 (divided *before* the cast) and summed;
-       the sum, back in the bucket's dtype, divided by ``scale``: the average.
+    * **Exchanged** (CUDA buffers; on CPU, a bucket's first step and the step after a fallback):
+      the largest magnitude of the bucket, all-reduced with ``MAX`` (one scalar), mapped to at
+      most 2**15 (:data:`FP16_PEAK_EXPONENT`). On NCCL that scalar is enqueued on the stream
+      (no host wait). On gloo the hook would have to wait for it, and the scalar queues behind
+      the previous bucket's transfer, so the backward stalls for a whole bucket on a slow link.
+    * **Carried over** (CPU buffers, every other step): no exchange. Each rank appends one
+      element to the float16 bucket, its own peak times ``scale / 2**15``; the all-reduce sums
+      it, so every rank learns ``R``, the sum of the ranks' peaks in those units. ``R`` bounds
+      every partial sum of the step (by ``R * 2**15 / n``): when that is below float16's range
+      the result is used, and the next step's ``scale`` maps ``R``'s peak to 2**(15 - 4)
+      (:data:`FP16_HEADROOM_BITS`). Otherwise (since the last step the gradients grew about
+      16-fold or shrank about 1000-fold, or they hold inf/NaN) the float16 result is dropped and the bucket is summed again **in float32** once
+      the backward is done (its scaled values are still in the bucket), and the next step
+      exchanges its scale again. ``R`` comes from an all-reduce, so every rank takes the same
+      branch and keeps its collectives in lockstep.
 
     A non-finite peak means the gradients themselves hold inf or NaN (the model's, not the
-    compression's): the bucket is sent unscaled, so they reach the parameters as they would
-    uncompressed, and :meth:`end_step` reports it (never silently). Values still below float16's
-    smallest subnormal after scaling (smaller than the bucket's peak by a factor of about 2**39)
-    become 0: every ``underflow_every``-th step counts them (:attr:`stats`; a count costs two passes
-    over the bucket, hence the sampling).
+    compression's): they reach the parameters as they would uncompressed, and :meth:`end_step`
+    reports it (never silently). Values still below float16's smallest subnormal after scaling
+    (smaller than the bucket's peak by about 2**39, or 2**35 divided by the world size with a
+    carried-over scale) become 0: every ``underflow_every``-th step counts them (:attr:`stats`;
+    a count costs two passes over the bucket, hence the sampling).
 
-    Cost over torch's ``fp16_compress_hook``: one scalar all-reduce per bucket (on NCCL enqueued
-    on the stream, no host wait; on gloo the hook waits for it) and a min/max pass over the bucket;
-    ``bench/fp16_safety.py`` measures it against the alternatives.
+    Cost over torch's ``fp16_compress_hook``: a min/max pass over the bucket, and on a bucket's
+    exchanged steps one scalar all-reduce; ``bench/fp16_safety.py`` measures it against the
+    alternatives, ``bench/netlab.py --sweep`` over real links.
 
     The instance itself is the hook (``register_comm_hook(state=None, hook=instance)``); the
-    strategy calls :meth:`end_step` after each optimizer step.
+    strategy calls :meth:`end_step` after each optimizer step. The float32 fallback runs in
+    an autograd callback after DDP's own, so a hook called outside a backward (a test calling
+    it directly) always exchanges its scale.
     """
 
     def __init__(self, *, underflow_every: int = 50) -> None:
@@ -105,11 +129,18 @@ class ScaledFp16Allreduce:
         """Nonzero gradient elements sent as 0, over the steps that counted them."""
         self.nonzero_checked = 0
         self.peak = 0.0
-        """The largest gradient magnitude of the last step, over all ranks and buckets."""
+        """The largest gradient magnitude of the last step, over all ranks and buckets (exact where the scale was
+        exchanged; with a carried-over scale an upper bound, at most the world size times it)."""
+        self.exchanged_buckets = 0
+        """Buckets whose scale was exchanged with a blocking all-reduce (CPU: first steps and after fallbacks)."""
+        self.fallbacks = 0
+        """Buckets summed again in float32 because float16 could have overflowed (or held inf/NaN)."""
         self._underflow_warnings = 0
         self._peaks: list[torch.Tensor] = []
         self._lost: list[torch.Tensor] = []
         self._nonzero: list[torch.Tensor] = []
+        self._exponents: dict[int, tuple[int, float]] = {}  # bucket index -> (its size, next step's exponent)
+        self._redo: list[tuple[list[torch.Tensor], float, Any]] = []  # (parameters, this rank's divisor, group)
 
     @property
     def counting_underflow(self) -> bool:
@@ -119,7 +150,9 @@ class ScaledFp16Allreduce:
     @property
     def stats(self) -> dict[str, Any]:
         """Plain numbers: ``steps`` seen, ``nonfinite_steps`` (a gradient was inf/NaN), the last step's
-        ``peak`` magnitude, and ``underflowed`` of ``nonzero_checked`` elements over ``underflow_checks`` steps."""
+        ``peak`` magnitude, ``underflowed`` of ``nonzero_checked`` elements over ``underflow_checks`` steps,
+        ``exchanged_buckets`` (scales exchanged with a blocking all-reduce) and ``fallbacks`` (buckets
+        summed again in float32)."""
         return {
             "steps": self.steps,
             "nonfinite_steps": self.nonfinite_steps,
@@ -127,6 +160,8 @@ class ScaledFp16Allreduce:
             "underflow_checks": self.underflow_checks,
             "underflowed": self.underflowed,
             "nonzero_checked": self.nonzero_checked,
+            "exchanged_buckets": self.exchanged_buckets,
+            "fallbacks": self.fallbacks,
         }
 
     def __call__(
@@ -137,6 +172,13 @@ class ScaledFp16Allreduce:
         buffer = bucket.buffer()
         if buffer.numel() == 0:  # nothing to scale (every rank's bucket holds the same parameters)
             return default_hooks.allreduce_hook(cast(dist.ProcessGroup, group), bucket)
+        if buffer.is_cuda:
+            return self._exchanged(group, world_size, bucket)
+        return self._carried(group, world_size, bucket)
+
+    def _exchanged(self, group: Any, world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The scale from the bucket's peak all-reduced with MAX: no host wait on NCCL."""
+        buffer = bucket.buffer()
         low, high = torch.aminmax(buffer.detach())
         peak = torch.maximum(low.abs(), high.abs()).reshape(1).to(torch.float32)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # the same peak, hence scale, on every rank
@@ -145,14 +187,8 @@ class ScaledFp16Allreduce:
         )  # log2(0) = -inf: clamped; a NaN peak stays NaN here and is replaced just below
         scale = torch.where(torch.isfinite(peak), torch.exp2(exponent), torch.ones_like(peak))
         self._peaks.append(peak)
-        nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
-        # Divided before the cast, in the bucket's own buffer (the average overwrites it anyway): a
-        # same-dtype multiply then a cast is ~4x faster on CPU than one multiply writing float16
-        # (torch.mul(..., out=half) takes an unvectorised casting path), and rounds the same.
-        compressed = buffer.mul_(scale / world_size).to(torch.float16)
-        if nonzero is not None:
-            self._nonzero.append(nonzero)
-            self._lost.append(nonzero - torch.count_nonzero(compressed))
+        self.exchanged_buckets += 1
+        compressed = self._compress(buffer, scale / world_size)
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -163,6 +199,109 @@ class ScaledFp16Allreduce:
 
         result: torch.futures.Future[torch.Tensor] = future.then(decompress)
         return result
+
+    def _carried(self, group: Any, world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """CPU: the scale carried over from the bucket's last step when it can be, checked by the all-reduce itself."""
+        buffer = bucket.buffer()
+        index, numel = bucket.index(), buffer.numel()
+        low, high = torch.aminmax(buffer.detach())
+        local_peak = max(abs(float(low)), abs(float(high)))  # a CPU tensor: nothing to wait for (NaN stays NaN)
+        known = self._exponents.pop(index, None)
+        carried = known is not None and known[0] == numel and self._queue_fallback()
+        exact_peak = math.nan
+        if carried:
+            exponent: Optional[float] = known[1]  # type: ignore[index]  # carried implies known
+        else:
+            peak = torch.tensor([local_peak], dtype=torch.float32)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # gloo: waits for the transfers queued before it
+            self.exchanged_buckets += 1
+            exact_peak = float(peak)
+            exponent = float(_exponent_for(exact_peak, FP16_PEAK_EXPONENT)) if math.isfinite(exact_peak) else None
+        scale = 1.0 if exponent is None else 2.0**exponent  # a non-finite peak: sent as it is, and said
+        factor = scale / world_size
+        compressed = torch.empty(numel + 1, dtype=torch.float16)
+        # The bucket is scaled in place unless a carried scale would take it near float32's own limit (gradients
+        # that jumped by ~2**100): then this rank sends zeros and an inf share, every rank falls back, and the
+        # fallback starts from what each rank's bucket holds (scaled or not: its own divisor undoes it).
+        in_place = not carried or local_peak * factor < _FP32_SAFE
+        if in_place:
+            self._compress(buffer, factor, into=compressed[:numel])
+        else:
+            compressed[:numel].zero_()
+        # This rank's peak in units of 2**15 / scale (inf beyond float16: a fallback; a nonzero peak counts at least
+        # float16's smallest value, so that a sum of 0 means every gradient of the bucket was 0 on every rank).
+        share = local_peak * scale / 2**FP16_PEAK_EXPONENT if in_place else math.inf
+        compressed[numel] = 0.0 if local_peak == 0 else max(share, _FP16_TINY) if math.isfinite(share) else share
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+        parameters = bucket.parameters() if carried else []
+        divisor = scale if in_place else float(world_size)  # what turns this rank's bucket back into g / n
+
+        def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            out = bucket.buffer()
+            result = fut.value()[0]
+            total = float(result[numel])  # sum over ranks of peak * scale / 2**15: the same on every rank
+            if total == 0.0:  # every gradient 0 on every rank: exact, and the scale is kept
+                self._exponents[index] = (numel, min(0.0 if exponent is None else exponent, FP16_PEAK_EXPONENT))
+                self._peaks.append(torch.zeros(1))
+                return out.zero_()
+            largest = total * 2**FP16_PEAK_EXPONENT  # bounds every rank's largest scaled gradient, and their sum
+            fits = math.isfinite(total) and largest / world_size < 0.95 * _FP16_MAX and largest >= _FP16_LEAST_PEAK
+            if carried and not fits:  # float16 could have overflowed, or lost the small values: redo in float32
+                self._redo.append((parameters, divisor, group))
+                return out
+            out.copy_(result[:numel])
+            out.div_(scale)
+            bound = largest / scale  # >= the largest gradient magnitude of any rank
+            self._peaks.append(torch.tensor([bound if carried else exact_peak]))
+            if math.isfinite(bound) and bound > 0:
+                self._exponents[index] = (numel, float(_exponent_for(bound, FP16_PEAK_EXPONENT - FP16_HEADROOM_BITS)))
+            return out
+
+        result: torch.futures.Future[torch.Tensor] = future.then(decompress)
+        return result
+
+    def _compress(self, buffer: torch.Tensor, factor: Any, *, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``buffer * factor`` in float16 (the bucket's own buffer is scaled in place: the average overwrites it
+        anyway), counting the elements lost to underflow on a counted step."""
+        nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
+        # A same-dtype multiply then a cast is ~4x faster on CPU than one multiply writing float16
+        # (torch.mul(..., out=half) takes an unvectorised casting path), and rounds the same.
+        scaled = buffer.mul_(factor)
+        compressed = scaled.to(torch.float16) if into is None else into.copy_(scaled)
+        if nonzero is not None:
+            self._nonzero.append(nonzero)
+            self._lost.append(nonzero - torch.count_nonzero(compressed))
+        return compressed
+
+    def _queue_fallback(self) -> bool:
+        """Make the float32 fallback run at the end of this backward, after DDP's own end of backward (which DDP
+        queues after the last bucket's hook); False outside a backward. Queued by every carried bucket: the
+        first run does the work, the others find nothing left."""
+        try:
+            queue_autograd_callback(self._after_hooks)
+        except RuntimeError:  # not inside a backward: no carried-over scale
+            return False
+        return True
+
+    def _after_hooks(self) -> None:
+        # Queued before DDP queued its end of backward; queued from here, the fallback runs after it,
+        # once every gradient is written.
+        queue_autograd_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        """Sum in float32 the buckets whose float16 sum could have overflowed (same buckets, same order, every rank)."""
+        redo, self._redo = self._redo, []
+        for parameters, divisor, group in redo:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)  # this rank's g / n, exactly (powers of 2)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            peak = float(flat.abs().max()) if flat.numel() else 0.0
+            self._peaks.append(torch.tensor([peak]))
+            self.fallbacks += 1
 
     def end_step(self) -> Optional[str]:
         """Close an optimizer step (reads this step's few scalars: one host synchronisation).
@@ -207,6 +346,13 @@ class ScaledFp16Allreduce:
                 "range) or None if they matter."
             )
         return None
+
+
+def _exponent_for(peak: float, target: int) -> int:
+    """The power of two that maps ``peak`` to at most ``2**target`` (bounded, for 0 and tiny peaks)."""
+    if peak <= 0:
+        return _SCALE_EXPONENT_LIMIT
+    return max(-_SCALE_EXPONENT_LIMIT, min(_SCALE_EXPONENT_LIMIT, target - math.ceil(math.log2(peak))))
 
 
 def _is_power_of_two(count: int) -> bool:
