@@ -186,6 +186,39 @@ def test_two_engines_on_one_model_both_take_the_linear_fast_path_and_give_the_cl
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_the_last_stage_holds_the_schedules_bound_of_micro_batches_not_all_of_them(schedule: str) -> None:
+    """LayerNorm's weights make zero-bubble keep each micro-batch's graph from B to W: that graph must go at W, not at
+    the end of the step (claims on its nodes once kept all M micro-batches' activations alive)."""
+    from bench.pipeline_memory import ActivationMeter
+
+    def peak_of_last_stage(schedule: str) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            *(m for _ in range(4) for m in (nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU())), nn.Linear(32, 1)
+        )
+        x = torch.randn(48, 32)
+        meter = ActivationMeter(2, [*model.parameters(), x])
+        engine = StagedStep(model, ["6"], ["cpu", "cpu"], schedule=schedule, microbatches=6)
+        handle = model[6].register_forward_pre_hook(lambda *_: meter.set_stage(1))
+
+        def step(net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            with meter.recording(0):
+                return net(batch).square().mean()
+
+        try:
+            engine.run(step, model, x).backward()
+            assert engine.accumulate()
+        finally:
+            handle.remove()
+            engine.close()
+        return meter.peak[1]
+
+    everything = peak_of_last_stage("gpipe")  # all 6 micro-batches at once
+    # the last stage holds at most 1 (1F1B) or 2 (zero-bubble) micro-batches: a third of GPipe's, with room for cuts
+    assert 0 < peak_of_last_stage(schedule) <= everything * 0.4
+
+
 def test_split_batch_cuts_every_tensor_and_keeps_the_rest() -> None:
     batch = ({"ids": torch.arange(10).view(5, 2), "mask": torch.ones(5)}, 7, [torch.zeros(5, 1)])
     pieces, sizes = split_batch(batch, 2)

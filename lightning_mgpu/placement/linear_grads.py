@@ -121,7 +121,10 @@ class LinearWeightGrads:
         for slot, grad_out, x in micro.linear_deferred.pop(stage, ()):
             self._accumulate(stage, slot, grad_out, x)
 
+    @torch.no_grad()
     def _accumulate(self, stage: int, slot: _Slot, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        # no_grad: zero-bubble's W runs in a thread with grad mode on, and x (a cut leaf) requires grad: recorded,
+        # each addmm_ would chain the step's running sum to every micro-batch's activations until the step ends
         sums = self.sums[stage]
         rows_out = grad_out.reshape(-1, grad_out.shape[-1])
         rows_in = x.reshape(-1, x.shape[-1])

@@ -336,6 +336,11 @@ class StagedStep:
         micro.sources = {key: value for key, value in micro.sources.items() if value[0] != j}
         if j == self.num_stages - 1:
             micro.result, micro.loss = map_tensors(micro.result, torch.Tensor.detach), None
+        if j == 0:
+            # Every stage's B has run: the claims served their purpose. Kept, they would hold every node of the
+            # retained graphs (zero-bubble's B keeps the graph for W) and with them the saved activations of
+            # all the step's micro-batches until the step ends, far past the schedule's bound.
+            micro.claimed.clear()
         return onward
 
     def _weight(self, j: int, micro: MicroRun) -> None:
