@@ -6,18 +6,24 @@ parameters, silently), below ~6e-8 become 0. Four ways of doing fp16 on the wire
 
     ddp_tuned      float32 all-reduce (DDP's built-in), the reference
     fp16_torch     torch's fp16_compress_hook: unsafe, the baseline the safe ones are compared with
-    fp16_scaled    ours, ``compression="fp16"``: one scalar MAX all-reduce per bucket, every rank scales
-                   the bucket by the same power of two (peak -> 2**15), divides, casts; no partial sum
-                   can overflow; inf/NaN gradients and underflow reported (ScaledFp16Allreduce)
+    fp16_scaled    ours, ``compression="fp16"``: every rank scales the bucket by the same power of two,
+                   divides, casts; no partial sum can overflow; inf/NaN gradients and underflow reported
+                   (ScaledFp16Allreduce). On CPU the scale is carried over from the bucket's last step and
+                   checked by the sum itself (float32 again where float16 could have overflowed)
+    fp16_exchanged ours as it was before that: one scalar MAX all-reduce per bucket and step, waited for
+                   on gloo (peak -> 2**15)
     fp16_checked   divide, cast, all-reduce, then the hook *waits* for the sum, checks it (identical on
                    every rank) and, where it overflowed, all-reduces that bucket again in float32
     fp16_skip      divide, cast, all-reduce; where the sum is not finite the bucket is zeroed (skip the
                    bucket's update this step) and a flag set for a warning; no extra collective, no wait
 
-``fp16_checked`` and ``fp16_skip`` are implemented here only, to be measured. The fallback must run
-in the hook body: a collective issued from a completion callback runs on gloo's worker threads and
-reaches the ranks in different orders (the reason ``comm/powersgd_memory.one_bucket_at_a_time``
-exists), so the hook waits for its fp16 sum; ``fp16_skip`` loses a bucket's update instead.
+``fp16_checked``, ``fp16_skip`` and ``fp16_exchanged`` are implemented here only, to be measured.
+``fp16_checked``'s fallback runs in the hook body: a collective issued from a completion callback
+runs on gloo's worker threads and reaches the ranks in different orders (the reason
+``comm/powersgd_memory.one_bucket_at_a_time`` exists), so the hook waits for its fp16 sum;
+``fp16_skip`` loses a bucket's update instead; ours runs its fallback after DDP's end of the
+backward, on the training thread. Loopback hides what a wait costs on a real link (the scalar
+queues behind the previous bucket's transfer): ``python -m bench.netlab --sweep`` measures that.
 
 Run it on a quiet machine (timings taken on a loaded one are noise):
 
@@ -42,10 +48,11 @@ import torch
 import torch.distributed as dist
 
 from bench import launcher, rounds, training
+from lightning_mgpu.comm.compression import ScaledFp16Allreduce
 from bench.common import MLP_WIDTHS, backend_for, count_parameters, make_mlp, print_table, report_header, write_json
 
 MODULE = "bench.fp16_safety"
-CONFIGS = ("ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_checked", "fp16_skip")
+CONFIGS = ("ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fp16_safety.json"
 SKIPPED: list[torch.Tensor] = []  # fp16_skip's flags (one per bucket reduced), for its warning
 
@@ -89,6 +96,13 @@ def fp16_skip_hook(process_group, bucket):  # type: ignore[no-untyped-def]
     return future.then(decompress)
 
 
+class ExchangedScaleFp16(ScaledFp16Allreduce):
+    """Ours with the scale exchanged at every step, as before the carried-over scale (measured, not offered)."""
+
+    def _queue_fallback(self) -> bool:
+        return False  # never carry a scale over: every bucket's peak is all-reduced with MAX and waited for
+
+
 def register_configurations() -> None:
     """The strategy names the worker's Trainer is given (``bench.training`` builds the Trainer by name)."""
     from lightning.pytorch.strategies import StrategyRegistry
@@ -99,6 +113,7 @@ def register_configurations() -> None:
     for name, init in (
         ("fp16_torch", {"ddp_comm_hook": default_hooks.fp16_compress_hook}),
         ("fp16_scaled", {"compression": "fp16"}),
+        ("fp16_exchanged", {"ddp_comm_hook": ExchangedScaleFp16()}),
         ("fp16_checked", {"ddp_comm_hook": fp16_checked_hook}),
         ("fp16_skip", {"ddp_comm_hook": fp16_skip_hook}),
     ):
@@ -171,7 +186,9 @@ def print_report(summary: dict[str, dict[str, Any]], buckets: dict[str, Any], el
         rows,
         caption=f"DDP buckets in all launches: [{sizes}] MiB",
     )
-    safe = {name: summary[name]["step_ms_median"] for name in ("fp16_scaled", "fp16_checked", "fp16_skip")}
+    safe = {
+        name: summary[name]["step_ms_median"] for name in ("fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip")
+    }
     cheapest = min(safe, key=lambda name: safe[name])
     print(f"Cheapest safe design here: {cheapest}. Spreads wider than the differences mean: noise.")
     print(f"\n{elapsed:.0f} s in all; wrote {out}")

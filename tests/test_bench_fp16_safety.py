@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_checked", "fp16_skip"}
+CONFIGS = {"ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip"}
 
 
 @pytest.mark.bench
