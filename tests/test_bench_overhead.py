@@ -24,7 +24,7 @@ MLP_PARAMETERS = 8_656_128
 
 @pytest.mark.bench
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_overhead_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     completed = subprocess.run(
@@ -32,7 +32,9 @@ def test_overhead_quick_run(tmp_path: Path) -> None:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=110,
+        # six interpreters importing Lightning: ~45 s on an idle 2-core machine, over 110 s in CI beside
+        # the other xdist worker and mypy; the limit only guards against a hang
+        timeout=280,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -74,7 +76,7 @@ def test_overhead_quick_run(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
     """``python -m bench.profiler_overhead`` alternates fits with and without the profiler inside one launch."""
     out = tmp_path / "profiler_overhead.json"
@@ -108,13 +110,15 @@ def test_profiler_overhead_quick_run(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_profiler_overhead_separate_launches_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "profiler_overhead.json"
     completed = run_python(
         ["-m", "bench.profiler_overhead", "--method", "launches", "--quick", "--out", str(out)],
         cwd=REPO_ROOT,
-        timeout=110,
+        # six interpreters importing Lightning: ~45 s on an idle 2-core machine, over 110 s in CI beside
+        # the other xdist worker and mypy; the limit only guards against a hang
+        timeout=280,
     )
     report = json.loads(out.read_text())
     assert {launch["config"] for launch in report["launches"]} == {"ddp_tuned", "ddp_tuned+profiler"}

@@ -77,7 +77,7 @@ class LinearWeightGrads:
             id(p) for _, m in root.named_modules(remove_duplicate=False) for p in m.parameters(recurse=False)
         )
         self.slots: dict[int, _Slot] = {}
-        self._modules: list[nn.Module] = []
+        self._layers: list[nn.Module] = []
         for module in root.modules():
             # _StagedLinear: another engine on the same model uses it too (the class stays until both are closed)
             if type(module) not in (nn.Linear, _StagedLinear) or not module.weight.requires_grad:
@@ -87,11 +87,11 @@ class LinearWeightGrads:
                 continue
             bias = module.bias if module.bias is not None and module.bias.requires_grad else None
             self.slots[id(module)] = _Slot(index[id(module.weight)], None if bias is None else index[id(bias)])
-            self._modules.append(module)
+            self._layers.append(module)
         self.accumulated = frozenset(n for slot in self.slots.values() for n in slot if n is not None)
         """Indices of the parameters whose gradients this path computes (autograd hands back None for them)."""
         with _SWAP_LOCK:
-            for module in self._modules:
+            for module in self._layers:
                 _SWAPPED[id(module)] += 1
                 module.__class__ = _StagedLinear
 
@@ -144,12 +144,12 @@ class LinearWeightGrads:
     def close(self) -> None:
         """Give the layers their class back (once no other engine uses them)."""
         with _SWAP_LOCK:
-            for module in self._modules:
+            for module in self._layers:
                 _SWAPPED[id(module)] -= 1
                 if _SWAPPED[id(module)] <= 0:
                     del _SWAPPED[id(module)]
                     module.__class__ = nn.Linear
-        self._modules = []
+        self._layers = []
         self.slots = {}
 
 
