@@ -11,6 +11,7 @@ lane) naming the fix, and a ``multiprocess`` test without a ``timeout`` is a col
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import multiprocessing.process
@@ -67,6 +68,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _free_retired_groups()
     if _file_seconds and not session.config.option.collectonly:
         try:  # a partial run updates its files' entries and keeps the others
             known: dict[str, float] = json.loads(FILE_SECONDS.read_text())
@@ -219,6 +221,29 @@ def run_recipe(
     return result, proc
 
 
+# Every group the fixtures below destroy stays referenced until the session ends (then freed on the main thread, after
+# a garbage collection). gloo runs a comm hook's callbacks on its worker threads and frees them there; torch's
+# powerSGD_hook captures the group in them, and a group freed while they are still around can be destroyed on a
+# worker thread of its own, which then joins itself: std::system_error "Resource deadlock avoided", and the pytest
+# worker aborts (tests/scripts/group_teardown.py shows it). Freeing at the next test's start was not enough for
+# PowerSGD: it aborted 2 runs of 2 there. An idle one-rank group costs two idle threads.
+_RETIRED_GROUPS: list[Any] = []
+
+
+def destroy_default_group() -> None:
+    """``destroy_process_group()``, the group itself kept until the session ends (see ``_RETIRED_GROUPS``)."""
+    import torch.distributed as dist
+
+    _RETIRED_GROUPS.append(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def _free_retired_groups() -> None:
+    gc.collect()
+    _RETIRED_GROUPS.clear()
+    gc.collect()
+
+
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
     """A real one-rank gloo group in this process (an in-memory store: no socket, no process)."""
@@ -230,7 +255,7 @@ def one_rank_group() -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_default_group()
 
 
 @pytest.fixture
@@ -242,6 +267,6 @@ def clean_process(request: pytest.FixtureRequest) -> Iterator[None]:
     environ = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized() and "one_rank_group" not in request.fixturenames:
-        dist.destroy_process_group()
+        destroy_default_group()
     os.environ.clear()
     os.environ.update(environ)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_mgpu.callbacks
 from lightning_mgpu import CommProfiler, DistributedDoctor
 from tests.scripts.models import MLPRegressor
+from tests.conftest import destroy_default_group
 
 STEPS = 6  # per fit; the resumed fit goes on to 2 * STEPS
 
@@ -141,7 +142,7 @@ def one_rank_process_group() -> Iterator[None]:
     environ = dict(os.environ)
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        destroy_default_group()  # freed on the main thread: tests/conftest.py
     os.environ.clear()
     os.environ.update(environ)
 

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mgpu import HybridParallelStrategy, TunedDDPStrategy
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
 from lightning_mgpu.strategies.checkpoint_io import IncompleteCheckpointError
+from tests.conftest import destroy_default_group
 
 # ----------------------------------------------------------------------------- item 5: atomic writes, damaged files
 
@@ -77,7 +78,7 @@ def _release(environ: dict[str, str]) -> None:
     """Lightning's DDP on one device leaves the process group up and its launcher's variables in
     ``os.environ``: undone, so that the tests after an in-process fit see a clean process."""
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_default_group()  # freed on the main thread: tests/conftest.py
     os.environ.clear()
     os.environ.update(environ)
 

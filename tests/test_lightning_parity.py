@@ -35,6 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 import lightning_mgpu
 from lightning_mgpu import CommProfiler, DistributedDoctor, HybridParallelStrategy, TunedDDPStrategy
 from lightning_mgpu.strategies.ddp_options import TUNED_STRATEGY_NAMES
+from tests.conftest import destroy_default_group
 
 jsonargparse = pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the dev extra)")
 
@@ -47,7 +48,7 @@ def clean_process() -> Iterator[dict[str, str]]:
         os.environ.pop(key, None)
     yield dict(os.environ)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        destroy_default_group()  # freed on the main thread: tests/conftest.py
     os.environ.clear()
     os.environ.update(environ)
 

@@ -29,6 +29,7 @@ from lightning_mgpu import CommProfiler, TunedDDPStrategy
 from lightning_mgpu.callbacks.comm_profiler.callback import comm_hook_host
 from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost, wire_ratio_of
 from tests.scripts.models import MLPRegressor
+from tests.conftest import destroy_default_group
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def one_rank() -> Iterator[None]:
         os.environ.pop(key, None)
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        destroy_default_group()  # freed on the main thread: tests/conftest.py
     os.environ.clear()
     os.environ.update(environ)
 

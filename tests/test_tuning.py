@@ -20,6 +20,7 @@ from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu._compat.torch import carry_module_hooks as _carry_module_hooks
 from lightning_mgpu.tuning import decision, layout, plan, tuner
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
+from tests.conftest import destroy_default_group
 
 MIB = 1024 * 1024
 # The 8M MLP of bench/common.py (1024 -> 2048 -> 2048 -> 1024 -> 256), gradients in ready order.
@@ -388,7 +389,7 @@ def test_hooks_on_the_old_wrapper_move_to_the_new_one() -> None:
 def one_process_group() -> Any:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    destroy_default_group()  # freed on the main thread: tests/conftest.py
 
 
 class FakeBucket:

@@ -140,7 +140,12 @@ class ScaledFp16Allreduce:
         self._lost: list[torch.Tensor] = []
         self._nonzero: list[torch.Tensor] = []
         self._exponents: dict[int, tuple[int, float]] = {}  # bucket index -> (its size, next step's exponent)
-        self._redo: list[tuple[list[torch.Tensor], float, Any]] = []  # (parameters, this rank's divisor, group)
+        self._redo: list[tuple[list[torch.Tensor], float]] = []  # (parameters, this rank's divisor)
+        # The group of the backward that may redo buckets: set and cleared on the backward's thread. Never captured by
+        # a bucket's callback: gloo frees the callback on its own worker thread, and were it the group's last
+        # reference (destroy_process_group() right after a step), the group would join that thread from inside it
+        # ("Resource deadlock avoided", abort).
+        self._redo_group: Any = None
 
     @property
     def counting_underflow(self) -> bool:
@@ -234,6 +239,8 @@ class ScaledFp16Allreduce:
         compressed[numel] = 0.0 if local_peak == 0 else max(share, _FP16_TINY) if math.isfinite(share) else share
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
         parameters = bucket.parameters() if carried else []
+        if carried:
+            self._redo_group = group  # for _finish_backward, queued above: it runs on this thread and clears it
         divisor = scale if in_place else float(world_size)  # what turns this rank's bucket back into g / n
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -247,7 +254,7 @@ class ScaledFp16Allreduce:
             largest = total * 2**FP16_PEAK_EXPONENT  # bounds every rank's largest scaled gradient, and their sum
             fits = math.isfinite(total) and largest / world_size < 0.95 * _FP16_MAX and largest >= _FP16_LEAST_PEAK
             if carried and not fits:  # float16 could have overflowed, or lost the small values: redo in float32
-                self._redo.append((parameters, divisor, group))
+                self._redo.append((parameters, divisor))
                 return out
             out.copy_(result[:numel])
             out.div_(scale)
@@ -291,7 +298,8 @@ class ScaledFp16Allreduce:
     def _finish_backward(self) -> None:
         """Sum in float32 the buckets whose float16 sum could have overflowed (same buckets, same order, every rank)."""
         redo, self._redo = self._redo, []
-        for parameters, divisor, group in redo:
+        group, self._redo_group = self._redo_group, None
+        for parameters, divisor in redo:
             grads = [p.grad for p in parameters if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)  # this rank's g / n, exactly (powers of 2)
             dist.all_reduce(flat, group=group)
