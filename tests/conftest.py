@@ -226,7 +226,7 @@ def run_recipe(
 # powerSGD_hook captures the group in them, and a group freed while they are still around can be destroyed on a
 # worker thread of its own, which then joins itself: std::system_error "Resource deadlock avoided", and the pytest
 # worker aborts (tests/scripts/group_teardown.py shows it). Freeing at the next test's start was not enough for
-# PowerSGD: it aborted 2 runs of 2 there. An idle one-rank group costs two idle threads.
+# PowerSGD: it aborted 4 runs of 5 that way. An idle one-rank group costs two idle threads.
 _RETIRED_GROUPS: list[Any] = []
 
 

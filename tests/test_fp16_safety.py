@@ -28,23 +28,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
 from tests.scripts.fail_harness import launch_all
+from tests.scripts.group_teardown import Bucket
 
 
 # In-process fits leave Lightning's process group and launcher variables behind: conftest undoes them.
 pytestmark = pytest.mark.usefixtures("clean_process")
-
-
-class Bucket:
-    """What a communication hook reads from DDP's GradBucket."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self._buffer = values.clone()
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
 
 
 def reduce(hook: Any, values: list[float]) -> torch.Tensor:

@@ -25,10 +25,10 @@ from lightning_mgpu.comm.compression import PrescaledAllreduce, ScaledFp16Allred
 
 
 class Bucket:
-    """What a communication hook reads from DDP's GradBucket."""
+    """What a communication hook reads from DDP's GradBucket (tests/test_fp16_safety.py uses it too)."""
 
     def __init__(self, values: torch.Tensor) -> None:
-        self._buffer = values
+        self._buffer = values.clone()  # a hook scales its bucket in place: the caller's tensor stays as it was
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
