@@ -431,10 +431,17 @@ class PrescaledAllreduce:
 
         def scale_root(grad: torch.Tensor) -> torch.Tensor:
             self._prescaled = True
-            queue_autograd_callback(self._end_of_backward)
+            queue_autograd_callback(self._after_graph)
             return grad / self.world_size
 
         loss.register_hook(scale_root)  # type: ignore[no-untyped-call]
+
+    def _after_graph(self) -> None:
+        # Runs once autograd has finished the graph, but before the end-of-backward callbacks DDP
+        # queued during it: with static_graph=True, a wrapper's first backward launches every bucket
+        # from such a callback (DDP delays its reduction to find the graph). Queued from here, the
+        # flag is cleared after them, so those buckets are not divided a second time.
+        queue_autograd_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._prescaled = False
