@@ -165,6 +165,30 @@ def test_prescaled_allreduce_sums_a_prescaled_bucket_and_averages_a_raw_one(one_
     assert torch.equal(prescaled.data, torch.full((4,), 8.0))  # the loss carried the 1/n: only summed
 
 
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_a_prescaled_backward_is_not_divided_again_when_ddp_delays_its_buckets(
+    one_rank_group: None, static_graph: bool
+) -> None:
+    """With ``static_graph=True`` a DDP wrapper's first backward launches every bucket from an end-of-backward
+    callback (DDP learns the graph first): the prescaled flag must still hold there (issue 28: gradients x0.5)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    plain = torch.autograd.grad(module(x).sum(), list(module.parameters()))
+    model = DistributedDataParallel(module, static_graph=static_graph)
+    prescaler = PrescaledAllreduce(world_size=2)  # one rank pretending to be one of two: the sum is the own share
+    model.register_comm_hook(state=None, hook=prescaler)
+    for _ in range(2):  # the first backward (delayed under a static graph), then an ordinary one
+        module.zero_grad()
+        loss = model(x).sum()
+        prescaler.prescale(loss)
+        loss.backward()
+        for param, expected in zip(module.parameters(), plain):
+            assert param.grad is not None
+            torch.testing.assert_close(param.grad, expected / 2, rtol=0, atol=0)  # prescaled once, summed
+    assert not prescaler._prescaled  # cleared once the backward (and DDP's delayed reduction) ended
+
+
 def test_the_strategies_are_comm_hook_hosts() -> None:
     from lightning_mgpu import HybridParallelStrategy
 
@@ -301,3 +325,69 @@ def test_bucket_kwargs_keep_the_small_first_bucket() -> None:
     assert bucket_kwargs(cap=50.0, given_first=None) == {"bucket_cap_mb_list": [1.0, 50.0]}
     assert bucket_kwargs(cap=0.5, given_first=None) == {"bucket_cap_mb_list": [0.5, 0.5]}
     assert first_cap_for(64.0, given_cap=None, given_first=4.0) == 4.0
+
+
+# ----------------------------------------------------------------------------- static graph and accumulation
+
+
+def _accumulated_fit(strategy: Any, root: Any, *, profiler: bool = False) -> list[torch.Tensor]:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_mgpu import CommProfiler
+
+    torch.manual_seed(0)
+    x, y = torch.randn(36, 4), torch.randn(36, 1)
+    model = _regressor()
+    callbacks = [CommProfiler(warmup_steps=1, profile_steps=1, profile_every=4, whatif=False)] if profiler else []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        accumulate_grad_batches=3,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=3))
+    return model.grads
+
+
+def _regressor() -> Any:
+    import lightning as L
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.grads: list[torch.Tensor] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.grads.append(torch.cat([p.grad.reshape(-1) for p in self.parameters()]).clone())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Regressor()
+
+
+def test_static_graph_with_accumulation_trains_as_without_it(
+    clean_process: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """torch's DDP refuses a static graph's first backward under ``no_sync`` (an internal assert: stock
+    Lightning crashes with ``accumulate_grad_batches > 1``): ours synchronises it and averages the same."""
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    dynamic = _accumulated_fit(TunedDDPStrategy(), tmp_path)
+    static = _accumulated_fit(TunedDDPStrategy(static_graph=True), tmp_path, profiler=True)  # re-wrapped too
+    assert len(static) == len(dynamic) == 4
+    for a, b in zip(static, dynamic):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)

@@ -13,7 +13,9 @@ DDP gets (:attr:`ddp_kwargs`).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.nn import Module
@@ -35,6 +37,10 @@ class HookedDDPStrategy(ManagedDDPStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._hooks = HookChain()
+        self._synced_wrapper: Optional[weakref.ref[DistributedDataParallel]] = None
+        """The DDP wrapper whose gradients a backward has synchronised (see :meth:`block_backward_sync`)."""
+        self._forcing_sync = False  # inside block_backward_sync, synchronising a static graph's first backward
+        self._early_sync_window = False  # this accumulation window synchronised before its last backward
 
     # ------------------------------------------------------------------ what subclasses decide
 
@@ -158,7 +164,45 @@ class HookedDDPStrategy(ManagedDDPStrategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
-        self._hooks.prescale(closure_loss)
+        if not self._early_sync_window:
+            # A window that synchronised early holds averaged gradients already: the prescaled all-reduce,
+            # which only sums, would count them once per rank. Its buckets are divided as DDP's own are.
+            self._hooks.prescale(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        model = self.model
+        if isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync:
+            self._synced_wrapper = weakref.ref(model)
+            if not self._forcing_sync:
+                self._early_sync_window = False  # the window's last backward: the next one starts afresh
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """``no_sync`` for the backwards of a gradient-accumulation window, except a static graph's first.
+
+        With ``static_graph=True`` DDP learns the graph during a wrapper's first backward and refuses
+        (an internal assert in its reducer) a first backward under ``no_sync``: stock Lightning crashes
+        on the first step of any fit with ``accumulate_grad_batches > 1``. Here that backward
+        synchronises instead: the micro-batch's gradients are averaged at once, the window's later
+        ones are added locally and averaged at its last backward, which gives the same average (one
+        all-reduce more, once per wrapper: at the start of a fit and after a re-wrap). In that window
+        the loss is not prescaled (see :class:`~lightning_mgpu.comm.compression.PrescaledAllreduce`):
+        its last all-reduce divides what each rank holds, the part averaged early included.
+        """
+        model = self.model
+        first = self._synced_wrapper is None or self._synced_wrapper() is not model
+        if isinstance(model, DistributedDataParallel) and model.static_graph and first:
+            self._forcing_sync = self._early_sync_window = True
+            try:
+                yield None
+            finally:
+                self._forcing_sync = False
+            return
+        with super().block_backward_sync():
+            yield None
 
     def _rewrap_ddp(self) -> None:
         """Replace the DDP wrapper by a new one built from the current settings, hooks carried over."""
