@@ -42,6 +42,9 @@ from lightning_mgpu.comm.timing import (
     clock_for,
 )
 
+MAX_WINDOW = 10_000
+"""Micro-batches of one accumulation window kept (the last ones, for a window of more)."""
+
 _Marks = dict[str, Stamp]
 _PendingStep = tuple[int, _Marks, list[Any], list[Any], list[_Marks]]
 """A profiled step not yet read: (global step, marks, bucket launches, bucket completions, the marks
@@ -207,7 +210,9 @@ class CommProfiler(L.Callback):
         self.switches: deque[tuple[int, bool]] = deque(maxlen=1000)
         """(global step, on): the hook went into DDP (True) or out of it after that step (last 1000)."""
         self._marks: _Marks = {}
-        self._window: list[_Marks] = []  # this accumulation window's micro-batches so far (no communication)
+        # this accumulation window's micro-batches so far (no communication); bounded for a loop that
+        # never steps an optimizer (manual optimization)
+        self._window: deque[_Marks] = deque(maxlen=MAX_WINDOW)
         self._pending: Optional[_PendingStep] = None
         self._stats = self._new_stats()
         self._forward_hook: Optional[torch.utils.hooks.RemovableHandle] = None
@@ -278,7 +283,7 @@ class CommProfiler(L.Callback):
         # A resumed fit due off the hook switches at its first step's end, as ever after an
         # optimizer step (the restored batch counters may still be mid-accumulation here).
         self._settle_left = SETTLE_STEPS
-        self._window = []
+        self._window = deque(maxlen=MAX_WINDOW)
 
     # ------------------------------------------------------------------ schedule
 
@@ -353,7 +358,7 @@ class CommProfiler(L.Callback):
             # read one step later)
             self._window.append(self._marks)
             return
-        window, self._window = self._window, []
+        window, self._window = list(self._window), deque(maxlen=MAX_WINDOW)
         launches, dones, compute_end = self._timer.take() if self._timer is not None else ([], [], None)
         if compute_end is not None:
             self._marks["compute_end"] = compute_end
