@@ -98,7 +98,9 @@ def test_exports(two_ranks: dict[str, Any]) -> None:
     assert DESIGN_SUMMARY_KEYS <= set(profile["summary"])
     assert set(profile["summary"]["step_ms"]) == {"median", "p90"}
     assert len(profile["steps"]) == 30 - WARMUP
-    assert set(profile["steps"][0]) == {"step", "step_ms", "comm_ms", "exposed_comm_ms"}
+    assert set(profile["steps"][0]) == {"step", "step_ms", "comm_ms", "exposed_comm_ms", "optimizer_step_ms"}
+    assert profile["summary"]["accumulate_grad_batches"] == 1  # no accumulation: the step is the optimizer step
+    assert profile["summary"]["optimizer_step_ms"]["median"] == pytest.approx(profile["summary"]["step_ms"]["median"])
     buckets = profile["buckets"]
     assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) >= 2
     assert sum(b["bytes"] for b in buckets) == two_ranks["gradient_bytes"]
@@ -106,8 +108,13 @@ def test_exports(two_ranks: dict[str, Any]) -> None:
     for b in buckets:  # launch and completion are measured from the start of backward
         assert 0 <= b["launch_ms"] <= b["done_ms"]
         assert b["duration_ms"] > 0 and b["algbw_gbps"] == pytest.approx(b["busbw_gbps"])  # n = 2
-    # No launch order across rows: each bucket's row is the step where that bucket's duration was its median
-    # (CommStats.local_buckets), so two rows may come from different steps (seen: 10.3 ms before 8.4 ms).
+    # issue 28: the rows are one step of one rank (named in bucket_step), so they are in launch order and none
+    # launches after that step's backward compute ended (rows from different steps gave 5.96 ms before 2.26 ms)
+    launches = [b["launch_ms"] for b in buckets]
+    assert launches == sorted(launches)
+    kept = profile["bucket_step"]
+    assert kept["rank"] in (0, 1) and kept["step"] in {s["step"] for s in profile["steps"]}
+    assert launches[-1] <= kept["backward_compute_ms"] + 1e-6 and kept["first_launch_ms"] == pytest.approx(launches[0])
     with open(export / "comm_buckets.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["bytes"]) for r in rows] == [b["bytes"] for b in buckets]
@@ -163,11 +170,63 @@ def test_windows_with_a_compression_hook_pause_stamping_without_rewrapping(tmp_p
     assert result["summary"]["compression_ratio"] == 2.0
 
 
-def test_gradient_accumulation_profiles_only_synchronising_steps(tmp_path: Path) -> None:
-    result = profile_run(tmp_path, "--steps", "10", "--accumulate", "3")
-    assert result["global_step"] == 10
-    assert result["summary"]["steps"] == 10 - WARMUP  # one per optimizer step, not per batch
+ACCUMULATE, ACCUMULATED_STEPS = 4, 14
+PREDICTION_TOLERANCE = 0.25
+"""How far whatif's predicted optimizer step may be from the measured one (relative). Two gloo ranks
+on this project's 2-core machine, shared with other work: one run's optimizer steps ranged from 48
+to 329 ms around a median of 134, so the median of 11 steps moves by tens of percent between runs
+(predicted 130 ms against 134 measured in that run). Without the micro-batches that do not
+communicate the prediction misses by about (k - 1) / k of the compute: 64% in that run."""
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("accumulated")
+    flags = ("--steps", str(ACCUMULATED_STEPS), "--accumulate", str(ACCUMULATE), "--export-dir", str(tmp / "export"))
+    result = profile_run(tmp, *flags)
+    result["export"] = tmp / "export"
+    return result
+
+
+def test_gradient_accumulation_profiles_only_synchronising_steps(accumulated: dict[str, Any]) -> None:
+    result = accumulated
+    assert result["global_step"] == ACCUMULATED_STEPS
+    assert result["summary"]["steps"] == ACCUMULATED_STEPS - WARMUP  # one per optimizer step, not per batch
     assert result["summary"]["bytes_per_step"] == result["gradient_bytes"]
+
+
+def test_with_accumulation_the_profile_and_whatif_are_about_the_whole_optimizer_step(
+    accumulated: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 28: accumulate_grad_batches=4: the profile records the factor and the optimizer step's
+    full time, and whatif's prediction for the system as profiled is the optimizer step measured
+    apart from the profiler (every micro-batch, on rank 0), not its synchronising micro-batch."""
+    from lightning_mgpu.cli import main
+    from lightning_mgpu.whatif import load_profile
+
+    path = accumulated["export"] / "comm_profile.json"
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["accumulate_grad_batches"] == ACCUMULATE
+    assert accumulated["rank0"]["micro_batches"] == ACCUMULATE  # every profiled window was whole
+    full = summary["optimizer_step_ms"]
+    assert full["median"] > summary["step_ms"]["median"] and full["p90"] >= full["median"]
+    assert 0 < summary["accumulation_compute_ms"] <= summary["accumulation_ms"] < full["median"]
+    measured_by_step = {int(step): ms for step, ms in accumulated["optimizer_steps_ms"].items()}
+    measured = statistics.median(measured_by_step[step] for step in accumulated["profiled_steps"])
+    assert full["median"] == pytest.approx(measured, rel=PREDICTION_TOLERANCE)
+
+    assert main(["whatif", str(path), "--json", "--costs", "none"]) == 0  # the system as profiled
+    predicted = json.loads(capsys.readouterr().out)["predicted"]
+    assert predicted["world_size"] == 2 and predicted["accumulate_grad_batches"] == ACCUMULATE
+    assert predicted["step_ms"] == pytest.approx(measured, rel=PREDICTION_TOLERANCE)
+    # the prediction without the micro-batches that do not communicate (before the fix) misses
+    run = load_profile(path)
+    synchronising_only = predicted["step_ms"] - predicted["accumulation_ms"]
+    assert predicted["accumulation_ms"] == pytest.approx(run.accumulation_ms)
+    assert abs(synchronising_only / measured - 1) > PREDICTION_TOLERANCE
+    # the "what would help" block speaks of the same step
+    block = json.loads(path.read_text())["what_would_help"]
+    assert f"per optimizer step of {ACCUMULATE} micro-batches" in block["title"]
 
 
 def test_world_size_one(tmp_path: Path) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lightning_mgpu.callbacks.comm_profiler import report
 from lightning_mgpu.callbacks.comm_profiler.stats import CommStats
-from lightning_mgpu.comm.timing import BucketInterval, StepTimeline
+from lightning_mgpu.comm.timing import BucketInterval, MicroBatch, StepTimeline
 
 
 def _timeline(step: int, rank: int) -> StepTimeline:
@@ -111,3 +112,29 @@ def test_an_unusable_export_dir_is_named_before_training(tmp_path: Path) -> None
     assert "cannot be written" in (report.export_dir_problem(a_file / "sub") or "")
     fresh = tmp_path / "new" / "profiles"
     assert report.export_dir_problem(fresh) is None and fresh.is_dir() and list(fresh.iterdir()) == []
+
+
+def test_with_accumulation_the_summary_and_the_trace_show_the_whole_optimizer_step(tmp_path: Path, capsys: Any) -> None:
+    """Issue 28: the synchronising micro-batch is not the optimizer step; both are shown, and the trace
+    places the micro-batches that did not communicate before it."""
+    window = tuple(
+        MicroBatch(start_ns=-(3 - i) * 3_000_000, forward_end_ms=1.0, backward_end_ms=2.0, end_ms=2.5) for i in range(3)
+    )
+    stats = CommStats()
+    for step in range(1, 4):
+        stats.add(replace(_timeline(step, 0), micro_batches=window))
+    gathered = [stats.local_report()]
+    profile = stats.profile(
+        gathered, world_size=1, backend="gloo", device_type="cpu", schedule={}, accumulate_grad_batches=4
+    )
+    assert profile is not None
+    report.print_summary(profile)
+    out = capsys.readouterr().out
+    assert "optimizer step (4 micro-batches)" in out and "21.50 ms" in out  # 14 + 3 x 2.5
+    assert "micro-batches without communication" in out and "synchronising micro-batch" in out
+    assert "buckets of one step" in out  # and which (all alike here: the middle one)
+    assert report.bucket_table_title(profile).startswith("buckets of one step (rank 0, step 2: its median")
+    report.write_chrome_trace(tmp_path / "trace.json", CommStats.gathered_timelines(gathered))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    micro = [e for e in events if e["name"] == "micro-batch (no communication)"]
+    assert len(micro) == 3 * 3 and all(e["dur"] == 2500.0 and e["ts"] >= 0 for e in micro)

@@ -4,6 +4,7 @@ the per-bucket table, the comm_profile.json document, and the metric keys it log
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from typing import Any, Optional
 
 import pytest
@@ -18,7 +19,7 @@ from lightning_mgpu.callbacks.comm_profiler.stats import (
     p90,
     rank_medians,
 )
-from lightning_mgpu.comm.timing import BucketInterval, StepTimeline, step_breakdown
+from lightning_mgpu.comm.timing import BucketInterval, MicroBatch, StepTimeline, step_breakdown
 
 # Two buckets of one step, in ms from the step's start: forward ends at 2, backward compute
 # at 10; bucket 0 runs 4 -> 8, bucket 1 runs 9 -> 12, so the span is 8 ms, 2 ms exposed.
@@ -70,7 +71,13 @@ def medians(**values: float) -> dict[str, float]:
         "bytes": 4000.0,
         "wire_bytes": 4000.0,
         "compute_ms": 10.0,
+        "optimizer_step_ms": 14.0,
+        "accumulation_ms": 0.0,
+        "accumulation_compute_ms": 0.0,
+        "micro_batches": 1.0,
     }
+    if "step_ms" in values and "optimizer_step_ms" not in values:  # no accumulation: the step is the optimizer step
+        values["optimizer_step_ms"] = values["step_ms"]
     return {**base, **values}
 
 
@@ -99,7 +106,7 @@ def test_exactly_the_documented_keys_are_logged(wire_ratio: Optional[float], pea
     assert set(metrics) == expected
     # communication not seen (e.g. FSDP): only what needs no view of it, nothing fabricated as 0
     unseen = combine_ranks([medians()], world_size=2, wire_ratio=wire_ratio, peak_busbw_gbps=peak, measures_comm=False)
-    assert set(unseen) == {"comm/step_ms", "comm/forward_ms", "comm/optimizer_ms"}
+    assert set(unseen) == {"comm/step_ms", "comm/forward_ms", "comm/optimizer_ms", "comm/optimizer_step_ms"}
 
 
 # ---------------------------------------------------------------------------- pure functions
@@ -251,12 +258,25 @@ def two_rank_profile() -> dict[str, Any]:
 
 def test_the_profile_document_keeps_the_design_schema() -> None:
     profile = two_rank_profile()
-    assert list(profile) == ["world_size", "backend", "device_type", "summary", "ranks", "buckets", "steps"]
+    assert list(profile) == [
+        "world_size",
+        "backend",
+        "device_type",
+        "summary",
+        "ranks",
+        "buckets",
+        "bucket_step",
+        "steps",
+    ]
     assert (profile["world_size"], profile["backend"], profile["device_type"]) == (2, "gloo", "cpu")
     summary = profile["summary"]
     assert list(summary) == [
         "steps",
         "step_ms",
+        "accumulate_grad_batches",
+        "optimizer_step_ms",
+        "accumulation_ms",
+        "accumulation_compute_ms",
         "forward_ms",
         "backward_compute_ms",
         "comm_ms",
@@ -296,7 +316,15 @@ def test_the_profile_document_keeps_the_design_schema() -> None:
         "algbw_gbps",
         "busbw_gbps",
     }
-    assert profile["steps"][0] == {"step": 4, "step_ms": 18.0, "comm_ms": 8.0, "exposed_comm_ms": 2.0}
+    assert profile["steps"][0] == {
+        "step": 4,
+        "step_ms": 18.0,
+        "comm_ms": 8.0,
+        "exposed_comm_ms": 2.0,
+        "optimizer_step_ms": 18.0,  # no accumulation: the step is the optimizer step
+    }
+    assert summary["accumulate_grad_batches"] == 1 and summary["accumulation_ms"] == 0.0
+    assert summary["optimizer_step_ms"] == summary["step_ms"]
     assert [s["step"] for s in profile["steps"]] == [4, 5, 6, 7, 8]
 
 
@@ -335,3 +363,116 @@ def test_without_a_timed_hook_the_profile_reports_step_timings_only() -> None:
     assert summary["backward_compute_ms"] is None  # backward and its communication cannot be told apart
     assert summary["step_ms"]["median"] > 0 and summary["forward_ms"] > 0 and profile["buckets"] == []
     assert profile["steps"][0]["comm_ms"] is None and profile["ranks"][0]["comm_ms"] is None
+
+
+# ---------------------------------------------------------------------------- gradient accumulation (issue 28)
+
+
+def micro(start_ns: int, backward_end: float, end: float) -> MicroBatch:
+    return MicroBatch(start_ns=start_ns, forward_end_ms=1.0, backward_end_ms=backward_end, end_ms=end)
+
+
+def accumulated(step: int, rank: int = 0, *, micro_end: float = 1.0, step_ms: float = 14.0) -> StepTimeline:
+    """A synchronising step of 14 ms after three micro-batches of ``micro_end`` ms (0.8 of it compute)."""
+    window = tuple(micro(step * 1_000_000_000 - (3 - i) * 2_000_000, 0.8 * micro_end, micro_end) for i in range(3))
+    return replace(timeline(step, rank, step_ms=step_ms), micro_batches=window)
+
+
+def test_the_optimizer_step_is_every_micro_batch_of_its_window() -> None:
+    b = step_breakdown(accumulated(1, micro_end=1.0))
+    assert b.micro_batches == 4 and b.accumulation_ms == pytest.approx(3.0)
+    assert b.accumulation_compute_ms == pytest.approx(2.4)  # forward and backward of the three
+    assert b.step_ms == 14.0 and b.optimizer_step_ms == pytest.approx(17.0)
+    plain = step_breakdown(timeline(1))
+    assert (plain.micro_batches, plain.accumulation_ms, plain.optimizer_step_ms) == (1, 0.0, plain.step_ms)
+    # a micro-batch whose training_step returned None has no backward: its compute ends with its forward
+    assert MicroBatch(start_ns=0, forward_end_ms=1.0, backward_end_ms=1.0, end_ms=1.5).compute_ms == 1.0
+
+
+def test_the_profile_records_the_accumulation_factor_and_the_whole_optimizer_step() -> None:
+    ranks = [CommStats(), CommStats()]
+    for n in range(1, 6):
+        ranks[0].add(accumulated(n, micro_end=float(n)))  # windows of 3, 6, 9, 12, 15 ms
+        ranks[1].add(accumulated(n, rank=1, micro_end=4.0))  # 12 ms each
+    gathered = [stats.local_report() for stats in ranks]
+    profile = ranks[0].profile(
+        gathered, world_size=2, backend="gloo", device_type="cpu", schedule={}, accumulate_grad_batches=4
+    )
+    assert profile is not None
+    summary = profile["summary"]
+    assert summary["accumulate_grad_batches"] == 4
+    assert summary["accumulation_ms"] == pytest.approx(12.0)  # the slowest rank's median (rank 1's)
+    assert summary["accumulation_compute_ms"] == pytest.approx(9.6)
+    assert summary["step_ms"]["median"] == 14.0  # the synchronising micro-batch, as before
+    assert summary["optimizer_step_ms"] == {"median": pytest.approx(26.0), "p90": pytest.approx(29.0)}
+    assert [s["optimizer_step_ms"] for s in profile["steps"]] == pytest.approx([17.0, 20.0, 23.0, 26.0, 29.0])
+    assert profile["ranks"][1]["micro_batches"] == 4
+    timelines = CommStats.gathered_timelines(gathered)
+    assert len(timelines[0]["micro_batches"]) == 3  # kept whole for the trace
+    logged = ranks[0].metrics([r["medians"] for r in gathered], world_size=2)
+    assert logged["comm/optimizer_step_ms"] == pytest.approx(26.0)
+
+
+def test_a_profile_without_communication_still_times_the_optimizer_step() -> None:
+    stats = CommStats(measures_comm=False, wire_ratio=None)
+    stats.add(replace(accumulated(1), buckets=()))
+    profile = stats.profile([stats.local_report()], world_size=1, backend="none", device_type="cpu", schedule={})
+    assert profile is not None
+    assert profile["summary"]["optimizer_step_ms"]["median"] == pytest.approx(17.0)
+    assert profile["ranks"][0]["accumulation_ms"] == pytest.approx(3.0)  # measured without a view of DDP
+
+
+# ---------------------------------------------------------------------------- the bucket table is one step (issue 28)
+
+
+def steps_whose_bucket_medians_mix() -> list[StepTimeline]:
+    """Three steps (forward ends at 2) where each bucket's median duration is another step's: bucket 0's is
+    step 2's (launch 8), bucket 1's step 3's (launch 4): taken bucket by bucket, bucket 1 launched first."""
+    spans = {1: ((4.0, 5.0), (5.0, 6.0)), 2: ((8.0, 10.0), (9.0, 12.0)), 3: ((3.0, 6.0), (4.0, 6.0))}
+    out = []
+    for n, ((l0, d0), (l1, d1)) in spans.items():
+        base = timeline(n, buckets=((0, l0, d0, 1000), (1, l1, d1, 3000)))
+        out.append(replace(base, compute_end_ms=l1 + 0.5, backward_end_ms=max(d1, l1 + 0.5)))
+    return out
+
+
+def test_the_bucket_rows_are_one_step_in_launch_order_and_within_its_backward() -> None:
+    stats = CommStats()
+    for step in steps_whose_bucket_medians_mix():
+        stats.add(step)
+    rows = stats.local_buckets()
+    kept = stats.bucket_step()
+    assert kept is not None and kept.timeline.step == 3  # the median communication span: 2, 4, 3 ms
+    assert [(r["launch_ms"], r["done_ms"]) for r in rows] == [(1.0, 4.0), (2.0, 4.0)]  # from backward start
+    assert [r["launch_ms"] for r in rows] == sorted(r["launch_ms"] for r in rows)
+    gathered = [stats.local_report()]
+    profile = stats.profile(gathered, world_size=1, backend="gloo", device_type="cpu", schedule={})
+    assert profile is not None
+    assert profile["bucket_step"] == {
+        "rank": 0,
+        "step": 3,
+        "step_ms": 14.0,
+        "forward_ms": 2.0,
+        "backward_compute_ms": pytest.approx(2.5),
+        "comm_ms": pytest.approx(3.0),
+        "first_launch_ms": pytest.approx(1.0),
+        "exposed_comm_ms": pytest.approx(1.5),
+    }
+    assert all(b["launch_ms"] <= profile["bucket_step"]["backward_compute_ms"] for b in profile["buckets"])
+
+
+def test_the_bucket_table_is_one_ranks_never_a_mix_of_ranks() -> None:
+    rank0 = [
+        {"index": 0, "bytes": 1000, "num_params": 1, "launch_ms": 2.0, "done_ms": 6.0, "duration_ms": 4.0},
+        {"index": 1, "bytes": 3000, "num_params": 2, "launch_ms": 6.5, "done_ms": 7.0, "duration_ms": 0.5},
+    ]
+    rank1 = [
+        {"index": 0, "bytes": 1000, "num_params": 1, "launch_ms": 1.0, "done_ms": 5.0, "duration_ms": 4.0},
+        {"index": 1, "bytes": 3000, "num_params": 2, "launch_ms": 5.0, "done_ms": 9.0, "duration_ms": 4.0},
+    ]
+    # bucket by bucket, bucket 0 would be rank 0's (done 6 > 5) and bucket 1 rank 1's (9 > 7): two clocks
+    table = combine_buckets([rank0, rank1], world_size=2, wire_ratio=1.0)
+    assert [(b["launch_ms"], b["done_ms"]) for b in table] == [
+        (1.0, 5.0),
+        (5.0, 9.0),
+    ]  # rank 1's, whose comm ended last

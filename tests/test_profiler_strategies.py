@@ -26,8 +26,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import CommProfiler, TunedDDPStrategy
+from lightning_mgpu.callbacks.comm_profiler import callback as callback_module
 from lightning_mgpu.callbacks.comm_profiler.callback import comm_hook_host
 from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost, wire_ratio_of
+from lightning_mgpu.comm.timing import HostClock
 from tests.scripts.models import MLPRegressor
 from tests.conftest import destroy_default_group
 
@@ -55,14 +57,15 @@ class HookName(L.Callback):
             HookName.name = model._get_ddp_logging_data().get("comm_hook")
 
 
-def _fit(root: Path, strategy: Any, profiler: CommProfiler, *, steps: int) -> L.Trainer:
+def _fit(root: Path, strategy: Any, profiler: CommProfiler, *, steps: int, accumulate: int = 1) -> L.Trainer:
     torch.manual_seed(0)
-    x = torch.randn(16 * steps, 32)
+    x = torch.randn(16 * steps * accumulate, 32)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
         max_steps=steps,
+        accumulate_grad_batches=accumulate,
         callbacks=[profiler, HookName()],
         logger=CSVLogger(root, name="logs"),
         log_every_n_steps=1,
@@ -157,3 +160,34 @@ def test_wire_ratio_of_a_users_hook() -> None:
     assert wire_ratio_of(default_hooks.bf16_compress_hook) == 0.5
     assert wire_ratio_of(powerSGD_hook.powerSGD_hook) is None  # measured per bucket instead
     assert wire_ratio_of(default_hooks.allreduce_hook) == 1.0
+
+
+class DeferredHostClock(HostClock):
+    """Host stamps read the way CUDA events are: one step later (``device_type == "cuda"``)."""
+
+    device_type = "cuda"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["host", "read-one-step-later"])
+def test_with_accumulation_each_window_s_micro_batches_are_timed_with_its_step(
+    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch, deferred: bool
+) -> None:
+    """Issue 28: accumulate_grad_batches=3: every profiled step carries the two micro-batches before it
+    (also when steps are read one step later, as on CUDA), and the summary has the whole optimizer step."""
+    if deferred:
+        monkeypatch.setattr(callback_module, "clock_for", lambda device: DeferredHostClock())
+    profiler = CommProfiler(warmup_steps=1, every_n_steps=50, profile_every=None)
+    _fit(tmp_path, TunedDDPStrategy(), profiler, steps=7, accumulate=3)
+    timelines = profiler.stats.kept_timelines
+    assert profiler.stats.step_numbers == [3, 4, 5, 6, 7] and len(timelines) == 4
+    for timeline in timelines:
+        assert len(timeline.micro_batches) == 2
+        assert [m.start_ns for m in timeline.micro_batches] == sorted(m.start_ns for m in timeline.micro_batches)
+        assert timeline.micro_batches[-1].start_ns < timeline.start_ns  # the window's, before its step
+        for micro in timeline.micro_batches:
+            assert 0 < micro.forward_end_ms <= micro.backward_end_ms <= micro.end_ms
+    summary = profiler.summary
+    assert summary is not None and summary["accumulate_grad_batches"] == 3
+    assert profiler.ranks[0]["micro_batches"] == 3
+    assert 0 < summary["accumulation_compute_ms"] <= summary["accumulation_ms"]
+    assert summary["optimizer_step_ms"]["median"] > summary["step_ms"]["median"]

@@ -476,3 +476,84 @@ def test_what_would_help_replays_the_profile_on_its_own_link() -> None:
         what_would_help(mlp_profile(), link="fddi")
     no_shapes = what_would_help(mlp_profile(params=False))
     assert "PowerSGD not predicted: the profile lists no gradient shapes" in no_shapes.notes
+
+
+# ------------------------------------------------------------------ gradient accumulation (issue 28)
+
+
+def accumulated_profile(**summary: Any) -> dict[str, Any]:
+    """simple_profile's 30 ms synchronising micro-batch, after three of 4 ms that do not communicate
+    (3 ms of each forward and backward): a 42 ms optimizer step."""
+    document = simple_profile()
+    fields = {
+        "accumulate_grad_batches": 4,
+        "accumulation_ms": 12.0,
+        "accumulation_compute_ms": 9.0,
+        "optimizer_step_ms": {"median": 42.0, "p90": 45.0},
+    }
+    document["summary"].update({**fields, **summary})
+    return document
+
+
+def test_a_profile_without_the_accumulation_fields_reads_as_one_micro_batch() -> None:
+    run = load_profile(simple_profile())  # written before the fields existed
+    assert (run.accumulate_grad_batches, run.accumulation_ms, run.accumulation_compute_ms) == (1, 0.0, 0.0)
+    assert run.optimizer_step_ms == run.step_ms == 30.0
+    accumulated = load_profile(accumulated_profile())
+    assert (accumulated.accumulate_grad_batches, accumulated.accumulation_ms) == (4, 12.0)
+    assert accumulated.optimizer_step_ms == 42.0 and accumulated.step_ms == 30.0
+    assert any("optimizer step of 4 micro-batches" in note for note in accumulated.notes)
+    unmeasured = load_profile(accumulated_profile(accumulation_ms=None, accumulation_compute_ms=None))
+    assert unmeasured.accumulation_ms == 0.0
+    assert any("synchronising micro-batch only" in note for note in unmeasured.notes)
+
+
+def test_the_predicted_step_is_the_optimizer_step_with_its_micro_batches() -> None:
+    plain, run = load_profile(simple_profile()), load_profile(accumulated_profile())
+    slow = Link(name="0.2 GB/s", busbw_gbps=0.2)
+    one, two = sweep_world_sizes(run, Scenario(system=System(nodes=2, inter=slow)), [1, 2])
+    # the 30 ms step and its 34 ms on the slow link (test above), each plus the 12 ms that do not communicate
+    assert one.step_ms == pytest.approx(42.0) and one.single_device_step_ms == pytest.approx(42.0)
+    assert two.step_ms == pytest.approx(46.0) and two.accumulation_ms == 12.0 and two.micro_batches == 4
+    assert two.efficiency == pytest.approx(42.0 / 46.0) and two.speedup == pytest.approx(2 * 42.0 / 46.0)
+    assert two.as_dict()["accumulate_grad_batches"] == 4 and two.as_dict()["accumulation_ms"] == 12.0
+    assert predict(plain, two.scenario).step_ms == pytest.approx(34.0)  # the same replay, one micro-batch
+    # a device twice as fast halves their forward and backward (9 -> 4.5), not the loop's 3 ms between
+    half = predict(run, Scenario(system=System(nodes=2, inter=slow), compute_scale=0.5))
+    assert half.accumulation_ms == pytest.approx(7.5)
+    assert half.step_ms == pytest.approx(predict(plain, half.scenario).step_ms + 7.5)
+
+
+def test_levers_save_a_share_of_the_whole_optimizer_step() -> None:
+    """The issue's example: a faster link saves the same milliseconds, a smaller share of a longer step."""
+    slow = System(nodes=2, inter=Link(name="0.2 GB/s", busbw_gbps=0.2))
+    by_name = {}
+    for document in (simple_profile(), accumulated_profile()):
+        levers = rank_levers(load_profile(document), Scenario(system=slow))
+        by_name[document["summary"].get("accumulate_grad_batches", 1)] = {lever.name: lever for lever in levers}
+    one, four = by_name[1]["a 10x faster link"], by_name[4]["a 10x faster link"]
+    assert four.base_step_ms == pytest.approx(one.base_step_ms + 12.0)
+    assert four.base_step_ms - four.step_ms == pytest.approx(one.base_step_ms - one.step_ms)
+    assert four.saving_pct == pytest.approx(one.saving_pct * one.base_step_ms / four.base_step_ms)
+    advice = what_would_help(accumulated_profile())
+    assert "per optimizer step of 4 micro-batches" in advice.title
+    assert any("3 without communication (12.0 ms profiled)" in note for note in advice.notes)
+
+
+@pytest.mark.parametrize(
+    ("summary", "message"),
+    [
+        ({"accumulate_grad_batches": 0}, "summary.accumulate_grad_batches must be an integer >= 1, got 0"),
+        ({"accumulate_grad_batches": "4"}, "summary.accumulate_grad_batches must be an integer >= 1, got '4'"),
+        ({"accumulation_ms": -1.0}, "'accumulation_ms' must be a finite number >= 0, got -1.0"),
+        ({"optimizer_step_ms": 42.0}, r"summary.optimizer_step_ms must be \{'median'"),
+    ],
+)
+def test_bad_accumulation_fields_are_refused_naming_the_file(
+    tmp_path: Path, summary: dict[str, Any], message: str
+) -> None:
+    path = tmp_path / "comm_profile.json"
+    path.write_text(json.dumps(accumulated_profile(**summary)))
+    with pytest.raises(ProfileError, match=message) as error:
+        load_profile(path)
+    assert str(error.value).startswith(f"{path}: ")

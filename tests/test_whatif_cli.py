@@ -191,3 +191,68 @@ def test_docs_list_every_preset_with_the_figures_the_code_uses() -> None:
             assert float(busbw) == pytest.approx(link.busbw_gbps, rel=0.01), name
         if link.latency_us:
             assert rows[name][3].startswith(f"{link.latency_us:g} µs"), name
+
+
+BAD_CONTENTS = {
+    "binary": bytes(range(256)) * 4,  # e.g. a checkpoint or a PNG given by mistake
+    "text, not JSON": b"step_ms,comm_ms\n12.0,3.0\n",
+    "a JSON number": b"42",
+    "a JSON list of numbers": b"[1, 2, 3]",
+    "an unrelated object": b'{"hello": "world"}',
+}
+
+
+@pytest.mark.parametrize("content", list(BAD_CONTENTS), ids=list(BAD_CONTENTS))
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [
+        ("PROFILE", "comm_profile.json"),
+        ("--params", "'shape'"),
+        ("--costs-file", "compression costs"),
+        ("--link-bench", "bench-comm"),
+        ("--intra-link-bench", "bench-comm"),
+    ],
+)
+def test_every_bad_input_file_is_named_with_what_was_expected(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str, expected: str, content: str
+) -> None:
+    """Issue 28: `whatif` on a binary file said only "'utf-8' codec can't decode byte ..."; every file it
+    reads must be named in its error, with what it should have been, and never a traceback."""
+    bad = tmp_path / "given.bin"
+    bad.write_bytes(BAD_CONTENTS[content])
+    if role == "PROFILE":
+        argv = [str(bad)]
+    elif role == "--intra-link-bench":
+        argv = [str(profile), "--nodes", "2", "--devices-per-node", "2", "--link", "10gbe", role, str(bad)]
+    else:
+        argv = [str(profile), role, str(bad)]
+    assert main(["whatif", *argv, "--costs", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lightning-mgpu whatif: error: {bad}: ") and "Traceback" not in err, err
+    assert "expected" in err and expected in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_parameter_list_that_does_not_fit_the_profile_names_its_file(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps([{"shape": [3, 3], "dtype": "float32"}]))  # 36 bytes: fits no recorded bucket
+    assert main(["whatif", str(profile), "--params", str(params), "--costs", "none"]) == 2
+    err = capsys.readouterr().err
+    assert f"{params}: 36 bytes of gradients, the profile's buckets hold" in err
+    params.write_text(json.dumps([{"shape": [3, 3], "dtype": "int8"}]))
+    assert main(["whatif", str(profile), "--params", str(params), "--costs", "none"]) == 2
+    assert f"{params}: entry 0: unknown gradient dtype 'int8'" in capsys.readouterr().err
+
+
+def test_saved_costs_are_read_from_a_json_run_or_its_costs_object(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = run_json(capsys, str(profile))
+    whole, costs = tmp_path / "run.json", tmp_path / "costs.json"
+    whole.write_text(json.dumps(document))
+    costs.write_text(json.dumps(document["inputs"]["compression_costs"]))
+    for path in (whole, costs):
+        again = run_json(capsys, str(profile), "--costs-file", str(path))
+        assert again["inputs"]["compression_costs"]["how"] == f"from {path}"

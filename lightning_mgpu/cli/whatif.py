@@ -191,10 +191,10 @@ def _link(name: Optional[str], gbps: Optional[float], bench: Optional[str]) -> O
 
 def _costs(args: argparse.Namespace, run: ProfiledRun) -> tuple[CompressionCosts, str]:
     """Compression compute: from --costs-file, measured here, or none (with the reason)."""
-    from lightning_mgpu.whatif.compression import NO_COSTS, CompressionCosts
+    from lightning_mgpu.whatif.compression import NO_COSTS
 
     if args.costs_file:
-        return CompressionCosts.from_dict(json.loads(Path(args.costs_file).read_text())), f"from {args.costs_file}"
+        return _read_costs(args.costs_file), f"from {args.costs_file}"
     if args.costs == "none":
         return NO_COSTS, "not measured (--costs none)"
     if run.device_type == "cuda":
@@ -211,6 +211,25 @@ def _costs(args: argparse.Namespace, run: ProfiledRun) -> tuple[CompressionCosts
     return costs, "measured on this machine"
 
 
+COSTS_EXPECTED = "saved compression costs: the inputs.compression_costs object of a `lightning-mgpu whatif --json` run"
+
+
+def _read_costs(path: str) -> CompressionCosts:
+    """A ``--costs-file``: the costs object, or a whole ``--json`` output holding it; a
+    ProfileError naming the file and what was expected otherwise."""
+    from lightning_mgpu.whatif.compression import CompressionCosts
+    from lightning_mgpu.whatif.records import ProfileError, read_json
+
+    data = read_json(path, expected=COSTS_EXPECTED)
+    inputs = data.get("inputs") if isinstance(data, dict) else None
+    if isinstance(inputs, dict) and isinstance(inputs.get("compression_costs"), dict):
+        data = inputs["compression_costs"]
+    try:
+        return CompressionCosts.from_dict(data)
+    except (ValueError, TypeError) as error:
+        raise ProfileError(f"{path}: {error}; expected {COSTS_EXPECTED}") from None
+
+
 def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ProfiledRun, Scenario, dict[str, Any]]:
     """The profile, the scenario the flags describe, and the inputs echoed in the report."""
     from lightning_mgpu.whatif import PRESETS, Scenario, System, link_from_profile, load_profile
@@ -218,7 +237,7 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
     from lightning_mgpu.whatif.records import load_parameters
 
     parameters = load_parameters(args.params) if args.params else None
-    run = load_profile(args.profile, parameters=parameters)
+    run = load_profile(args.profile, parameters=parameters, parameters_source=str(args.params))
     costs, costs_source = _costs(args, run)
     overhead = costs.allreduce_overhead_ms
     inter = _link(args.link, args.link_gbps, args.link_bench) or link_from_profile(run, overhead_ms=overhead)
@@ -272,6 +291,9 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
             "backend": run.backend,
             "device_type": run.device_type,
             "step_ms": run.step_ms,
+            "accumulate_grad_batches": run.accumulate_grad_batches,
+            "accumulation_ms": run.accumulation_ms,
+            "optimizer_step_ms": run.optimizer_step_ms,
             "forward_ms": run.forward_ms,
             "backward_compute_ms": run.backward_compute_ms,
             "optimizer_ms": run.optimizer_ms,
@@ -351,9 +373,14 @@ def _print(profile: ProfiledRun, curve: list[Prediction], levers: list[Any], plo
     if not console.is_terminal:
         console.width = max(console.width, 120)
     scenario = curve[-1].scenario
+    accumulated = (
+        f" per optimizer step of {profile.accumulate_grad_batches} micro-batches"
+        if profile.accumulate_grad_batches > 1 and profile.accumulation_ms > 0
+        else "/step"
+    )
     title = (
         f"predicted from {profile.source} ({profile.world_size} rank(s), {profile.device_type}, "
-        f"{profile.step_ms:.1f} ms/step profiled)"
+        f"{profile.optimizer_step_ms:.1f} ms{accumulated} profiled)"
     )
     table = Table(title=title)
     for index, column in enumerate(

@@ -20,7 +20,11 @@ Definitions (times in ms, relative to the step's start):
 * communication span: first bucket launched -> last bucket done;
 * busy communication: the union of the bucket intervals (buckets may run concurrently);
 * exposed communication: the part of the span after backward compute ended;
-* overlap ratio: the share of the span hidden behind backward compute.
+* overlap ratio: the share of the span hidden behind backward compute;
+* with gradient accumulation, the optimizer step is every micro-batch of its accumulation
+  window: the ones that do not communicate (:class:`MicroBatch`, DDP's ``no_sync``) and the
+  synchronising one (the :class:`StepTimeline` itself), each from its start to its end (as
+  ``step_ms``, the data loading between batches is not counted).
 
 No ``from __future__ import annotations``: DDP inspects the wrapped hook's annotations.
 """
@@ -105,6 +109,25 @@ class BucketInterval:
 
 
 @dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of an accumulation window that did not communicate (DDP's ``no_sync``),
+    in ms from its own start."""
+
+    start_ns: int
+    """Host time of its start (perf_counter_ns), to place it on the step's axis."""
+    forward_end_ms: float
+    backward_end_ms: float
+    """When its backward ended (no bucket is reduced: all of it is compute)."""
+    end_ms: float
+    """When the batch ended (``on_train_batch_end``): the micro-batch's whole time."""
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward and backward: what a faster device would shorten."""
+        return self.backward_end_ms
+
+
+@dataclass(frozen=True)
 class StepTimeline:
     """Everything measured in one synchronising step on one rank (ms from the step's start)."""
 
@@ -119,10 +142,14 @@ class StepTimeline:
     optimizer_start_ms: float
     step_ms: float
     buckets: tuple[BucketInterval, ...] = field(default_factory=tuple)
+    micro_batches: tuple[MicroBatch, ...] = field(default_factory=tuple)
+    """The accumulation window's micro-batches before this one, which did not communicate
+    (empty without gradient accumulation)."""
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["buckets"] = [asdict(b) for b in self.buckets]
+        data["micro_batches"] = [asdict(m) for m in self.micro_batches]
         return data
 
 
@@ -138,6 +165,17 @@ class StepBreakdown:
     optimizer_ms: float
     bytes: int
     wire_bytes: int
+    accumulation_ms: float = 0.0
+    """The accumulation window's micro-batches that did not communicate, together (0: none)."""
+    accumulation_compute_ms: float = 0.0
+    """Their forward and backward (the rest of ``accumulation_ms`` is the loop's own time)."""
+    micro_batches: int = 1
+    """Micro-batches in the optimizer step, the synchronising one included."""
+
+    @property
+    def optimizer_step_ms(self) -> float:
+        """The whole optimizer step: every micro-batch of its accumulation window."""
+        return self.step_ms + self.accumulation_ms
 
 
 def union_ms(intervals: Sequence[tuple[float, float]]) -> float:
@@ -164,9 +202,26 @@ def step_breakdown(timeline: StepTimeline) -> StepBreakdown:
     buckets = timeline.buckets
     forward_ms = timeline.forward_end_ms
     optimizer_ms = max(0.0, timeline.step_ms - timeline.optimizer_start_ms)
+    micro = timeline.micro_batches
+    accumulation_ms = sum(m.end_ms for m in micro)
+    accumulation_compute_ms = sum(m.compute_ms for m in micro)
     if not buckets:
         backward = max(0.0, timeline.backward_end_ms - forward_ms)
-        return StepBreakdown(timeline.step_ms, forward_ms, backward, 0.0, 0.0, 0.0, 0.0, optimizer_ms, 0, 0)
+        return StepBreakdown(
+            timeline.step_ms,
+            forward_ms,
+            backward,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            optimizer_ms,
+            0,
+            0,
+            accumulation_ms=accumulation_ms,
+            accumulation_compute_ms=accumulation_compute_ms,
+            micro_batches=1 + len(micro),
+        )
     first_launch = min(b.launch_ms for b in buckets)
     last_launch = max(b.launch_ms for b in buckets)
     compute_end = last_launch if timeline.compute_end_ms is None else max(timeline.compute_end_ms, last_launch)
@@ -185,6 +240,9 @@ def step_breakdown(timeline: StepTimeline) -> StepBreakdown:
         optimizer_ms=optimizer_ms,
         bytes=sum(b.bytes for b in buckets),
         wire_bytes=sum(b.wire_bytes for b in buckets),
+        accumulation_ms=accumulation_ms,
+        accumulation_compute_ms=accumulation_compute_ms,
+        micro_batches=1 + len(micro),
     )
 
 

@@ -110,21 +110,55 @@ class CompressionCosts:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CompressionCosts:
+    def from_dict(cls, data: Any) -> CompressionCosts:
+        """The costs from :meth:`as_dict`'s output; ValueError saying which field is wrong (or
+        that the object holds none of the fields: it is something else)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"expected an object of compression costs, got {type(data).__name__}")
+        known = set(cls.__dataclass_fields__)
+        if not known & set(data):
+            raise ValueError(f"none of the fields of compression costs ({', '.join(sorted(known))}) is there")
+
+        def number(key: str) -> float:
+            value = data.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{key!r} must be a number >= 0, got {value!r:.60}")
+            return float(value)
+
+        def mapping(key: str) -> Mapping[str, Any]:
+            value = data.get(key, {})
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{key!r} must be an object, got {value!r:.60}")
+            return value
+
+        matrices = {}
+        for key, value in mapping("matrices").items():
+            if (
+                not isinstance(value, (list, tuple))
+                or len(value) != 3
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            ):
+                raise ValueError(f"matrices[{key!r}] must be three numbers (ms), got {value!r:.60}")
+            matrices[str(key)] = (float(value[0]), float(value[1]), float(value[2]))
+        gloo = {}
+        for key, value in mapping("gloo_ms_per_mib").items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"gloo_ms_per_mib[{key!r}] must be a number, got {value!r:.60}")
+            gloo[str(key)] = float(value)
+        threads = data.get("threads")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+            raise ValueError(f"'threads' must be an integer or null, got {threads!r:.60}")
         return cls(
-            cast_ms_per_mib=float(data.get("cast_ms_per_mib", 0.0)),
-            uncast_ms_per_mib=float(data.get("uncast_ms_per_mib", 0.0)),
-            feedback_pre_ms_per_mib=float(data.get("feedback_pre_ms_per_mib", 0.0)),
-            feedback_post_ms_per_mib=float(data.get("feedback_post_ms_per_mib", 0.0)),
-            matrices={
-                str(key): (float(value[0]), float(value[1]), float(value[2]))
-                for key, value in dict(data.get("matrices", {})).items()
-            },
-            gflops=float(data.get("gflops", 0.0)),
-            gloo_ms_per_mib={str(k): float(v) for k, v in dict(data.get("gloo_ms_per_mib", {})).items()},
-            allreduce_overhead_ms=float(data.get("allreduce_overhead_ms", 0.0)),
+            cast_ms_per_mib=number("cast_ms_per_mib"),
+            uncast_ms_per_mib=number("uncast_ms_per_mib"),
+            feedback_pre_ms_per_mib=number("feedback_pre_ms_per_mib"),
+            feedback_post_ms_per_mib=number("feedback_post_ms_per_mib"),
+            matrices=matrices,
+            gflops=number("gflops"),
+            gloo_ms_per_mib=gloo,
+            allreduce_overhead_ms=number("allreduce_overhead_ms"),
             device_type=str(data.get("device_type", "cpu")),
-            threads=data.get("threads"),
+            threads=threads,
             source=str(data.get("source", "")),
         )
 

@@ -239,7 +239,12 @@ def what_would_help(
         notes.append("PowerSGD not predicted: the profile lists no gradient shapes")
     elif not measured:
         notes.append("PowerSGD not predicted here (its compute is not measured): lightning-mgpu whatif PROFILE")
-    title = f"what would help ({system.describe()}, replayed from this profile):"
+    per_step = (
+        f", per optimizer step of {run.accumulate_grad_batches} micro-batches"
+        if run.accumulate_grad_batches > 1 and run.accumulation_ms > 0
+        else ""
+    )
+    title = f"what would help ({system.describe()}{per_step}, replayed from this profile):"
     return Advice(title, tuple(step_levers + scale), tuple(notes))
 
 

@@ -21,14 +21,13 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from lightning_mgpu.whatif.records import ProfiledRun
+from lightning_mgpu.whatif.records import ProfileError, ProfiledRun, read_json
 
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
@@ -184,21 +183,34 @@ def link_from_gbps(gbps: float, *, latency_us: float = TCP_STEP_LATENCY_US, name
 def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Link:
     """The link a ``lightning-mgpu bench-comm --json`` result measured: busbw by size, host included."""
     where = "bench-comm result" if isinstance(report, Mapping) else str(report)
-    if not isinstance(report, Mapping):
-        try:
-            report = json.loads(Path(report).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"{where}: cannot read a bench-comm JSON result ({error})") from None
-    assert isinstance(report, Mapping)
-    world_size = int(report.get("world_size", 0))
-    rows = [row for row in report.get("rows", []) if row.get("busbw_gbps", 0) > 0]
+    expected = "a `lightning-mgpu bench-comm --json FILE` result"
+    document: Any = report if isinstance(report, Mapping) else read_json(report, expected=expected)
+    if not isinstance(document, Mapping) or not isinstance(document.get("rows"), list):
+        raise ProfileError(f"{where}: no 'rows' list; expected {expected}")
+    world_size = document.get("world_size", 0)
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ProfileError(f"{where}: 'world_size' must be an integer, got {world_size!r:.60}; expected {expected}")
+    rows = []
+    for i, row in enumerate(document["rows"]):
+        if not isinstance(row, Mapping):
+            raise ProfileError(f"{where}: rows[{i}] must be an object; expected {expected}")
+        for key in ("bytes", "busbw_gbps"):
+            value = row.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ProfileError(f"{where}: rows[{i}].{key} must be a number, got {value!r:.60}")
+        if row.get("busbw_gbps", 0) > 0:
+            rows.append(row)
+    report = document
     if world_size < 2 or not rows:
         raise ValueError(
             f"{where}: needs a bench-comm run with --nproc >= 2 (busbw is 0 for one process by definition); "
             "run `lightning-mgpu bench-comm --json FILE` across the link"
         )
     curve = tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in rows))
-    latency = float(report.get("latency_us", 0.0)) / (2 * (world_size - 1))
+    latency_us = report.get("latency_us", 0.0)
+    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
+        raise ProfileError(f"{where}: 'latency_us' must be a number >= 0, got {latency_us!r:.60}")
+    latency = float(latency_us) / (2 * (world_size - 1))
     return Link(
         name=f"measured: {Path(where).name}",
         busbw_gbps=max(b for _, b in curve),

@@ -17,7 +17,12 @@ bucket's all-reduce is simulated on the target :class:`System`:
   is free; compression work (:mod:`~lightning_mgpu.whatif.compression`) is placed where its
   hook does it (the autograd thread delays the rest of backward);
 * the step is ``forward + backward compute + exposed communication + optimizer + other``,
-  where exposed is what runs past the end of backward compute.
+  where exposed is what runs past the end of backward compute;
+* with gradient accumulation the step is the whole optimizer step: the synchronising
+  micro-batch above plus the window's micro-batches that do not communicate
+  (:attr:`~lightning_mgpu.whatif.records.ProfiledRun.accumulation_ms`: their forward and
+  backward scaled by ``compute_scale``, the rest as profiled). Speed-up, efficiency and every
+  lever are then about optimizer steps, as a user's throughput is.
 
 What the model ignores (``docs/whatif.md`` discusses it): contention between compute and
 communication for the same cores or memory bandwidth beyond the compression work it places on
@@ -229,6 +234,10 @@ class Prediction:
     """The same step on one device: no communication, no compression."""
     buckets: tuple[PredictedBucket, ...]
     assumptions: tuple[str, ...] = field(default_factory=tuple)
+    accumulation_ms: float = 0.0
+    """The optimizer step's micro-batches that do not communicate (included in ``step_ms``)."""
+    micro_batches: int = 1
+    """Micro-batches per optimizer step (``accumulate_grad_batches``)."""
 
     @property
     def world_size(self) -> int:
@@ -261,6 +270,8 @@ class Prediction:
             "optimizer_ms": self.optimizer_ms,
             "other_ms": self.other_ms,
             "single_device_step_ms": self.single_device_step_ms,
+            "accumulate_grad_batches": self.micro_batches,
+            "accumulation_ms": self.accumulation_ms,
             "wire_bytes_per_step": self.wire_bytes,
             "buckets": [
                 {
@@ -349,14 +360,27 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     backward = run.backward_compute_ms * scale
     optimizer = run.optimizer_ms * scale
     other = run.other_ms
-    single = forward + backward + optimizer + other
+    accumulation = accumulation_ms(run, scale)
+    single = forward + backward + optimizer + other + accumulation
     if run.compression is not None and run.compression != scenario.compression:
         assumptions.append(
             f"profiled with {run.compression}: its hook's work on the autograd thread stays in the backward times"
         )
     if system.world_size == 1:
         return Prediction(
-            scenario, single, 0.0, 0.0, forward, backward, optimizer, other, single, (), tuple(assumptions)
+            scenario,
+            single,
+            0.0,
+            0.0,
+            forward,
+            backward,
+            optimizer,
+            other,
+            single,
+            (),
+            tuple(assumptions),
+            accumulation_ms=accumulation,
+            micro_batches=run.accumulate_grad_batches,
         )
     if scenario.bucket_cap_mb is not None and not run.has_parameters:
         assumptions.append("re-bucketed from equal splits of the recorded buckets (the profile lists no gradients)")
@@ -416,7 +440,7 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     last_done = max((b.done_ms for b in predicted), default=0.0)
     exposed = max(0.0, last_done - compute_end)
     comm = last_done - (first_launch or 0.0)
-    step = forward + compute_end + exposed + optimizer + other
+    step = forward + compute_end + exposed + optimizer + other + accumulation
     if scenario.compression in ("fp16", "bf16", "powersgd") and scenario.costs is NO_COSTS:
         assumptions.append(f"{scenario.compression}'s compute not measured: counted as 0")
     return Prediction(
@@ -431,7 +455,16 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
         single_device_step_ms=single,
         buckets=tuple(predicted),
         assumptions=tuple(dict.fromkeys(assumptions)),
+        accumulation_ms=accumulation,
+        micro_batches=run.accumulate_grad_batches,
     )
+
+
+def accumulation_ms(run: ProfiledRun, compute_scale: float = 1.0) -> float:
+    """The optimizer step's micro-batches without communication, on a device ``compute_scale``
+    times as slow: their forward and backward scaled, the loop's own time between as profiled."""
+    compute = min(run.accumulation_compute_ms, run.accumulation_ms)
+    return compute * compute_scale + (run.accumulation_ms - compute)
 
 
 def _profiled_host_work(run: ProfiledRun, system: System, scale: float) -> list[tuple[float, float, float]]:
@@ -476,6 +509,7 @@ def sweep_world_sizes(run: ProfiledRun, scenario: Scenario, world_sizes: Sequenc
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_FIRST_BUCKET_MB",
+    "accumulation_ms",
     "PredictedBucket",
     "Prediction",
     "Scenario",

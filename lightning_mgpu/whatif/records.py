@@ -18,6 +18,16 @@ Where the gradients come from, first found wins:
    False; re-bucketing then splits each recorded bucket into ``num_params`` equal gradients
    (an approximation :mod:`~lightning_mgpu.whatif.model` states in its assumptions).
 
+With gradient accumulation (``summary.accumulate_grad_batches`` > 1) the profiled step is the
+synchronising micro-batch of each optimizer step; the window's other micro-batches, which do
+not communicate, are ``summary.accumulation_ms`` (of which ``accumulation_compute_ms`` forward
+and backward), added by the model to every predicted step. Profiles written before these fields
+existed read as ``accumulate_grad_batches = 1``.
+
+Every file is read by :func:`read_json`: a file that cannot be read, is not text or not JSON,
+or holds something else than expected is a :class:`ProfileError` naming the file and what was
+expected.
+
 Pure Python: no torch import.
 """
 
@@ -53,6 +63,32 @@ SHARED_CORES_NOTE = (
 
 class ProfileError(ValueError):
     """A profile (or parameter list) the replay model cannot use; the message says how to fix it."""
+
+
+PROFILE_EXPECTED = "a comm_profile.json written by CommProfiler(export_dir=DIR)"
+
+
+def read_json(path: Union[str, os.PathLike[str]], *, expected: str) -> Any:
+    """The JSON document in ``path``; :class:`ProfileError` naming the file and ``expected`` when it
+    cannot be read, is not UTF-8 text (a binary file) or is not JSON."""
+    where = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as error:
+        raise ProfileError(f"{where}: cannot read it ({error.strerror or error}); expected {expected}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ProfileError(
+            f"{where}: not a text file (byte {raw[error.start]:#04x} at offset {error.start} is not UTF-8, "
+            f"so not JSON); expected {expected}"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"{where}: not JSON ({error}); expected {expected}") from None
+    except RecursionError:
+        raise ProfileError(f"{where}: not JSON this reader can take (nested too deeply); expected {expected}") from None
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -111,6 +147,14 @@ class ProfiledRun:
     exposed_comm_ms: float
     comm_ms: float
     buckets: tuple[Bucket, ...]
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step; the profiled phases above are the synchronising one's."""
+    accumulation_ms: float = 0.0
+    """The micro-batches of an optimizer step that do not communicate, together (0 without accumulation)."""
+    accumulation_compute_ms: float = 0.0
+    """Their forward and backward, what a faster device shortens (the rest: the loop's own time)."""
+    measured_optimizer_step_ms: Optional[float] = None
+    """The whole optimizer step as profiled (median), when the profile records it."""
     parameters: tuple[Gradient, ...] = ()
     compression: Optional[str] = None
     """The compression in force when profiled (None: none, or not recorded)."""
@@ -138,6 +182,14 @@ class ProfiledRun:
     def gradient_bytes(self) -> int:
         return sum(b.bytes for b in self.buckets)
 
+    @property
+    def optimizer_step_ms(self) -> float:
+        """The whole optimizer step as profiled: measured, or the synchronising step plus the
+        micro-batches without communication (medians do not add exactly)."""
+        if self.measured_optimizer_step_ms is not None:
+            return self.measured_optimizer_step_ms
+        return self.step_ms + self.accumulation_ms
+
 
 # ---------------------------------------------------------------------------------- reading
 
@@ -149,6 +201,17 @@ def _number(mapping: Mapping[str, Any], key: str, where: str) -> float:
     return float(value)
 
 
+def _integer(value: Any, where: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ProfileError(f"{where} must be an integer >= {minimum}, got {value!r:.80}")
+    return value
+
+
+def _optional_number(mapping: Mapping[str, Any], key: str, where: str) -> Optional[float]:
+    """``mapping[key]`` checked as :func:`_number`; None when missing or null."""
+    return None if mapping.get(key) is None else _number(mapping, key, where)
+
+
 def _gradients_from_buckets(raw_buckets: Sequence[Mapping[str, Any]], where: str) -> tuple[Gradient, ...]:
     """The per-bucket ``"params"`` entries, flattened in launch order (empty if any bucket lacks them)."""
     gradients: list[Gradient] = []
@@ -156,6 +219,8 @@ def _gradients_from_buckets(raw_buckets: Sequence[Mapping[str, Any]], where: str
         params = bucket.get("params")
         if not params:
             return ()
+        if not isinstance(params, list):
+            raise ProfileError(f"{where}: buckets[{position}].params must be a list, got {type(params).__name__}")
         for param in params:
             gradients.append(_gradient(param, bucket=position, where=f"{where}: buckets[{position}].params"))
     return tuple(gradients)
@@ -163,32 +228,46 @@ def _gradients_from_buckets(raw_buckets: Sequence[Mapping[str, Any]], where: str
 
 def _gradient(param: Any, *, bucket: int, where: str) -> Gradient:
     if not isinstance(param, Mapping) or "shape" not in param:
-        raise ProfileError(f"{where}: each parameter must be an object with a 'shape', got {param!r:.80}")
+        raise ProfileError(
+            f"{where}: expected a parameter, an object with a 'shape' (and a 'dtype'), got {param!r:.80}"
+        )
     shape = param["shape"]
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise ProfileError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r:.80}")
+    try:
+        element_bytes = dtype_bytes(param.get("dtype", "float32"))
+    except ProfileError as error:
+        raise ProfileError(f"{where}: {error}") from None
     return Gradient(
         shape=tuple(int(d) for d in shape),
-        element_bytes=dtype_bytes(param.get("dtype", "float32")),
-        bucket=int(param.get("bucket", bucket)),
+        element_bytes=element_bytes,
+        bucket=_integer(param.get("bucket", bucket), f"{where}: 'bucket'"),
     )
 
 
-def assign_to_buckets(parameters: Sequence[Mapping[str, Any]], buckets: Sequence[Bucket]) -> tuple[Gradient, ...]:
+def assign_to_buckets(
+    parameters: Sequence[Mapping[str, Any]], buckets: Sequence[Bucket], *, where: str = "parameters"
+) -> tuple[Gradient, ...]:
     """Gradients in DDP's order, each given its recorded bucket.
 
     An entry's own ``"bucket"`` wins; otherwise the list is cut into the recorded buckets by
     their byte counts (it must then add up to each bucket exactly: ProfileError says where not).
+    ``where`` names the list in messages (the ``--params`` file).
     """
+    if not isinstance(parameters, (list, tuple)) or not all(isinstance(p, Mapping) for p in parameters):
+        raise ProfileError(
+            f"{where}: expected a list of {{'shape': [...], 'dtype': 'float32'}} objects in DDP's order, got "
+            f"{parameters!r:.80}"
+        )
     if parameters and all("bucket" in p for p in parameters):
-        return tuple(_gradient(p, bucket=int(p["bucket"]), where="parameters") for p in parameters)
-    gradients = [_gradient(p, bucket=0, where="parameters") for p in parameters]
+        return tuple(_gradient(p, bucket=0, where=f"{where}[{i}]") for i, p in enumerate(parameters))
+    gradients = [_gradient(p, bucket=0, where=f"{where}[{i}]") for i, p in enumerate(parameters)]
     out: list[Gradient] = []
     position, filled = 0, 0
     for gradient in gradients:
         if position >= len(buckets):
             raise ProfileError(
-                f"parameters: {len(gradients)} gradients hold more bytes than the profile's {len(buckets)} "
+                f"{where}: {len(gradients)} gradients hold more bytes than the profile's {len(buckets)} "
                 f"bucket(s) ({sum(b.bytes for b in buckets)} bytes); give each entry its 'bucket' or list only "
                 "the parameters that require gradients, in DDP's order"
             )
@@ -198,13 +277,13 @@ def assign_to_buckets(parameters: Sequence[Mapping[str, Any]], buckets: Sequence
             position, filled = position + 1, 0
         elif filled > buckets[position].bytes:
             raise ProfileError(
-                f"parameters: the gradients do not line up with bucket {position} ({buckets[position].bytes} bytes "
+                f"{where}: the gradients do not line up with bucket {position} ({buckets[position].bytes} bytes "
                 f"recorded, {filled} reached); list them in the order DDP walks them (reverse order of "
                 "model.parameters() unless DDP rebuilt its buckets) or give each entry its 'bucket'"
             )
     if position != len(buckets):
         raise ProfileError(
-            f"parameters: {sum(g.bytes for g in out)} bytes of gradients, the profile's buckets hold "
+            f"{where}: {sum(g.bytes for g in out)} bytes of gradients, the profile's buckets hold "
             f"{sum(b.bytes for b in buckets)}; the list must cover every parameter that has a gradient"
         )
     return tuple(out)
@@ -214,34 +293,27 @@ def load_profile(
     profile: Union[str, os.PathLike[str], Mapping[str, Any]],
     *,
     parameters: Optional[Sequence[Mapping[str, Any]]] = None,
+    parameters_source: str = "parameters",
 ) -> ProfiledRun:
     """Read a ``comm_profile.json`` (path or the parsed document) into a :class:`ProfiledRun`.
 
     ``parameters``: the gradients in DDP's order, when the profile does not hold them (see the
-    module docstring). Raises :class:`ProfileError` naming the field that is missing or wrong.
+    module docstring); ``parameters_source`` names them in messages (their file). Raises
+    :class:`ProfileError` naming the file and the field that is missing or wrong.
     """
     if isinstance(profile, Mapping):
-        document, where = profile, "profile"
+        document: Any = profile
+        where = "profile"
     else:
         where = str(profile)
-        try:
-            document = json.loads(Path(profile).read_text())
-        except OSError as error:
-            raise ProfileError(f"{where}: cannot read it ({error.strerror or error})") from None
-        except json.JSONDecodeError as error:
-            raise ProfileError(
-                f"{where}: not JSON ({error}); pass a comm_profile.json written by CommProfiler"
-            ) from None
+        document = read_json(profile, expected=PROFILE_EXPECTED)
     if not isinstance(document, Mapping) or not isinstance(document.get("summary"), Mapping):
-        raise ProfileError(
-            f"{where}: no 'summary' object; this is not a comm_profile.json "
-            "(CommProfiler(export_dir=DIR) writes DIR/comm_profile.json)"
-        )
+        raise ProfileError(f"{where}: no 'summary' object, so not a comm_profile.json; expected {PROFILE_EXPECTED}")
     summary = document["summary"]
     notes: list[str] = []
     world_size = document.get("world_size")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ProfileError(f"{where}: 'world_size' must be an integer >= 1, got {world_size!r}")
+        raise ProfileError(f"{where}: 'world_size' must be an integer >= 1, got {world_size!r:.80}")
     step = summary.get("step_ms")
     step_ms = _number(step, "median", f"{where}: summary.step_ms") if isinstance(step, Mapping) else None
     if step_ms is None:
@@ -249,11 +321,14 @@ def load_profile(
     raw_buckets = document.get("buckets") or []
     if not isinstance(raw_buckets, list):
         raise ProfileError(f"{where}: 'buckets' must be a list, got {type(raw_buckets).__name__}")
+    for i, raw in enumerate(raw_buckets):
+        if not isinstance(raw, Mapping):
+            raise ProfileError(f"{where}: buckets[{i}] must be an object, got {raw!r:.80}")
     buckets = tuple(
         Bucket(
-            index=int(b.get("index", i)),
+            index=_integer(b.get("index", i), f"{where}: buckets[{i}].index"),
             bytes=int(_number(b, "bytes", f"{where}: buckets[{i}]")),
-            num_params=max(1, int(b.get("num_params") or 1)),
+            num_params=max(1, _integer(b.get("num_params") or 1, f"{where}: buckets[{i}].num_params")),
             launch_ms=_number(b, "launch_ms", f"{where}: buckets[{i}]"),
             done_ms=_number(b, "done_ms", f"{where}: buckets[{i}]"),
         )
@@ -264,7 +339,7 @@ def load_profile(
             f"{where}: no gradient buckets were recorded (a strategy that is not ddp_tuned, or no hook in DDP); "
             "profile with strategy='ddp_tuned' (any world size, 1 included), or give the parameters (--params)"
         )
-    optimizer_ms = summary.get("optimizer_ms")
+    optimizer_ms = _optional_number(summary, "optimizer_ms", f"{where}: summary")
     if optimizer_ms is None:
         notes.append("the profile has no optimizer_ms: counted in 'other'")
     compression = summary.get("compression", document.get("compression"))
@@ -280,8 +355,9 @@ def load_profile(
     device_type = str(document.get("device_type", "cpu"))
     if device_type == "cpu" and world_size > 1 and nodes == 1:
         notes.append(SHARED_CORES_NOTE.format(ranks=world_size))
+    accumulate, accumulation_ms, accumulation_compute_ms, full_step_ms = _accumulation(summary, where, notes)
     if parameters:
-        gradients = assign_to_buckets(parameters, buckets)
+        gradients = assign_to_buckets(parameters, buckets, where=parameters_source)
     else:
         gradients = _gradients_from_buckets(raw_buckets, where)
     if not gradients:
@@ -296,10 +372,14 @@ def load_profile(
         step_ms=step_ms,
         forward_ms=_number(summary, "forward_ms", f"{where}: summary"),
         backward_compute_ms=_number(summary, "backward_compute_ms", f"{where}: summary"),
-        optimizer_ms=float(optimizer_ms or 0.0),
-        exposed_comm_ms=float(summary.get("exposed_comm_ms") or 0.0),
-        comm_ms=float(summary.get("comm_ms") or 0.0),
+        optimizer_ms=optimizer_ms or 0.0,
+        exposed_comm_ms=_optional_number(summary, "exposed_comm_ms", f"{where}: summary") or 0.0,
+        comm_ms=_optional_number(summary, "comm_ms", f"{where}: summary") or 0.0,
         buckets=buckets,
+        accumulate_grad_batches=accumulate,
+        accumulation_ms=accumulation_ms,
+        accumulation_compute_ms=accumulation_compute_ms,
+        measured_optimizer_step_ms=full_step_ms,
         parameters=gradients,
         compression=str(compression) if compression else None,
         wire_ratio=wire_ratio,
@@ -309,24 +389,59 @@ def load_profile(
     )
 
 
+def _accumulation(
+    summary: Mapping[str, Any], where: str, notes: list[str]
+) -> tuple[int, float, float, Optional[float]]:
+    """(micro-batches per optimizer step, their time without communication, its compute part, the
+    whole optimizer step if recorded); a profile from before these fields: (1, 0, 0, None)."""
+    raw = summary.get("accumulate_grad_batches")
+    accumulate = 1 if raw is None else _integer(raw, f"{where}: summary.accumulate_grad_batches", minimum=1)
+    accumulation_ms = _optional_number(summary, "accumulation_ms", f"{where}: summary")
+    compute_ms = _optional_number(summary, "accumulation_compute_ms", f"{where}: summary")
+    full = summary.get("optimizer_step_ms")
+    full_ms = _number(full, "median", f"{where}: summary.optimizer_step_ms") if isinstance(full, Mapping) else None
+    if full is not None and full_ms is None:
+        raise ProfileError(
+            f"{where}: summary.optimizer_step_ms must be {{'median': ..., 'p90': ...}}, got {full!r:.80}"
+        )
+    if accumulate > 1 and accumulation_ms is None:
+        notes.append(
+            f"accumulate_grad_batches={accumulate}, but the profile does not time the micro-batches without "
+            "communication: predictions are for the synchronising micro-batch only, not the optimizer step"
+        )
+    accumulation_ms = accumulation_ms or 0.0
+    compute_ms = accumulation_ms if compute_ms is None else min(compute_ms, accumulation_ms)
+    if accumulate > 1 and accumulation_ms > 0:
+        notes.append(
+            f"a step is the optimizer step of {accumulate} micro-batches (accumulate_grad_batches): "
+            f"{accumulate - 1} without communication ({accumulation_ms:.1f} ms profiled), then the one that "
+            "communicates"
+        )
+    return accumulate, accumulation_ms, compute_ms, full_ms
+
+
+PARAMETERS_EXPECTED = (
+    "a JSON list of {'shape': [...], 'dtype': 'float32'} in DDP's order (or an object with it under 'parameters')"
+)
+
+
 def load_parameters(path: Union[str, os.PathLike[str]]) -> list[dict[str, Any]]:
     """A ``--params`` file: a JSON list of ``{"shape": [...], "dtype": ..., "bucket": int}``
-    (or an object with such a list under ``"parameters"``)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ProfileError(f"{path}: cannot read a parameter list ({error})") from None
+    (or an object with such a list under ``"parameters"``); each entry checked, naming the file."""
+    data = read_json(path, expected=PARAMETERS_EXPECTED)
     if isinstance(data, Mapping):
         data = data.get("parameters")
     if not isinstance(data, list) or not data:
-        raise ProfileError(
-            f"{path}: expected a non-empty JSON list of {{'shape': [...], 'dtype': 'float32'}} in DDP's order"
-        )
+        raise ProfileError(f"{path}: expected {PARAMETERS_EXPECTED}")
+    for index, entry in enumerate(data):
+        _gradient(entry, bucket=0, where=f"{path}: entry {index}")  # raises naming the file and the entry
     return data
 
 
 __all__ = [
     "DTYPE_BYTES",
+    "PARAMETERS_EXPECTED",
+    "PROFILE_EXPECTED",
     "SHARED_CORES_NOTE",
     "Bucket",
     "Gradient",
@@ -336,4 +451,5 @@ __all__ = [
     "dtype_bytes",
     "load_parameters",
     "load_profile",
+    "read_json",
 ]

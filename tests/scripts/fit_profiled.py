@@ -4,7 +4,8 @@
 
 Rank 0 writes ``--out``: the profiler's summary and, per step, DDP's logging data
 (``_get_ddp_logging_data()`` with sample rate 1: backward compute, communication and
-overlap times), so that tests can compare the two.
+overlap times), so that tests can compare the two; and each optimizer step's time measured
+apart from the profiler (every micro-batch of its accumulation window, start to end).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Any, Optional
 
 import lightning as L
@@ -59,6 +61,28 @@ class DDPTimers(L.Callback):
             self.rows.append({"step": trainer.global_step - 1, **{key: data[key] / 1e6 for key in keys}})
 
 
+class OptimizerStepTimer(L.Callback):
+    """Each optimizer step's time, measured apart from the profiler: every batch of its
+    accumulation window from ``on_train_batch_start`` to ``on_train_batch_end``, summed (the
+    profiler's definition of a step; the data loading between batches is not counted)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[int, float] = {}  # global step after the optimizer step -> ms
+        self._window_ms = 0.0
+        self._start = 0.0
+        self._step_before = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._step_before = trainer.global_step
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._window_ms += (time.perf_counter() - self._start) * 1e3
+        if trainer.global_step != self._step_before:  # this batch stepped the optimizer: the window ends
+            self.ms[trainer.global_step] = self._window_ms
+            self._window_ms = 0.0
+
+
 def _logger(use_wandb: bool) -> Any:
     if use_wandb:
         from lightning.pytorch.loggers import WandbLogger
@@ -104,13 +128,14 @@ def main() -> None:
         profile_every=args.profile_every or None,
     )
     timers = DDPTimers(skip=args.warmup)
+    optimizer_steps = OptimizerStepTimer()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[profiler, timers],
+        callbacks=[profiler, timers, optimizer_steps],
         logger=_logger(args.wandb),
         log_every_n_steps=1,
         enable_checkpointing=False,
@@ -161,6 +186,7 @@ def main() -> None:
         "wrappers": timers.wrappers,
         "switches": list(profiler.switches),
         "profiled_steps": profiler.stats.step_numbers,
+        "optimizer_steps_ms": optimizer_steps.ms,
         "ddp": {
             "rows": len(timers.rows),
             "backward_compute_ms": median("backward_compute_time"),

@@ -32,10 +32,23 @@ from lightning_mgpu.callbacks.comm_profiler.stats import CommStats
 from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost
 from lightning_mgpu.comm.distributed import gather_objects
 from lightning_mgpu.comm.hook_chain import CommHookHost
-from lightning_mgpu.comm.timing import BucketInterval, BucketTimer, Clock, Stamp, StepTimeline, clock_for
+from lightning_mgpu.comm.timing import (
+    BucketInterval,
+    BucketTimer,
+    Clock,
+    MicroBatch,
+    Stamp,
+    StepTimeline,
+    clock_for,
+)
 
-_PendingStep = tuple[int, dict[str, Stamp], list[Any], list[Any]]
-"""A profiled step not yet read: (global step, marks, bucket launches, bucket completions)."""
+MAX_WINDOW = 10_000
+"""Micro-batches of one accumulation window kept (the last ones, for a window of more)."""
+
+_Marks = dict[str, Stamp]
+_PendingStep = tuple[int, _Marks, list[Any], list[Any], list[_Marks]]
+"""A profiled step not yet read: (global step, marks, bucket launches, bucket completions, the marks
+of its accumulation window's micro-batches that did not communicate)."""
 
 
 class CommProfiler(L.Callback):
@@ -55,7 +68,11 @@ class CommProfiler(L.Callback):
     ``comm/exposed_ms``             communication after backward compute ended: time the step
                                     waited for the network (slowest rank)
     ``comm/overlap_ratio``          share of ``comm_ms`` hidden behind backward compute (0..1)
-    ``comm/optimizer_ms``           optimizer step (slowest rank)
+    ``comm/optimizer_ms``           the optimizer's ``step()``, to the end of the batch (slowest
+                                    rank)
+    ``comm/optimizer_step_ms``      the whole optimizer step: with gradient accumulation every
+                                    micro-batch of the window (``step_ms`` plus those that do not
+                                    communicate), else ``step_ms`` (slowest rank)
     ``comm/bytes_per_step``         gradient bytes reduced per step
     ``comm/wire_bytes_per_step``    bytes actually sent per step (after fp16/bf16 casting)
     ``comm/compression_ratio``      ``bytes_per_step / wire_bytes_per_step`` (when known)
@@ -81,9 +98,13 @@ class CommProfiler(L.Callback):
     synchronising step (after its optimizer step), the same step on every rank. With
     ``bucket_cap_mb="auto"`` the steps it measures bucket sizes on are not profiled (with the
     hook in, so that every candidate pays the same): the schedule, warm-up included, starts on
-    the size it keeps. With gradient accumulation only the synchronising step of each
-    accumulation window counts: the others do not communicate. Figures are gathered and logged
-    every ``every_n_steps`` profiled steps and at the end of each window.
+    the size it keeps. With gradient accumulation a profiled step is the synchronising
+    micro-batch of an accumulation window (the one that communicates): ``comm/step_ms`` and
+    the rest describe it; the window's other micro-batches are timed too (start, forward,
+    backward, end: host stamps, CUDA events on GPU) and ``comm/optimizer_step_ms`` is the
+    whole optimizer step, all of them (``comm_profile.json``: ``accumulate_grad_batches``,
+    ``optimizer_step_ms``, ``accumulation_ms``). Figures are gathered and logged every
+    ``every_n_steps`` profiled steps and at the end of each window.
 
     Timing: on CPU, host clocks, stamped in the communication hook and in gloo's completion
     callback (kept to one stamp and one list append); on CUDA, ``torch.cuda.Event`` pairs, read
@@ -188,7 +209,10 @@ class CommProfiler(L.Callback):
         self._wrapper: Optional[weakref.ref[torch.nn.Module]] = None
         self.switches: deque[tuple[int, bool]] = deque(maxlen=1000)
         """(global step, on): the hook went into DDP (True) or out of it after that step (last 1000)."""
-        self._marks: dict[str, Stamp] = {}
+        self._marks: _Marks = {}
+        # this accumulation window's micro-batches so far (no communication); bounded for a loop that
+        # never steps an optimizer (manual optimization)
+        self._window: deque[_Marks] = deque(maxlen=MAX_WINDOW)
         self._pending: Optional[_PendingStep] = None
         self._stats = self._new_stats()
         self._forward_hook: Optional[torch.utils.hooks.RemovableHandle] = None
@@ -259,6 +283,7 @@ class CommProfiler(L.Callback):
         # A resumed fit due off the hook switches at its first step's end, as ever after an
         # optimizer step (the restored batch counters may still be mid-accumulation here).
         self._settle_left = SETTLE_STEPS
+        self._window = deque(maxlen=MAX_WINDOW)
 
     # ------------------------------------------------------------------ schedule
 
@@ -324,9 +349,16 @@ class CommProfiler(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._clock is None or "optimizer_start" not in self._marks:
-            return  # no optimizer step in this batch (accumulating): DDP did not communicate
+        if self._clock is None:
+            return
         self._stamp("end")
+        if "optimizer_start" not in self._marks:
+            # no optimizer step in this batch (accumulating): DDP did not communicate; the batch
+            # is part of the optimizer step all the same (a new list per window: a CUDA step is
+            # read one step later)
+            self._window.append(self._marks)
+            return
+        window, self._window = list(self._window), deque(maxlen=MAX_WINDOW)
         launches, dones, compute_end = self._timer.take() if self._timer is not None else ([], [], None)
         if compute_end is not None:
             self._marks["compute_end"] = compute_end
@@ -339,7 +371,7 @@ class CommProfiler(L.Callback):
         settling = self._settle_left > 0
         self._settle_left = max(0, self._settle_left - 1)
         if self._phase(n) == "profile" and self._timing_on and not settling:
-            step: Optional[_PendingStep] = (trainer.global_step, self._marks, launches, dones)
+            step: Optional[_PendingStep] = (trainer.global_step, self._marks, launches, dones, window)
             if self._clock.device_type == "cuda":
                 # CUDA events are read one step later, so that no step waits for the GPU here.
                 step, self._pending = self._pending, step
@@ -358,7 +390,9 @@ class CommProfiler(L.Callback):
         if (following != "off") != self._timing_on and not _fit_ends_here(trainer):
             self._switch(trainer, on=following != "off")
 
-    def _record(self, rank: int, step: int, marks: dict[str, Stamp], launches: list[Any], dones: list[Any]) -> None:
+    def _record(
+        self, rank: int, step: int, marks: _Marks, launches: list[Any], dones: list[Any], window: list[_Marks]
+    ) -> None:
         assert self._clock is not None
         clock, start = self._clock, marks["start"]
         buckets: tuple[BucketInterval, ...] = ()
@@ -374,6 +408,7 @@ class CommProfiler(L.Callback):
             optimizer_start_ms=clock.elapsed_ms(start, marks["optimizer_start"]),
             step_ms=clock.elapsed_ms(start, marks["end"]),
             buckets=buckets,
+            micro_batches=tuple(_micro_batch(clock, micro) for micro in window),
         )
         self._stats.add(timeline)
 
@@ -413,6 +448,7 @@ class CommProfiler(L.Callback):
             backend=backend,
             device_type=trainer.strategy.root_device.type,
             schedule=self.schedule.as_dict(),
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
         if profile is None:
             rank_zero_warn(
@@ -474,6 +510,20 @@ def _fit_ends_here(trainer: L.Trainer) -> bool:
 
 def _host_ns() -> int:
     return time.perf_counter_ns()
+
+
+def _micro_batch(clock: Clock, marks: _Marks) -> MicroBatch:
+    """A micro-batch that did not communicate, from its marks (a batch whose ``training_step``
+    returned None has no backward: its compute ends with its forward, or with the batch)."""
+    start, end = marks["start"], marks["end"]
+    forward_end = marks.get("forward_end", end)
+    backward_end = marks.get("backward_end", forward_end)
+    return MicroBatch(
+        start_ns=int(marks["start_ns"]),  # type: ignore[arg-type]
+        forward_end_ms=clock.elapsed_ms(start, forward_end),
+        backward_end_ms=clock.elapsed_ms(start, backward_end),
+        end_ms=clock.elapsed_ms(start, end),
+    )
 
 
 def _read_sweep_peak(path: Union[str, Path]) -> float:

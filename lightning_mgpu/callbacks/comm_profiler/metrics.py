@@ -19,7 +19,9 @@ METRICS: dict[str, str] = {
     "comm/exposed_ms": "communication after backward compute ended: time the step waited for the network "
     "(slowest rank)",
     "comm/overlap_ratio": "share of ``comm_ms`` hidden behind backward compute (0..1)",
-    "comm/optimizer_ms": "optimizer step (slowest rank)",
+    "comm/optimizer_ms": "the optimizer's ``step()``, to the end of the batch (slowest rank)",
+    "comm/optimizer_step_ms": "the whole optimizer step: with gradient accumulation every micro-batch of the "
+    "window (``step_ms`` plus those that do not communicate), else ``step_ms`` (slowest rank)",
     "comm/bytes_per_step": "gradient bytes reduced per step",
     "comm/wire_bytes_per_step": "bytes actually sent per step (after fp16/bf16 casting)",
     "comm/compression_ratio": "``bytes_per_step / wire_bytes_per_step`` (when known)",

@@ -62,8 +62,19 @@ def print_summary(profile: dict[str, Any]) -> None:
         else f"{s['bytes_per_step'] / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)"
     )
     exposed = s["exposed_comm_ms"]
-    rows = [
-        ("step", f"{s['step_ms']['median']:.2f} ms (p90 {s['step_ms']['p90']:.2f})"),
+    accumulate = int(s.get("accumulate_grad_batches") or 1)
+    rows = [("step", f"{s['step_ms']['median']:.2f} ms (p90 {s['step_ms']['p90']:.2f})")]
+    if accumulate > 1:  # the rows below are the synchronising micro-batch's; the optimizer step is all of them
+        full = s["optimizer_step_ms"]
+        rows = [
+            (
+                f"optimizer step ({accumulate} micro-batches)",
+                f"{full['median']:.2f} ms (p90 {full['p90']:.2f})",
+            ),
+            ("  micro-batches without communication", ms(s.get("accumulation_ms"))),
+            ("synchronising micro-batch", rows[0][1]),
+        ]
+    rows += [
         ("forward", ms(s["forward_ms"], share=True)),
         ("backward compute", ms(s["backward_compute_ms"], share=True)),
         ("communication span", ms(s["comm_ms"])),
@@ -86,7 +97,7 @@ def print_summary(profile: dict[str, Any]) -> None:
     console = Console()
     console.print(table)
     if profile["buckets"]:
-        buckets = Table(title="buckets (launch order; slowest rank's medians; times from backward start)")
+        buckets = Table(title=bucket_table_title(profile))
         for column in ("#", "MiB", "params", "launch ms", "done ms", "duration ms", "busbw GB/s"):
             buckets.add_column(column, justify="right")
         for b in profile["buckets"]:
@@ -100,6 +111,17 @@ def print_summary(profile: dict[str, Any]) -> None:
                 f"{b['busbw_gbps']:.3f}",
             )
         console.print(buckets)
+
+
+def bucket_table_title(profile: dict[str, Any]) -> str:
+    """What the bucket table is: one step of one rank, with that step's own compute and span."""
+    kept = profile.get("bucket_step")
+    if not kept:
+        return "buckets (launch order; times from backward start)"
+    return (
+        f"buckets of one step (rank {kept['rank']}, step {kept['step']}: its median communication span; "
+        f"launch order; times from backward start, whose compute took {kept['backward_compute_ms']:.2f} ms)"
+    )
 
 
 EXPORTED_FILES = ("comm_profile.json", "comm_buckets.csv", "comm_timeline.png", "comm_trace.json")
@@ -171,7 +193,7 @@ def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
     if not timelines:
         path.write_text(json.dumps({"traceEvents": []}))
         return
-    origin = min(t["start_ns"] for t in timelines)
+    origin = min([t["start_ns"] for t in timelines] + [m["start_ns"] for t in timelines for m in _micro(t)])
     events: list[dict[str, Any]] = []
     for rank in sorted({t["rank"] for t in timelines}):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
@@ -202,6 +224,18 @@ def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
                     "cat": "compute",
                 }
             )
+        for m in _micro(t):  # the accumulation window's micro-batches before it: no communication
+            events.append(
+                {
+                    "name": "micro-batch (no communication)",
+                    "ph": "X",
+                    "pid": t["rank"],
+                    "tid": 0,
+                    "ts": (m["start_ns"] - origin) / 1e3,
+                    "dur": m["end_ms"] * 1e3,
+                    "cat": "accumulation",
+                }
+            )
         for b in t["buckets"]:
             events.append(
                 {
@@ -216,6 +250,11 @@ def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
                 }
             )
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _micro(t: dict[str, Any]) -> list[dict[str, Any]]:
+    micro: list[dict[str, Any]] = t.get("micro_batches") or []
+    return micro
 
 
 MAX_RANKS_DRAWN = 8

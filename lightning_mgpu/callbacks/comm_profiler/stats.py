@@ -9,8 +9,15 @@ slowest-rank combination, bus bandwidth, overlap, the per-bucket table and the
 
 Across ranks, times take the slowest rank's median (a collective finishes when its last
 rank does), the overlap ratio the smallest, and bandwidth comes from the slowest rank's
-communication span. A bucket's row is one rank's own (its median step for that bucket, from the
-rank that finished the bucket last), so launch + duration = done in every row.
+communication span. The per-bucket table is one step of one rank, whole: the step whose
+communication span is that rank's median, from the rank whose communication ended last. Rows
+never mix steps or ranks, so buckets appear in launch order, none after that step's backward
+compute ended, and launch + duration = done in every row (``bucket_step`` in the profile says
+which step it is, with its own forward, backward compute and span).
+
+With gradient accumulation a profiled step is the synchronising micro-batch; the optimizer step
+(``optimizer_step_ms``) adds the window's micro-batches that did not communicate
+(``accumulation_ms``, of which ``accumulation_compute_ms`` forward and backward).
 
 What was not measured is never reported as zero: without timed buckets (a strategy whose
 communication the profiler cannot see, e.g. FSDP), the communication figures are None in the
@@ -22,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_mgpu.comm.bandwidth import algbw_gbps, bus_factor
@@ -44,15 +52,27 @@ def p90(values: Sequence[float]) -> float:
     return float(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)])
 
 
-_TIMES = ("step_ms", "forward_ms", "backward_compute_ms", "comm_ms", "exposed_comm_ms", "optimizer_ms")
+_TIMES = (
+    "step_ms",
+    "forward_ms",
+    "backward_compute_ms",
+    "comm_ms",
+    "exposed_comm_ms",
+    "optimizer_ms",
+    "optimizer_step_ms",
+    "accumulation_ms",
+    "accumulation_compute_ms",
+)
 
-ALWAYS_MEASURED = ("comm/step_ms", "comm/forward_ms", "comm/optimizer_ms")
+ALWAYS_MEASURED = ("comm/step_ms", "comm/forward_ms", "comm/optimizer_ms", "comm/optimizer_step_ms")
 """Logged whatever the strategy: they need no view of the communication."""
 
 
 def rank_medians(steps: Sequence[StepBreakdown]) -> RankMedians:
-    """One rank's medians: the times of :data:`_TIMES`, overlap, bytes, and compute (forward + backward compute)."""
+    """One rank's medians: the times of :data:`_TIMES`, overlap, bytes, micro-batches per optimizer
+    step, and compute (forward + backward compute)."""
     medians = {name: median([getattr(s, name) for s in steps]) for name in _TIMES}
+    medians["micro_batches"] = median([s.micro_batches for s in steps])
     medians["overlap_ratio"] = median([s.overlap_ratio for s in steps])
     medians["bytes"] = median([s.bytes for s in steps])
     medians["wire_bytes"] = median([s.wire_bytes for s in steps])
@@ -84,6 +104,7 @@ def combine_ranks(
         "comm/exposed_ms": slowest["exposed_comm_ms"],
         "comm/overlap_ratio": min(r["overlap_ratio"] for r in per_rank),
         "comm/optimizer_ms": slowest["optimizer_ms"],
+        "comm/optimizer_step_ms": slowest["optimizer_step_ms"],
         "comm/bytes_per_step": slowest["bytes"],
         "comm/wire_bytes_per_step": slowest["wire_bytes"],
         "comm/straggler_ms": slowest["compute_ms"] - min(r["compute_ms"] for r in per_rank),
@@ -100,36 +121,35 @@ def combine_ranks(
     return metrics
 
 
+def bucket_rank(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> int:
+    """Which rank's step the per-bucket table shows: among the ranks that saw rank 0's layout (as
+    many buckets), the one whose communication ended last (a collective finishes when its last
+    rank does)."""
+    count = len(per_rank[0])
+    candidates = [rank for rank, rows in enumerate(per_rank) if len(rows) == count]
+    return max(candidates, key=lambda rank: max((row["done_ms"] for row in per_rank[rank]), default=0.0))
+
+
 def combine_buckets(
     per_rank: Sequence[Sequence[Mapping[str, Any]]], *, world_size: int, wire_ratio: Optional[float] = None
 ) -> list[dict[str, Any]]:
-    """The per-bucket table: rank 0's layout, each bucket's row from the rank that finished it last.
+    """The per-bucket table: one rank's rows (:func:`bucket_rank`), whole, with bandwidth.
 
-    ``per_rank``: every rank's :meth:`CommStats.local_buckets` (one consistent row per bucket:
-    launch, done, duration in ms from the start of backward, and the bytes sent). The row is
-    taken whole from one rank, never column by column, so that it agrees with itself.
-    Bandwidth counts the bytes sent (``wire_bytes``; ``wire_ratio`` only for rows without them).
+    ``per_rank``: every rank's :meth:`CommStats.local_buckets` (one step's buckets: launch, done,
+    duration in ms from the start of backward, and the bytes sent). The table is taken whole from
+    one rank, never bucket by bucket or column by column, so that its rows are one step: in launch
+    order, and agreeing with each other and with that step. Bandwidth counts the bytes sent
+    (``wire_bytes``; ``wire_ratio`` only for rows without them).
     """
+    if not per_rank or not per_rank[0]:
+        return []
     factor = bus_factor("all_reduce", world_size)
     table = []
-    for position, bucket in enumerate(per_rank[0]):
-        # the collective finishes when its last rank does: that rank's row
-        ranks = [buckets[position] for buckets in per_rank if len(buckets) > position]
-        row = max(ranks, key=lambda r: r["done_ms"])
-        wire = row.get("wire_bytes", bucket["bytes"] * (wire_ratio or 1.0))
+    for row in per_rank[bucket_rank(per_rank)]:
+        wire = row.get("wire_bytes", row["bytes"] * (wire_ratio or 1.0))
         duration = row["duration_ms"]
         algbw = algbw_gbps(wire, duration / 1e3) if duration > 0 else 0.0
-        table.append(
-            {
-                **bucket,
-                "launch_ms": row["launch_ms"],
-                "done_ms": row["done_ms"],
-                "duration_ms": duration,
-                "wire_bytes": int(wire),
-                "algbw_gbps": algbw,
-                "busbw_gbps": algbw * factor,
-            }
-        )
+        table.append({**row, "wire_bytes": int(wire), "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
     return table
 
 
@@ -165,9 +185,8 @@ class CommStats:
         self._steps: deque[StepBreakdown] = deque(maxlen=history)
         self._step_numbers: deque[int] = deque(maxlen=history)
         self._unlogged: list[StepBreakdown] = []
-        # per (layout, bucket index): (launch, done) in ms from the start of backward, and bytes sent
-        self._bucket_times: dict[tuple[int, int], deque[tuple[float, float, int]]] = {}
-        self._bucket_params: dict[tuple[int, int], int] = {}
+        # the steps on the bucket layout in force (DDP may rebuild it once): each with its buckets
+        self._bucket_steps: deque[_BucketStep] = deque(maxlen=history)
         self._layout: tuple[int, ...] = ()
         self._timelines: list[StepTimeline] = []
         self._straggler_ms: deque[float] = deque(maxlen=history)
@@ -183,16 +202,11 @@ class CommStats:
         if len(self._timelines) < self.timeline_steps:
             self._timelines.append(timeline)
         layout = tuple(b.bytes for b in timeline.buckets)
-        backward_start = timeline.forward_end_ms
-        for bucket in timeline.buckets:
-            key = (hash(layout), bucket.index)
-            if key not in self._bucket_times:  # a new layout (DDP rebuilt): fresh statistics
-                self._bucket_times[key] = deque(maxlen=self.history)
-                self._bucket_params[key] = bucket.num_params
-            self._bucket_times[key].append(
-                (bucket.launch_ms - backward_start, bucket.done_ms - backward_start, bucket.wire_bytes)
-            )
-        self._layout = layout
+        if layout != self._layout:  # a new layout (DDP rebuilt): fresh statistics
+            self._bucket_steps.clear()
+            self._layout = layout
+        if timeline.buckets:
+            self._bucket_steps.append(_BucketStep(replace(timeline, micro_batches=()), breakdown))
         return breakdown
 
     @property
@@ -239,36 +253,41 @@ class CommStats:
 
     # ------------------------------------------------------------------ end of fit
 
+    def bucket_step(self) -> Optional[_BucketStep]:
+        """The step the per-bucket table shows: of the steps on the layout in force at the end,
+        the one whose communication span is this rank's median (the lower one of two)."""
+        steps = sorted(self._bucket_steps, key=lambda kept: kept.breakdown.comm_ms)
+        return steps[(len(steps) - 1) // 2] if steps else None
+
     def local_buckets(self) -> list[dict[str, Any]]:
-        """One row per bucket of the layout in force at the end (DDP may rebuild once): the step
-        whose duration is this rank's median for that bucket, whole (launch and completion in ms
-        from the start of backward, duration = done - launch, bytes sent)."""
-        layout = self._layout
-        out = []
-        for index, nbytes in enumerate(layout):
-            key = (hash(layout), index)
-            times = sorted(self._bucket_times.get(key, ()), key=lambda t: t[1] - t[0])
-            launch, done, wire = times[(len(times) - 1) // 2] if times else (0.0, 0.0, 0)
-            out.append(
-                {
-                    "index": index,
-                    "bytes": nbytes,
-                    "num_params": self._bucket_params.get(key, 0),
-                    "launch_ms": launch,
-                    "done_ms": done,
-                    "duration_ms": done - launch,
-                    "wire_bytes": wire,
-                }
-            )
-        return out
+        """One row per bucket of :meth:`bucket_step`, in launch order: launch and completion in
+        ms from the start of backward, duration = done - launch, bytes sent."""
+        kept = self.bucket_step()
+        if kept is None:
+            return []
+        backward_start = kept.timeline.forward_end_ms
+        return [
+            {
+                "index": bucket.index,
+                "bytes": bucket.bytes,
+                "num_params": bucket.num_params,
+                "launch_ms": bucket.launch_ms - backward_start,
+                "done_ms": bucket.done_ms - backward_start,
+                "duration_ms": bucket.done_ms - bucket.launch_ms,
+                "wire_bytes": bucket.wire_bytes,
+            }
+            for bucket in kept.timeline.buckets
+        ]
 
     def local_report(self) -> dict[str, Any]:
         """What this rank contributes to the profile (plain data: it is gathered by pickling)."""
         steps = zip(self._step_numbers, self._steps)
+        kept = self.bucket_step()
         return {
             "medians": rank_medians(list(self._steps)) if self._steps else None,
-            "steps": [(n, s.step_ms, s.comm_ms, s.exposed_comm_ms) for n, s in steps],
+            "steps": [(n, s.step_ms, s.comm_ms, s.exposed_comm_ms, s.optimizer_step_ms) for n, s in steps],
             "buckets": self.local_buckets(),
+            "bucket_step": kept.as_dict() if kept is not None else None,
             "timelines": [t.as_dict() for t in self._timelines],
         }
 
@@ -285,9 +304,11 @@ class CommStats:
         backend: str,
         device_type: str,
         schedule: Mapping[str, Optional[int]],
+        accumulate_grad_batches: int = 1,
     ) -> Optional[dict[str, Any]]:
         """The ``comm_profile.json`` document from every rank's :meth:`local_report` (rank order);
-        None if no rank profiled a step. Steps and their p90 are rank 0's."""
+        None if no rank profiled a step. Steps and their p90 are rank 0's. ``accumulate_grad_batches``:
+        the Trainer's (micro-batches per optimizer step; the last window of an epoch may have fewer)."""
         per_rank = [report["medians"] for report in gathered if report["medians"] is not None]
         if not per_rank:
             return None
@@ -299,9 +320,12 @@ class CommStats:
         if not self.measures_comm:  # not seen: null in the profile, never a fabricated 0
             metrics = {key: (value if key in ALWAYS_MEASURED else None) for key, value in metrics.items()}
         rank0_steps = gathered[0]["steps"]
-        buckets = combine_buckets(
-            [report["buckets"] for report in gathered], world_size=world_size, wire_ratio=self.wire_ratio
-        )
+        rows = [report["buckets"] for report in gathered]
+        buckets = combine_buckets(rows, world_size=world_size, wire_ratio=self.wire_ratio)
+        bucket_step = None
+        if buckets:
+            chosen = bucket_rank(rows)
+            bucket_step = {"rank": chosen, **gathered[chosen]["bucket_step"]}
         # the median of what was logged during the fit; the end-of-fit figure if nothing was
         straggler = metrics["comm/straggler_ms"]
         if self._straggler_ms and self.measures_comm:
@@ -309,6 +333,13 @@ class CommStats:
         summary = {
             "steps": len(rank0_steps),
             "step_ms": {"median": metrics["comm/step_ms"], "p90": p90([s[1] for s in rank0_steps])},
+            "accumulate_grad_batches": accumulate_grad_batches,
+            "optimizer_step_ms": {
+                "median": metrics["comm/optimizer_step_ms"],
+                "p90": p90([s[4] for s in rank0_steps]),
+            },
+            "accumulation_ms": max(r["accumulation_ms"] for r in per_rank),
+            "accumulation_compute_ms": max(r["accumulation_compute_ms"] for r in per_rank),
             "forward_ms": metrics["comm/forward_ms"],
             "backward_compute_ms": metrics["comm/backward_compute_ms"],
             "comm_ms": metrics["comm/comm_ms"],
@@ -332,19 +363,53 @@ class CommStats:
             "summary": summary,
             "ranks": [{"rank": rank, **_seen(medians, self.measures_comm)} for rank, medians in enumerate(per_rank)],
             "buckets": buckets,
+            "bucket_step": bucket_step,
             "steps": [
                 {
                     "step": n,
                     "step_ms": step_ms,
                     "comm_ms": comm_ms if self.measures_comm else None,
                     "exposed_comm_ms": exposed if self.measures_comm else None,
+                    "optimizer_step_ms": optimizer_step_ms,
                 }
-                for n, step_ms, comm_ms, exposed in rank0_steps
+                for n, step_ms, comm_ms, exposed, optimizer_step_ms in rank0_steps
             ],
         }
 
 
-_STEP_ONLY = ("step_ms", "forward_ms", "optimizer_ms")
+class _BucketStep:
+    """A profiled step kept for the per-bucket table: its timeline and its breakdown."""
+
+    __slots__ = ("breakdown", "timeline")
+
+    def __init__(self, timeline: StepTimeline, breakdown: StepBreakdown) -> None:
+        self.timeline = timeline
+        self.breakdown = breakdown
+
+    def as_dict(self) -> dict[str, Any]:
+        """The step as ``bucket_step`` of comm_profile.json (ms; compute and span from the start of backward)."""
+        b = self.breakdown
+        first_launch = min(bucket.launch_ms for bucket in self.timeline.buckets) - self.timeline.forward_end_ms
+        return {
+            "step": self.timeline.step,
+            "step_ms": b.step_ms,
+            "forward_ms": b.forward_ms,
+            "backward_compute_ms": b.backward_compute_ms,
+            "comm_ms": b.comm_ms,
+            "first_launch_ms": first_launch,
+            "exposed_comm_ms": b.exposed_comm_ms,
+        }
+
+
+_STEP_ONLY = (
+    "step_ms",
+    "forward_ms",
+    "optimizer_ms",
+    "optimizer_step_ms",
+    "accumulation_ms",
+    "accumulation_compute_ms",
+    "micro_batches",
+)
 
 
 def _seen(medians: Mapping[str, float], measures_comm: bool) -> dict[str, Optional[float]]:
