@@ -6,12 +6,14 @@ rank starts (:mod:`~lightning_mgpu.strategies.launchers`), the rendezvous that l
 loopback only on one machine and survives torchrun's restarts, the backend checked when the
 group is made (names registered after construction count), the group torn down at exit and
 the environment variables it set removed (:mod:`~lightning_mgpu.strategies.process_group`),
-and a failed collective explained by naming the lost ranks (:mod:`~lightning_mgpu.strategies._failures`).
+a failed collective explained by naming the lost ranks, and DDP's error for reentrant activation
+checkpointing translated into its fixes (:mod:`~lightning_mgpu.strategies._failures`).
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 
 class ManagedDDPStrategy(DDPStrategyBase):
     """DDP with checked launches, a loopback-only rendezvous on one machine and explained failures."""
+
+    accepts_static_graph = True
+    """Whether ``static_graph=True`` is a fix this strategy can offer (the hybrid strategy refuses it)."""
 
     @override
     def configure_launcher(self) -> None:
@@ -79,11 +84,33 @@ class ManagedDDPStrategy(DDPStrategyBase):
         super().setup_environment()
         destroy_process_group_at_exit()
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.backward_errors_explained():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     # ------------------------------------------------------------------ failures
+
+    def backward_errors_explained(self) -> AbstractContextManager[None]:
+        """Around the backward: DDP's "Expected to mark a variable ready only once" (reentrant activation
+        checkpointing) re-raised as a :class:`~lightning_mgpu.strategies._failures.ReentrantCheckpointError`
+        naming the fixes, torch's error as its cause."""
+        return _failures.reentrant_backward_explained(**self._ddp_facts())
+
+    def _ddp_facts(self) -> dict[str, Any]:
+        ddp_kwargs = self.user_ddp_kwargs
+        return {
+            "strategy": type(self).__name__,
+            "find_unused_parameters": bool(ddp_kwargs.get("find_unused_parameters")),
+            "static_graph": bool(ddp_kwargs.get("static_graph")),
+            "static_graph_supported": self.accepts_static_graph,
+        }
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        # The same error raised outside our backward (loss.backward() called directly): its fixes appended.
+        _failures.explain_reentrant_failure(exception, **self._ddp_facts())
         # Name the lost ranks in the error, and leave no child rank behind (strategies/_failures.py).
         children = _failures.launched_children(self.launcher, self.global_rank)
         note = _failures.explain_collective_failure(
