@@ -97,23 +97,50 @@ def explain_collective_failure(
         return None
     shown = "torch's default, 30 minutes" if timeout is None else str(timeout)
     if lost:
-        note = (
-            f"{_NOTE_MARK} rank {rank}: another rank's process ended (it failed, was killed, or exited) while this "
-            "rank waited for it in a collective; that rank's own error, printed before this one, is the cause."
-        )
         deadline = time.monotonic() + 1.0  # a child that just closed its sockets is about to be gone
         while children and any(p.poll() is None for _, p in children) and time.monotonic() < deadline:
             time.sleep(0.05)
+        note = lost_peer_note(rank, children)
     else:
         note = (
             f"{_NOTE_MARK} rank {rank}: a collective did not complete within the timeout ({shown}): a rank is stuck "
             "(in Python, I/O, or a collective the others never entered) or far slower than the others, without "
             "having exited. TunedDDPStrategy(timeout=timedelta(...)) sets how long such a hang may last."
         )
-    if children:
-        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(p.poll())}" for r, p in children)
-        note += f" Ranks started by this process: {states}."
+        if children:
+            states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(p.poll())}" for r, p in children)
+            note += f" Ranks started by this process: {states}."
     _append(exception, note)
+    return note
+
+
+def lost_peer_note(rank: int, children: list[tuple[int, subprocess.Popen[Any]]]) -> str:
+    """The note for a collective that failed because a peer's connection closed.
+
+    What is known is said, and nothing more: a connection closes when its rank's process ends, and
+    also a moment before (it destroys its process group on the way out, or is still printing its
+    error), so a rank that closed its connection may still be running. Which rank it was is known
+    only when this process started it (and saw it end)."""
+    polled = [(r, p, p.poll()) for r, p in children]  # once: a child may end while this runs
+    ended = [(r, p, code) for r, p, code in polled if code is not None]
+    running = [(r, p) for r, p, code in polled if code is None]
+    note = f"{_NOTE_MARK} rank {rank}: another rank closed its connection while this rank waited for it in a collective"
+    if ended:
+        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
+        cause = "Its own error, printed by it, is" if len(ended) == 1 else "Their own errors, printed by them, are"
+        note += f": {states}. {cause} the cause."
+    else:
+        note += (
+            " (its process failed, was killed, or is exiting after an error); that rank's own error, printed by it, "
+            "is the cause."
+        )
+    if running:
+        states = ", ".join(f"rank {r} (pid {p.pid})" for r, p in running)
+        known = "Still running" if ended else "Ranks started by this process, none ended yet"
+        note += (
+            f" {known}: {states}; when this process exits it waits up to {CHILD_GRACE_S:g} s for them, then kills "
+            "the ones still running."
+        )
     return note
 
 
