@@ -4,8 +4,9 @@ The first of our DDP layers (``ManagedDDPStrategy`` -> ``HookedDDPStrategy`` ->
 ``TunedDDPStrategy``). It owns the process side: Lightning's launchers checked before any
 rank starts (:mod:`~lightning_mgpu.strategies.launchers`), the rendezvous that listens on
 loopback only on one machine and survives torchrun's restarts, the backend checked when the
-group is made (names registered after construction count), the group torn down at exit and
-the environment variables it set removed (:mod:`~lightning_mgpu.strategies.process_group`),
+group is made (names registered after construction count), the environment variable it sets
+for that call removed when the call returns, the group torn down at exit
+(:mod:`~lightning_mgpu.strategies.process_group`),
 a failed collective explained by naming the lost ranks, and DDP's error for reentrant activation
 checkpointing translated into its fixes (:mod:`~lightning_mgpu.strategies._failures`).
 """
@@ -24,7 +25,7 @@ from lightning_mgpu._compat.lightning import DDPStrategyBase
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.ddp_options import check_backend_registered
 from lightning_mgpu.strategies.launchers import checked_launcher
-from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous, restore_environment
+from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -121,8 +122,3 @@ class ManagedDDPStrategy(DDPStrategyBase):
             # when it sees a dead child, possibly before the traceback is printed: say it now too.
             print(note, file=sys.stderr, flush=True)
         _failures.reap_children_at_exit(children)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        restore_environment()  # e.g. GLOO_SOCKET_IFNAME set for the loopback rendezvous
