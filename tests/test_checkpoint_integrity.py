@@ -158,6 +158,113 @@ def test_a_users_own_checkpoint_io_is_kept() -> None:
     assert type(strategy.checkpoint_io) is Mine
 
 
+# A user's own TorchCheckpointIO() (issue 28 item 6: Lightning's test_accelerator_specific_checkpoint_io) stays the
+# strategy's checkpoint_io, the very object; its checkpoints are still complete under their name or absent.
+
+
+@pytest.mark.parametrize("strategy_class", [TunedDDPStrategy, HybridParallelStrategy])
+@pytest.mark.parametrize("given", ["plugins", "constructor"])
+def test_a_users_torch_checkpoint_io_is_the_strategys_own_object(strategy_class: type, given: str) -> None:
+    mine = TorchCheckpointIO()
+    if given == "plugins":
+        strategy = strategy_class()
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[mine], logger=False)
+    else:
+        strategy = strategy_class(checkpoint_io=mine)
+    assert strategy.checkpoint_io is mine
+    assert strategy.checkpoint_io is mine  # asked again: still not replaced
+
+
+def test_a_users_torch_checkpoint_io_writes_beside_the_name_and_is_renamed_over_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = TorchCheckpointIO()
+    strategy = TunedDDPStrategy(checkpoint_io=mine)
+    written_to: list[str] = []
+    real_save = TorchCheckpointIO.save_checkpoint
+
+    def spy(self: TorchCheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        assert self is mine
+        written_to.append(str(path))
+        real_save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", spy)
+    replaced: list[tuple[str, str]] = []
+    real_replace = os.replace
+    monkeypatch.setattr(
+        os, "replace", lambda src, dst: (replaced.append((str(src), str(dst))), real_replace(src, dst))[1]
+    )
+    target = tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
+    strategy.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, target)
+    assert len(written_to) == 1 and Path(written_to[0]).parent == target.parent
+    assert Path(written_to[0]).name.startswith(".epoch=0-step=1.ckpt.")  # the user's object wrote a hidden temporary
+    assert replaced[-1] == (written_to[0], str(target))  # renamed over the final name
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    assert torch.equal(strategy.load_checkpoint(target)["state_dict"]["w"], torch.ones(3))
+
+
+def test_a_users_torch_checkpoint_io_cut_short_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "last.ckpt"
+    strategy = HybridParallelStrategy(checkpoint_io=TorchCheckpointIO())
+    strategy.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}}, target)
+    before = target.read_bytes()
+
+    def disk_full(self: TorchCheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        Path(path).write_bytes(before[: len(before) // 3])  # a copy cut short where it was told to write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        strategy.save_checkpoint({"state_dict": {"w": torch.ones(1000)}}, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_a_users_torch_checkpoint_io_names_a_truncated_file(real_checkpoint: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "epoch=1-step=8.ckpt"
+    cut.write_bytes(real_checkpoint.read_bytes()[: 12 * 1024])
+    with pytest.raises(IncompleteCheckpointError, match=re.escape(str(cut)) + " is incomplete"):
+        TunedDDPStrategy(checkpoint_io=TorchCheckpointIO()).load_checkpoint(cut)
+
+
+def test_a_fit_with_a_users_torch_checkpoint_io_keeps_it_and_resumes(tmp_path: Path) -> None:
+    mine = TorchCheckpointIO()
+    run = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=TunedDDPStrategy(),
+        plugins=[mine],
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    run.fit(Tiny())
+    assert run.strategy.checkpoint_io is mine
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    trainer(tmp_path / "again", TunedDDPStrategy(), steps=3).fit(
+        Tiny(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    )
+
+
+def test_a_checkpoint_io_that_writes_elsewhere_is_left_to_write_as_it_writes(tmp_path: Path) -> None:
+    """Only a TorchCheckpointIO whose own writer is in use gets a temporary path: another one sees the real path."""
+
+    class Sharded(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            Path(path).mkdir(parents=True)
+            torch.save(checkpoint, Path(path) / "shard0.pt")
+
+    strategy = TunedDDPStrategy(checkpoint_io=Sharded())
+    strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "step=1.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=1.ckpt"]
+    assert (tmp_path / "step=1.ckpt" / "shard0.pt").is_file()
+
+
 @pytest.mark.parametrize("keep", [0, 100, 12 * 1024, 0.5, -10])
 def test_a_truncated_checkpoint_fails_naming_the_file_and_saying_it_is_incomplete(
     real_checkpoint: Path, tmp_path: Path, keep: float

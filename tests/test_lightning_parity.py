@@ -274,6 +274,11 @@ def test_a_real_one_rank_fit_listens_on_loopback_only_and_leaves_no_variable(
     tmp_path: Path, clean_process: dict[str, str]
 ) -> None:
     seen: dict[str, Any] = {}
+    real_init = torch.distributed.init_process_group
+
+    def watched_init(*args: Any, **kwargs: Any) -> None:
+        seen["gloo_interface_at_init"] = os.environ.get("GLOO_SOCKET_IFNAME")
+        real_init(*args, **kwargs)
 
     class Watch(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -292,11 +297,57 @@ def test_a_real_one_rank_fit_listens_on_loopback_only_and_leaves_no_variable(
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(BoringModel())
+    with mock.patch("torch.distributed.init_process_group", side_effect=watched_init):
+        trainer.fit(BoringModel())
     assert torch.distributed.is_initialized()  # a real group (Lightning keeps it after fit)
     assert seen["listening"] == ["0100007F"], "the rendezvous server listens on 127.0.0.1 only"
-    assert seen["gloo_interface"] is not None  # used while the group was made
-    assert "GLOO_SOCKET_IFNAME" not in os.environ  # and removed at teardown
+    assert seen["gloo_interface_at_init"] is not None  # gloo read it when the group was made...
+    assert seen["gloo_interface"] is None  # ...and it was removed as soon as the call returned
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def _configure_without_teardown(strategy: Any) -> L.Trainer:
+    """What Lightning's own ``test_ddp_configure_ddp`` does: ``setup_environment()`` and ``setup()`` with a real
+    one-rank process group, and no teardown."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.strategy.connect(BoringModel())
+    trainer.lightning_module.trainer = trainer
+    trainer.strategy.setup_environment()
+    trainer.strategy.setup(trainer)
+    return trainer
+
+
+def test_setup_environment_and_setup_without_teardown_leave_nothing_stock_ddp_does_not_leave(
+    clean_process: dict[str, str],
+) -> None:
+    """Lightning's test suite fails a test that leaves a variable in ``os.environ`` it does not list:
+    ``GLOO_SOCKET_IFNAME`` stayed after ``setup_environment()`` + ``setup()`` when no teardown followed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    stock = _configure_without_teardown(DDPStrategy())
+    assert isinstance(stock.model, DistributedDataParallel)
+    stock_environment = set(os.environ) - set(clean_process)
+    destroy_default_group()
+    for key in stock_environment:
+        os.environ.pop(key)
+    tuned = _configure_without_teardown(TunedDDPStrategy())
+    assert isinstance(tuned.model, DistributedDataParallel)
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    assert set(os.environ) - set(clean_process) <= stock_environment
+
+
+@pytest.mark.parametrize("strategy_class", [DDPStrategy, TunedDDPStrategy])
+def test_a_checkpoint_io_plugin_is_the_strategys_checkpoint_io(strategy_class: type) -> None:
+    """Lightning's ``test_accelerator_specific_checkpoint_io``: the plugin object itself, not a wrapper or a copy
+    (``tests/test_checkpoint_integrity.py``: it still writes atomically)."""
+    from lightning.pytorch.plugins import TorchCheckpointIO
+
+    ckpt_plugin = TorchCheckpointIO()
+    trainer = L.Trainer(accelerator="cpu", strategy=strategy_class(), plugins=[ckpt_plugin], logger=False)
+    assert trainer.strategy.checkpoint_io is ckpt_plugin
 
 
 # ----------------------------------------------------------------------------- strategy names

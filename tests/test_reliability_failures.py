@@ -49,6 +49,8 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "torchrun-ddp-sigkill-rank0": (TORCHRUN, ("--fail", "sigkill", "--rank", "0")),
     "torchrun-hybrid-step-rank1": (TORCHRUN, (*HYBRID, "--fail", "step", "--rank", "1")),
     "lightning-ddp-stuck-rank1": ((), ("--fail", "stuck", "--rank", "1", "--timeout-s", str(TIMEOUT_S))),
+    # rank 1 fails and closes its connections, then takes 3 s to exit: rank 0 (which started it) sees it still running
+    "lightning-ddp-step-rank1-slow-exit": ((), ("--fail", "step", "--rank", "1", "--linger-s", "3")),
     "torchrun-hybrid-mismatch-rank0": (
         TORCHRUN,
         (*HYBRID, "--fail", "mismatch", "--rank", "0", "--timeout-s", str(TIMEOUT_S)),
@@ -105,7 +107,7 @@ def test_an_exception_on_one_rank_ends_the_job_naming_the_rank_and_the_message(j
     if not name.startswith("spawn") and not observer_killed:
         # the other rank did not hang: its collective failed at once, and it says what that means
         assert re.search(rf"^\[rank{other}\]: .*(Connection closed by peer|Connection reset by peer)", job.output, re.M)
-        assert f"[lightning_mgpu] rank {other}: another rank's process ended" in job.output, job.describe()
+        assert f"[lightning_mgpu] rank {other}: another rank closed its connection" in job.output, job.describe()
     if name.startswith("torchrun"):
         # torchrun's summary lists every failed rank; its "root cause" is only the first it saw exit,
         # which may be the rank that lost its peer
@@ -127,7 +129,25 @@ def test_a_killed_rank_under_torchrun_is_named_by_its_signal(jobs: dict[str, Job
         r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -9 .*\n.*\n  traceback : Signal 9 \(SIGKILL\)", summary
     )
     assert killed, job.describe()
-    assert "[lightning_mgpu] rank 1: another rank's process ended" in job.output, job.describe()
+    assert "[lightning_mgpu] rank 1: another rank closed its connection" in job.output, job.describe()
+
+
+def test_a_rank_that_closed_its_connection_but_still_runs_is_not_called_ended(jobs: dict[str, Job]) -> None:
+    """Rank 1 fails, destroys its process group (its connections close) and lingers 3 s before its process ends.
+    Rank 0's note named a lost peer "process ended" and, in the same sentence, rank 1 "still running". Now it says
+    what it knows: either rank 1 is still running (and is given 5 s, then killed), or how it ended, never both."""
+    job = jobs["lightning-ddp-step-rank1-slow-exit"]
+    assert_ended_promptly(job)
+    assert "[fail_fit] lingering 3 s" in job.output, job.describe()
+    notes = set(re.findall(r"\[lightning_mgpu\] rank 0: .*", job.output))
+    assert notes, job.describe()
+    for note in notes:
+        assert "process ended" not in note, note
+        still_running = re.search(
+            r"none ended yet: rank 1 \(pid \d+\); when this process exits it waits up to 5 s", note
+        )
+        ended = re.search(r"in a collective: rank 1 \(pid \d+\) exited with code 1\. Its own error", note)
+        assert bool(still_running) != bool(ended), note  # one state for rank 1, said once
 
 
 def test_a_stuck_rank_is_ended_by_the_collective_timeout_and_then_killed(jobs: dict[str, Job]) -> None:

@@ -20,6 +20,12 @@ here, from the strategy's ``on_exception``:
    collective (stuck, or busy) runs on. When the launching process exits after a failed fit,
    it waits up to :data:`CHILD_GRACE_S` seconds for its children (they see the closed
    connections and stop with their own error), then kills the ones still running, naming them.
+
+One error of DDP's own is translated into its fixes as well: "Expected to mark a variable ready
+only once", which reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=True)``) raises under ``find_unused_parameters=True`` and which points users at a
+private torch method. The strategy's ``backward`` raises :class:`ReentrantCheckpointError` from it
+(:func:`reentrant_backward_explained`), naming the two fixes that work.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -47,6 +54,8 @@ _PEER_LOST = (
 )
 _TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 _NOTE_MARK = "[lightning_mgpu]"
+READY_TWICE = "Expected to mark a variable ready only once"
+"""The start of DDP's error for a parameter whose gradient was reported ready twice in one backward."""
 _registered: list[list[tuple[int, subprocess.Popen[Any]]]] = []
 
 
@@ -88,22 +97,123 @@ def explain_collective_failure(
         return None
     shown = "torch's default, 30 minutes" if timeout is None else str(timeout)
     if lost:
-        note = (
-            f"{_NOTE_MARK} rank {rank}: another rank's process ended (it failed, was killed, or exited) while this "
-            "rank waited for it in a collective; that rank's own error, printed before this one, is the cause."
-        )
         deadline = time.monotonic() + 1.0  # a child that just closed its sockets is about to be gone
         while children and any(p.poll() is None for _, p in children) and time.monotonic() < deadline:
             time.sleep(0.05)
+        note = lost_peer_note(rank, children)
     else:
         note = (
             f"{_NOTE_MARK} rank {rank}: a collective did not complete within the timeout ({shown}): a rank is stuck "
             "(in Python, I/O, or a collective the others never entered) or far slower than the others, without "
             "having exited. TunedDDPStrategy(timeout=timedelta(...)) sets how long such a hang may last."
         )
-    if children:
-        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(p.poll())}" for r, p in children)
-        note += f" Ranks started by this process: {states}."
+        if children:
+            states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(p.poll())}" for r, p in children)
+            note += f" Ranks started by this process: {states}."
+    _append(exception, note)
+    return note
+
+
+def lost_peer_note(rank: int, children: list[tuple[int, subprocess.Popen[Any]]]) -> str:
+    """The note for a collective that failed because a peer's connection closed.
+
+    What is known is said, and nothing more: a connection closes when its rank's process ends, and
+    also a moment before (it destroys its process group on the way out, or is still printing its
+    error), so a rank that closed its connection may still be running. Which rank it was is known
+    only when this process started it (and saw it end)."""
+    polled = [(r, p, p.poll()) for r, p in children]  # once: a child may end while this runs
+    ended = [(r, p, code) for r, p, code in polled if code is not None]
+    running = [(r, p) for r, p, code in polled if code is None]
+    note = f"{_NOTE_MARK} rank {rank}: another rank closed its connection while this rank waited for it in a collective"
+    if ended:
+        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
+        cause = "Its own error, printed by it, is" if len(ended) == 1 else "Their own errors, printed by them, are"
+        note += f": {states}. {cause} the cause."
+    else:
+        note += (
+            " (its process failed, was killed, or is exiting after an error); that rank's own error, printed by it, "
+            "is the cause."
+        )
+    if running:
+        states = ", ".join(f"rank {r} (pid {p.pid})" for r, p in running)
+        known = "Still running" if ended else "Ranks started by this process, none ended yet"
+        note += (
+            f" {known}: {states}; when this process exits it waits up to {CHILD_GRACE_S:g} s for them, then kills "
+            "the ones still running."
+        )
+    return note
+
+
+class ReentrantCheckpointError(RuntimeError):
+    """DDP's "Expected to mark a variable ready only once", with its fixes; torch's error is its ``__cause__``."""
+
+
+def reentrant_checkpoint_advice(
+    *, strategy: str, find_unused_parameters: bool, static_graph: bool, static_graph_supported: bool
+) -> str:
+    """What DDP's "mark a variable ready only once" means here and the fixes that work, in words.
+
+    ``strategy`` is the class name to write in the fix (``TunedDDPStrategy``); ``static_graph`` whether
+    it is already on, ``static_graph_supported`` whether the strategy accepts it at all (not ``hybrid``)."""
+    if find_unused_parameters:
+        cause = (
+            "activation checkpointing with torch.utils.checkpoint.checkpoint(..., use_reentrant=True) under "
+            "find_unused_parameters=True: DDP does not see the checkpointed layers in the forward's graph, marks "
+            "their parameters unused, then gets their gradients from the checkpoint's own backward"
+        )
+    else:
+        cause = (
+            "activation checkpointing with torch.utils.checkpoint.checkpoint(..., use_reentrant=True) around "
+            "parameters used more than once in a step (one layer in two checkpointed segments)"
+        )
+    non_reentrant = (
+        "non-reentrant checkpointing, checkpoint(..., use_reentrant=False) (a Hugging Face model: "
+        'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}))'
+    )
+    if static_graph_supported and not static_graph:
+        fixes = (
+            f"Either fix works: (1) {strategy}(static_graph=True, ...), if the model runs the same layers at every "
+            f"step; (2) {non_reentrant}."
+        )
+    elif static_graph:
+        fixes = f"static_graph=True is on already; the fix: {non_reentrant}."
+    else:
+        fixes = f"{strategy} does not accept static_graph=True; the fix: {non_reentrant}."
+    return (
+        f"{_NOTE_MARK} DDP saw a parameter's gradient become ready twice in one backward (torch: {READY_TWICE!r}). "
+        f"The usual cause: {cause}. {fixes} Other causes torch names: a parameter used outside forward, or by "
+        "two forward/backward passes at once."
+    )
+
+
+@contextmanager
+def reentrant_backward_explained(
+    *, strategy: str, find_unused_parameters: bool, static_graph: bool, static_graph_supported: bool
+) -> Iterator[None]:
+    """Around a strategy's backward: DDP's "mark a variable ready only once" becomes a
+    :class:`ReentrantCheckpointError` naming the fixes, raised from torch's error."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, ReentrantCheckpointError) or READY_TWICE not in str(error):
+            raise
+        advice = reentrant_checkpoint_advice(
+            strategy=strategy,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            static_graph_supported=static_graph_supported,
+        )
+        raise ReentrantCheckpointError(advice) from error
+
+
+def explain_reentrant_failure(exception: BaseException, **strategy_facts: Any) -> Optional[str]:
+    """For ``on_exception``: DDP's raw "mark a variable ready only once" reached the strategy without
+    passing its ``backward`` (``loss.backward()`` called directly): the fixes are appended to its message.
+    Returns the note (None for any other error, or one already explained)."""
+    text = str(exception)
+    if isinstance(exception, ReentrantCheckpointError) or READY_TWICE not in text or _NOTE_MARK in text:
+        return None
+    note = reentrant_checkpoint_advice(**strategy_facts)
     _append(exception, note)
     return note
 

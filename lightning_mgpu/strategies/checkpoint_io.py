@@ -16,6 +16,15 @@ fails removes its temporary file; a process killed mid-write may leave a hidden
 ``.NAME.XXXXXXXX.tmp`` beside it, never a partial ``NAME``. Remote paths (``s3://``, ``gs://``,
 any non-local fsspec URL) go through Lightning's own writer, as before.
 
+**A ``CheckpointIO`` of your own stays yours.** ``strategy.checkpoint_io`` is the object you gave
+(``TunedDDPStrategy(checkpoint_io=...)`` or ``Trainer(plugins=[...])``); only when none was given
+does the strategy make an :class:`AtomicCheckpointIO`. When yours is a ``TorchCheckpointIO``
+whose own writer is in use (its ``save_checkpoint`` not overridden: it writes exactly the path it
+is given), the strategy's ``save_checkpoint`` gives it the temporary path and renames the result
+as above (:func:`atomic_rename_target`, :func:`replace_atomically`), and a damaged file it loads is
+named as below. Any other ``CheckpointIO`` (one that writes elsewhere, a directory, a remote
+store, ``AsyncCheckpointIO``) writes as it writes: its atomicity is its own.
+
 On load, a file that cannot be read is inspected: one that is not a complete zip archive (what
 ``torch.save`` writes) or whose contents fail their checksums raises
 :class:`IncompleteCheckpointError`, naming the file and what is wrong with it.
@@ -38,7 +47,15 @@ from lightning_mgpu._compat.lightning import PathLike
 
 _CHUNK = 1 << 22
 
-__all__ = ["AtomicCheckpointIO", "IncompleteCheckpointError", "atomic_checkpoint_io", "inspect_checkpoint_file"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "IncompleteCheckpointError",
+    "atomic_rename_target",
+    "inspect_checkpoint_file",
+    "load_naming_damage",
+    "names_damaged_files",
+    "replace_atomically",
+]
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -51,11 +68,23 @@ def _local_path(path: PathLike) -> Optional[str]:
     return local if isinstance(fs, LocalFileSystem) else None
 
 
-def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Create or replace the file ``path`` with what ``write(file)`` writes, atomically (see the module docstring)."""
+def _temporary_beside(path: str) -> tuple[str, str]:
+    """(directory, a fresh hidden temporary name in it) for ``path``; the directory is created."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    return directory, os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Create or replace the file ``path`` with what ``write(file)`` writes, atomically (see the module docstring)."""
+    directory, temporary = _temporary_beside(path)
     # O_EXCL: never reuse someone else's file; mode 0o666 & ~umask, as an ordinary open() would give
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -65,12 +94,50 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+        _remove_quietly(temporary)
         raise
     _fsync_directory(directory)
+
+
+def replace_atomically(path: str, write_to: Callable[[str], None]) -> None:
+    """Create or replace the file ``path`` with the file ``write_to(temporary)`` writes at the path it is given
+    (beside ``path``, hidden), atomically: synced, renamed over ``path``, the directory synced. A write that fails
+    (or writes no file there) leaves ``path`` as it was and no temporary file."""
+    directory, temporary = _temporary_beside(path)
+    try:
+        write_to(temporary)
+        descriptor = os.open(temporary, os.O_RDONLY)  # FileNotFoundError: nothing was written there
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        _remove_quietly(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def atomic_rename_target(io: CheckpointIO, path: PathLike, storage_options: Optional[Any] = None) -> Optional[str]:
+    """The local path a strategy should write through :func:`replace_atomically` when saving with ``io``, or None.
+
+    Only for a ``TorchCheckpointIO`` whose own ``save_checkpoint`` is in use (a user's
+    ``TorchCheckpointIO()``, kept as given): it writes exactly the path it is handed. None for
+    :class:`AtomicCheckpointIO` (atomic by itself), any other ``CheckpointIO``, ``storage_options``
+    and remote paths."""
+    if storage_options is not None or not _uses_torch_checkpoint_io(io, "save_checkpoint"):
+        return None
+    return _local_path(path)
+
+
+def names_damaged_files(io: CheckpointIO) -> bool:
+    """Whether a strategy should check a file ``io`` failed to load (:func:`load_naming_damage`): a
+    ``TorchCheckpointIO`` whose own ``load_checkpoint`` is in use (:class:`AtomicCheckpointIO` checks itself)."""
+    return _uses_torch_checkpoint_io(io, "load_checkpoint")
+
+
+def _uses_torch_checkpoint_io(io: CheckpointIO, method: str) -> bool:
+    return isinstance(io, TorchCheckpointIO) and getattr(type(io), method) is getattr(TorchCheckpointIO, method)
 
 
 def _fsync_directory(directory: str) -> None:
@@ -159,34 +226,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Optional[Callable[..., Any]] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        try:
-            checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        except FileNotFoundError:
-            raise
-        except Exception as error:
-            # An unpickling refusal (weights_only) of a whole file stays what it is; reading every
-            # byte for checksums is only worth it when the error could come from damaged bytes.
-            damage = inspect_checkpoint_file(path, check_contents=not _is_unpickling_refusal(error))
-            if damage is None:
-                raise
-            raise self._damaged(path, damage, f" (reading it failed with {type(error).__name__}: {error})") from error
-        if self.verify_checksums and _local_path(path) is not None:
-            damage = inspect_checkpoint_file(path)
-            if damage is not None:
-                raise self._damaged(path, damage, "")
-        return checkpoint
-
-    @staticmethod
-    def _damaged(path: PathLike, damage: str, detail: str) -> IncompleteCheckpointError:
-        return IncompleteCheckpointError(
-            f"checkpoint {path} is incomplete or damaged: {damage}. It was cut short or altered after being written "
-            f"(a full disk, a killed process, an interrupted copy, a failing disk). Resume from an earlier "
-            f"checkpoint.{detail[:300]}"
+        load = super().load_checkpoint
+        return load_naming_damage(
+            lambda: load(path, map_location=map_location, weights_only=weights_only),
+            path,
+            verify_checksums=self.verify_checksums,
         )
 
 
-def atomic_checkpoint_io(io: CheckpointIO) -> CheckpointIO:
-    """The ``CheckpointIO`` a strategy should use in place of ``io``: Lightning's default
-    ``TorchCheckpointIO`` becomes :class:`AtomicCheckpointIO`; anything else (the user's own, an
-    ``AsyncCheckpointIO``) is kept as given."""
-    return AtomicCheckpointIO() if type(io) is TorchCheckpointIO else io
+def load_naming_damage(load: Callable[[], dict[str, Any]], path: PathLike, *, verify_checksums: bool) -> dict[str, Any]:
+    """``load()`` (a checkpoint read from ``path``); a file that fails to load, or whose checksums fail
+    (``verify_checksums``, local files), raises :class:`IncompleteCheckpointError` naming it and its damage."""
+    try:
+        checkpoint = load()
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        # An unpickling refusal (weights_only) of a whole file stays what it is; reading every
+        # byte for checksums is only worth it when the error could come from damaged bytes.
+        damage = inspect_checkpoint_file(path, check_contents=not _is_unpickling_refusal(error))
+        if damage is None:
+            raise
+        raise _damaged(path, damage, f" (reading it failed with {type(error).__name__}: {error})") from error
+    if verify_checksums and _local_path(path) is not None:
+        damage = inspect_checkpoint_file(path)
+        if damage is not None:
+            raise _damaged(path, damage, "")
+    return checkpoint
+
+
+def _damaged(path: PathLike, damage: str, detail: str) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(
+        f"checkpoint {path} is incomplete or damaged: {damage}. It was cut short or altered after being written "
+        f"(a full disk, a killed process, an interrupted copy, a failing disk). Resume from an earlier "
+        f"checkpoint.{detail[:300]}"
+    )

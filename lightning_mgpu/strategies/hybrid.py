@@ -102,6 +102,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
     """
 
     strategy_name = "hybrid"
+    accepts_static_graph = False  # refused (hybrid_options.py): not a fix this strategy can offer
 
     def __init__(
         self,
@@ -390,6 +391,12 @@ class HybridParallelStrategy(TunedDDPStrategy):
             runner = self._staged.accumulate
         if runner is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.backward_errors_explained():  # DDP's error for reentrant checkpointing: its fix (managed_ddp.py)
+            return self._pipelined_backward(closure_loss, optimizer, runner, *args, **kwargs)
+
+    def _pipelined_backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, runner: Callable[[], object], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)

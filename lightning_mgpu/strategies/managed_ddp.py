@@ -4,14 +4,17 @@ The first of our DDP layers (``ManagedDDPStrategy`` -> ``HookedDDPStrategy`` ->
 ``TunedDDPStrategy``). It owns the process side: Lightning's launchers checked before any
 rank starts (:mod:`~lightning_mgpu.strategies.launchers`), the rendezvous that listens on
 loopback only on one machine and survives torchrun's restarts, the backend checked when the
-group is made (names registered after construction count), the group torn down at exit and
-the environment variables it set removed (:mod:`~lightning_mgpu.strategies.process_group`),
-and a failed collective explained by naming the lost ranks (:mod:`~lightning_mgpu.strategies._failures`).
+group is made (names registered after construction count), the environment variable it sets
+for that call removed when the call returns, the group torn down at exit
+(:mod:`~lightning_mgpu.strategies.process_group`),
+a failed collective explained by naming the lost ranks, and DDP's error for reentrant activation
+checkpointing translated into its fixes (:mod:`~lightning_mgpu.strategies._failures`).
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -22,7 +25,7 @@ from lightning_mgpu._compat.lightning import DDPStrategyBase
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies.ddp_options import check_backend_registered
 from lightning_mgpu.strategies.launchers import checked_launcher
-from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous, restore_environment
+from lightning_mgpu.strategies.process_group import destroy_process_group_at_exit, rendezvous
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
 
 class ManagedDDPStrategy(DDPStrategyBase):
     """DDP with checked launches, a loopback-only rendezvous on one machine and explained failures."""
+
+    accepts_static_graph = True
+    """Whether ``static_graph=True`` is a fix this strategy can offer (the hybrid strategy refuses it)."""
 
     @override
     def configure_launcher(self) -> None:
@@ -79,11 +85,33 @@ class ManagedDDPStrategy(DDPStrategyBase):
         super().setup_environment()
         destroy_process_group_at_exit()
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.backward_errors_explained():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     # ------------------------------------------------------------------ failures
+
+    def backward_errors_explained(self) -> AbstractContextManager[None]:
+        """Around the backward: DDP's "Expected to mark a variable ready only once" (reentrant activation
+        checkpointing) re-raised as a :class:`~lightning_mgpu.strategies._failures.ReentrantCheckpointError`
+        naming the fixes, torch's error as its cause."""
+        return _failures.reentrant_backward_explained(**self._ddp_facts())
+
+    def _ddp_facts(self) -> dict[str, Any]:
+        ddp_kwargs = self.user_ddp_kwargs
+        return {
+            "strategy": type(self).__name__,
+            "find_unused_parameters": bool(ddp_kwargs.get("find_unused_parameters")),
+            "static_graph": bool(ddp_kwargs.get("static_graph")),
+            "static_graph_supported": self.accepts_static_graph,
+        }
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        # The same error raised outside our backward (loss.backward() called directly): its fixes appended.
+        _failures.explain_reentrant_failure(exception, **self._ddp_facts())
         # Name the lost ranks in the error, and leave no child rank behind (strategies/_failures.py).
         children = _failures.launched_children(self.launcher, self.global_rank)
         note = _failures.explain_collective_failure(
@@ -94,8 +122,3 @@ class ManagedDDPStrategy(DDPStrategyBase):
             # when it sees a dead child, possibly before the traceback is printed: say it now too.
             print(note, file=sys.stderr, flush=True)
         _failures.reap_children_at_exit(children)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        restore_environment()  # e.g. GLOO_SOCKET_IFNAME set for the loopback rendezvous

@@ -18,8 +18,13 @@ multi-tenant server on that port, shares the one already running in this process
 opening its own on every interface. So the call is exactly stock ``DDPStrategy``'s (backend,
 rank, world size, timeout, device), a subclass passes its parent's tests, and if a torch ever
 stopped sharing the server, its own would fail to bind the port in use: an error, never a
-silent listener on every interface. A ``GLOO_SOCKET_IFNAME`` set here is removed again when the
-call does not leave a process group behind (it failed, or a test replaced it), else at teardown.
+silent listener on every interface. A ``GLOO_SOCKET_IFNAME`` set here is set only for the call:
+gloo reads it when it creates the group's device, so it is removed as soon as
+``init_process_group`` returns (or fails), and nothing is left in ``os.environ`` whether or not a
+teardown follows (Lightning's own tests call ``setup_environment()`` and ``setup()`` without one). A
+group made later with ``torch.distributed.new_group(backend="gloo")`` uses gloo's default
+interface (the host name's address) unless you set ``GLOO_SOCKET_IFNAME`` yourself; a value you
+set is never touched.
 
 **Under torchrun, one namespace per restart.** torchrun's workers share the agent's store
 (``TORCHELASTIC_USE_AGENT_STORE``), which keeps its keys across ``--max-restarts`` attempts: a rank
@@ -70,14 +75,13 @@ def rendezvous(
         yield attempt_store(environment, world_size, timeout)
         return
     server = None
-    if type(environment) is LightningEnvironment:
-        server = loopback_only_store(environment, global_rank, world_size, timeout, backend)
     try:
+        if type(environment) is LightningEnvironment:
+            server = loopback_only_store(environment, global_rank, world_size, timeout, backend)
         yield None
     finally:
         del server  # torch's store holds the shared server now (or nothing does: the port is closed)
-        if not torch.distributed.is_initialized():
-            restore_environment()
+        restore_environment()  # gloo has read GLOO_SOCKET_IFNAME by now: set for the call only
 
 
 def attempt_store(environment: Any, world_size: int, timeout: Optional[timedelta]) -> Any:
@@ -144,8 +148,7 @@ _VARIABLES_SET: list[str] = []
 
 
 def restore_environment() -> None:
-    """Remove the variables the rendezvous set, so that nothing is left behind after a run (the
-    backend read them when the group was created)."""
+    """Remove the variables the rendezvous set (the backend read them when the group was created)."""
     while _VARIABLES_SET:
         os.environ.pop(_VARIABLES_SET.pop(), None)
 

@@ -43,7 +43,13 @@ from typing_extensions import override
 from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType
 from lightning_mgpu.comm import powersgd_memory
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
-from lightning_mgpu.strategies.checkpoint_io import atomic_checkpoint_io
+from lightning_mgpu.strategies.checkpoint_io import (
+    AtomicCheckpointIO,
+    atomic_rename_target,
+    load_naming_damage,
+    names_damaged_files,
+    replace_atomically,
+)
 from lightning_mgpu.strategies.preemption import Preemption
 from lightning_mgpu.strategies.checkpoint_state import (
     CHECKPOINT_KEY,
@@ -161,6 +167,7 @@ class TunedDDPStrategy(HookedDDPStrategy):
         tune_rounds: int = 2,
         **kwargs: Any,
     ) -> None:
+        self._default_checkpoint_io = checkpoint_io is None  # then an AtomicCheckpointIO, made when first asked for
         options = check_options(
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -302,16 +309,19 @@ class TunedDDPStrategy(HookedDDPStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's, except that the default writes local files atomically and names a damaged file on
-        load (:mod:`~lightning_mgpu.strategies.checkpoint_io`); a ``CheckpointIO`` of your own is kept."""
+        """The ``CheckpointIO`` you gave, as given; when none was, an
+        :class:`~lightning_mgpu.strategies.checkpoint_io.AtomicCheckpointIO` (writes local files atomically,
+        names a damaged file on load). A ``TorchCheckpointIO`` of yours writes atomically too: see
+        :meth:`save_checkpoint`."""
         io = super().checkpoint_io  # Lightning's: a TorchCheckpointIO when none was given
-        atomic = atomic_checkpoint_io(io)
-        if atomic is not io:
-            self.checkpoint_io = atomic
-        return atomic
+        if self._default_checkpoint_io and not isinstance(io, AtomicCheckpointIO):
+            io = AtomicCheckpointIO()
+            DDPStrategyBase.checkpoint_io.fset(self, io)  # type: ignore[attr-defined]
+        return io
 
     @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._default_checkpoint_io = io is None  # Trainer(plugins=[io]) sets the user's here: kept
         DDPStrategyBase.checkpoint_io.fset(self, io)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ setup lifecycle
@@ -429,15 +439,26 @@ class TunedDDPStrategy(HookedDDPStrategy):
         keeper = self._hooks.powersgd_keeper
         if keeper is not None:
             package["powersgd"] = gather_powersgd_state(keeper, self.world_size)  # a collective: every rank is here
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # A TorchCheckpointIO of the user's (kept as given) writes to a temporary file beside the
+        # checkpoint, renamed over its name once complete: atomic as our default writer is (checkpoint_io.py).
+        local = atomic_rename_target(self.checkpoint_io, filepath, storage_options) if self.is_global_zero else None
+        save = super().save_checkpoint
+        if local is None:
+            save(checkpoint, filepath, storage_options=storage_options)
+        else:
+            replace_atomically(local, lambda temporary: save(checkpoint, temporary, storage_options=None))
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Never unpickle arbitrary objects unless asked to (fit(..., weights_only=False)): torch before
         # 2.6, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, would otherwise run code stored in the file.
-        checkpoint = super().load_checkpoint(
-            checkpoint_path, weights_only=True if weights_only is None else weights_only
-        )
+        load, weights_only = super().load_checkpoint, True if weights_only is None else weights_only
+        if names_damaged_files(self.checkpoint_io):  # a TorchCheckpointIO of the user's: damage named as ours does
+            checkpoint = load_naming_damage(
+                lambda: load(checkpoint_path, weights_only=weights_only), checkpoint_path, verify_checksums=True
+            )
+        else:
+            checkpoint = load(checkpoint_path, weights_only=weights_only)
         if CHECKPOINT_KEY in checkpoint:
             try:
                 package = check_package(checkpoint[CHECKPOINT_KEY])

@@ -5,8 +5,9 @@
 The model (``CliNet``: ``embed`` -> ``body`` -> ``head``, the shape ``hybrid`` splits) makes its
 own data. ``Report``, itself a callback named in the YAML, notes what ran during the fit; after
 ``fit`` returns (teardown done) each rank writes ``OUT_PREFIX.rank{N}.json``: the strategy and
-callbacks the YAML built, what the profiler and the doctor produced, and the environment
-variables the run left in ``os.environ``.
+callbacks the YAML built, what the profiler and the doctor produced, ``GLOO_SOCKET_IFNAME`` when
+the process group was made, during the fit and after it, and the environment variables the run
+left in ``os.environ``.
 """
 
 from __future__ import annotations
@@ -67,11 +68,19 @@ class Report(L.Callback):
 
 def main() -> None:
     config, prefix = sys.argv[1], sys.argv[2]
+    # Run as __main__, the YAML's `tests.scripts.cli_fit.Report` is this file imported again by that name.
+    from tests.scripts.cli_fit import SEEN
+
+    real_init = torch.distributed.init_process_group
+
+    def watched_init(*args: Any, **kwargs: Any) -> Any:
+        SEEN["gloo_interface_at_init"] = os.environ.get("GLOO_SOCKET_IFNAME")  # what gloo reads for the group
+        return real_init(*args, **kwargs)
+
+    torch.distributed.init_process_group = watched_init  # Lightning looks it up at the call
     before = set(os.environ)
     LightningCLI(CliNet, args=["fit", "--config", config], save_config_kwargs={"overwrite": True})
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # Run as __main__, the YAML's `tests.scripts.cli_fit.Report` is this file imported again by that name.
-    from tests.scripts.cli_fit import SEEN
 
     SEEN["added_environment"] = sorted(set(os.environ) - before)
     SEEN["gloo_interface_after_fit"] = os.environ.get("GLOO_SOCKET_IFNAME")

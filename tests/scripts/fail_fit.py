@@ -26,6 +26,9 @@ Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 
   sigterm_group  the rank sends SIGTERM to its whole process group (every rank, and the launcher), as
             ``kill -TERM -PGID`` or a scheduler does
 
+``--linger-s S``: the failing rank, on its way out, stays alive ``S`` seconds after its process group
+is destroyed (its connections closed): a slow exit, as on a loaded machine.
+
 ``--loss-scale 1e7`` makes the gradients huge (above float16's 65504; Adam does not mind), and
 ``--torch-fp16-hook`` registers torch's own ``fp16_compress_hook``: tests/test_fp16_safety.py.
 
@@ -41,6 +44,7 @@ optimizer state, PowerSGD memory) for exact comparisons.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import os
@@ -289,6 +293,14 @@ def wait_for_every_process_to_start(strategy: TunedDDPStrategy, out_dir: Path, p
     strategy.setup_distributed = setup_when_all_started  # type: ignore[method-assign]
 
 
+def linger_if_failing_rank(plan: Plan, seconds: float) -> None:
+    """Registered before the strategy's own exit handler (``atexit`` runs last-registered first): runs after the
+    process group is destroyed, while the process is still alive."""
+    if os.environ.get("LOCAL_RANK", "0") == str(plan.rank) and plan.kind != "none":
+        print(f"[fail_fit] lingering {seconds:g} s after the process group closed", file=sys.stderr, flush=True)
+        time.sleep(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -309,6 +321,7 @@ def main() -> None:
         "--doctor", action="store_true", help="DistributedDoctor(check_every_n_batches=--ckpt-every or 4)"
     )
     parser.add_argument("--wandb", action="store_true", help="WandbLogger (offline) and CSVLogger under OUT")
+    parser.add_argument("--linger-s", type=float, default=0.0, help="the failing rank's slow exit (see above)")
     parser.add_argument("--loss-scale", type=float, default=1.0, help="multiply the loss (e.g. 1e7: huge gradients)")
     parser.add_argument(
         "--torch-fp16-hook", action="store_true", help="torch's own fp16_compress_hook as ddp_comm_hook"
@@ -318,6 +331,8 @@ def main() -> None:
 
     L.seed_everything(7, verbose=False)
     plan = Plan(args.fail, args.rank, args.at, args.once)
+    if args.linger_s:
+        atexit.register(linger_if_failing_rank, plan, args.linger_s)
     workers = args.workers if args.workers is not None else int(args.fail == "worker")
     model = Net(plan, workers, args.loss_scale)
     kwargs: dict[str, Any] = json.loads(args.strategy_kwargs)
