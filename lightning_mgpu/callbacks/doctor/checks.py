@@ -33,6 +33,7 @@ __all__ = [
     "check_unsynced_metrics",
     "check_unused_devices",
     "evaluate",
+    "reentrant_checkpoint_finding",
     "unused_needed_finding",
 ]
 
@@ -168,15 +169,20 @@ def check_batch_counts(counts: Sequence[float], epoch: int) -> Optional[Finding]
     return Finding(
         "uneven-batches",
         seen=f"epoch {epoch} has different numbers of training batches per rank ({per_rank})",
-        why=f"after batch {low} the ranks with {low} batches end the epoch while the others wait in the next "
-        "gradient all-reduce: the job hangs until the collective timeout (30 minutes by default)",
+        why=f"after batch {low} the ranks with {low} batches end the epoch while the others run one more step: "
+        "from then on the ranks' collectives no longer pair up, and the job hangs until the collective timeout "
+        "(30 minutes by default) or fails when a rank exits",
         fix=RULES["uneven-batches"].fix + f"; or stop every rank at the shortest: Trainer(limit_train_batches={low})",
     )
 
 
-def check_params(bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers_checked: bool) -> Optional[Finding]:
+def check_params(
+    bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers_checked: bool, unreduced: Sequence[str] = ()
+) -> Optional[Finding]:
     """``bitsums[r][i]``: the exact bit-pattern checksum of tensor ``names[i]`` on rank ``r``
-    (see ``DistributedDoctor``): equal for bitwise-equal tensors, different for any change."""
+    (see ``DistributedDoctor``): equal for bitwise-equal tensors, different for any change.
+    ``unreduced``: parameters that got no gradient under ``find_unused_parameters=False``; DDP then did
+    not all-reduce their buckets, which explains the divergence (the finding says so, with that fix)."""
     if len(bitsums) < 2 or any(len(s) != len(names) for s in bitsums):
         return None
     differ: list[str] = []
@@ -188,10 +194,23 @@ def check_params(bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers
             ranks.update(bad)
     if not differ:
         return None
+    seen = f"{len(differ)} tensor(s) differ between rank 0 and rank(s) {rank_list(sorted(ranks))}: {name_list(differ)}"
+    if unreduced:
+        # DDP launches a bucket's all-reduce once every parameter in it has its gradient: a parameter that gets
+        # none holds its whole bucket back, and at the end of that backward the bucket's gradients stay local.
+        return Finding(
+            "params-diverged",
+            seen=seen + f"; they follow from unused-parameters: {len(unreduced)} parameter(s) got no gradient with "
+            f"find_unused_parameters=False ({name_list(list(unreduced))})",
+            why="DDP all-reduces a bucket only once every parameter in it has a gradient: the buckets holding "
+            "those parameters were never averaged, so every parameter sharing them stepped with its own rank's "
+            "gradient, and the replicas drifted apart",
+            fix="fix the unused parameters and this goes with them: " + RULES["unused-parameters"].fix,
+        )
     kinds = "parameters" + (" and buffers" if buffers_checked else "")
     return Finding(
         "params-diverged",
-        seen=f"{len(differ)} tensor(s) differ between rank 0 and rank(s) {rank_list(sorted(ranks))}: {name_list(differ)}",
+        seen=seen,
         why=f"DDP keeps replicas identical only if every change goes through the averaged gradients; {kinds} that "
         "drifted stay apart for the rest of the run (each rank trains a different model, the checkpoint keeps "
         "rank 0's)",
@@ -315,6 +334,7 @@ def check_param_usage(
             "every step",
             fix="requires_grad_(False) on them (or remove them) if they are not meant to train; check the forward "
             "pass if they are",
+            severity="wrong",  # DDP copes (find_unused_parameters=True): the run goes on, without them training
         )
     always = all(c[i] == b for c, b in zip(counts, batches) for i in range(len(names)))
     if find_unused and always:
@@ -338,6 +358,19 @@ def unused_needed_finding(names: Sequence[str]) -> Finding:
         why="DDP waits for a gradient from every parameter: the next step fails (DDP did not finish reducing the "
         "previous step's gradients), and the gradients in their bucket were never averaged across ranks",
         fix=RULES["unused-parameters"].fix,
+    )
+
+
+def reentrant_checkpoint_finding(regions: int) -> Finding:
+    return Finding(
+        "reentrant-checkpoint",
+        seen=f"the first loss's autograd graph holds {regions} reentrant checkpoint region(s) "
+        "(torch.utils.checkpoint with use_reentrant=True), and DDP has find_unused_parameters=True without a "
+        "static graph",
+        why="a reentrant checkpoint runs its region without a graph and recomputes it during backward: DDP's search "
+        "for unused parameters after the forward misses the region's parameters and marks them ready, then their "
+        "gradients arrive in the backward and DDP stops with an error at the first backward",
+        fix=RULES["reentrant-checkpoint"].fix,
     )
 
 
@@ -394,7 +427,7 @@ def _random_state(s: Snapshot) -> Iterable[Optional[Finding]]:
 
 def _params(s: Snapshot) -> Iterable[Optional[Finding]]:
     if s.param_sums is not None and s.world_size > 1:
-        yield check_params(s.param_sums, s.tensor_names, s.buffers_checked)
+        yield check_params(s.param_sums, s.tensor_names, s.buffers_checked, s.unreduced)
 
 
 def _metrics(s: Snapshot) -> Iterable[Optional[Finding]]:
@@ -425,7 +458,7 @@ CHECKS: tuple[Check, ...] = (
 )
 """In the order their findings are reported within one check."""
 
-LOCAL_RULES: frozenset[str] = frozenset({"batchnorm-without-sync", "unused-parameters"})
+LOCAL_RULES: frozenset[str] = frozenset({"batchnorm-without-sync", "unused-parameters", "reentrant-checkpoint"})
 """Rules a rank judges on its own (the findings arrive in ``Snapshot.local_findings``)."""
 
 

@@ -148,6 +148,9 @@ class RankReport:
     timing: Optional[Timing] = None
     """At full checks."""
     usage: Optional[UsageReport] = None
+    missing_grads: Optional[list[str]] = None
+    """Parameters with no gradient after the first backward under ``find_unused_parameters=False`` (DDP then
+    skips the all-reduce of their buckets), once, with the check after that backward."""
 
 
 # --------------------------------------------------------------------------- what the rules judge
@@ -200,3 +203,6 @@ class Snapshot:
     data_wait_threshold: float = 0.25
     usage: Optional[ParamUsage] = None
     """When the parameter-use window closed with this check."""
+    unreduced: list[str] = field(default_factory=list)
+    """Parameters that got no gradient on some rank under ``find_unused_parameters=False`` this fit (so far):
+    DDP did not all-reduce their buckets, and the parameters sharing them drift apart."""
