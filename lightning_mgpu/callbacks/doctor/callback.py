@@ -55,7 +55,7 @@ from lightning_mgpu.callbacks.doctor.findings import DistributedDoctorError, Dis
 from lightning_mgpu.callbacks.doctor.ledger import Ledger
 from lightning_mgpu.callbacks.doctor.parameters import ParameterWatch
 from lightning_mgpu.callbacks.doctor.probes import DataWaitClock
-from lightning_mgpu.callbacks.doctor.protocol import RankReport, SetupInfo
+from lightning_mgpu.callbacks.doctor.protocol import RankReport, SetupInfo, Snapshot
 from lightning_mgpu.callbacks.doctor.rules import RULES, validate_rule_ids
 from lightning_mgpu.comm.distributed import gather_objects
 
@@ -256,11 +256,17 @@ class DistributedDoctor(L.Callback):
         ddp = self.parameter_watch.ddp
         if ddp is None or not ddp.find_unused or ddp.static_graph or not self.enabled("reentrant-checkpoint"):
             return  # (the same on every rank: DDP's options and this callback's)
-        # DDP's first backward fails on a reentrant checkpoint here, before any later check: meet now.
+        # DDP's first backward fails on a reentrant checkpoint here, before any check: meet now, on this finding
+        # alone (what else is pending waits for the next check, as in a fit without this meeting: a resumed
+        # fit, which meets here once more, then reports everything at the same steps as the fit that went on).
+        if not self.ledger.may_check(trainer.current_epoch, self._batch_idx, during=True):
+            return
         regions = probes.reentrant_checkpoints(loss)
-        if regions:
-            self._local_findings.append(checks.reentrant_checkpoint_finding(regions))
-        self._check(trainer, "first_backward", self._batch_idx, during=True)
+        found = [checks.reentrant_checkpoint_finding(regions)] if regions else []
+        self._exchange.meet(_where("first_backward", trainer.current_epoch, self._batch_idx))
+        gathered: list[list[Finding]] = gather_objects(found, world_size=trainer.world_size)
+        snapshot = Snapshot(world_size=len(gathered), epoch=trainer.current_epoch, local_findings=gathered)
+        self._report(trainer, checks.evaluate(snapshot, self.disabled))
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -391,12 +397,11 @@ class DistributedDoctor(L.Callback):
 
     # ------------------------------------------------------------------ checks
 
-    def _check(self, trainer: L.Trainer, kind: str, batch_idx: Optional[int] = None, *, during: bool = False) -> None:
+    def _check(self, trainer: L.Trainer, kind: str, batch_idx: Optional[int] = None) -> None:
         """One exchange: every rank sends what it saw, all evaluate the same gathered data.
 
-        ``batch_idx``: the training batch just ended (periodic and epoch-first-batch checks), or, ``during``,
-        the one under way."""
-        if not self.ledger.may_check(trainer.current_epoch, batch_idx, during=during):
+        ``batch_idx``: the training batch just ended (periodic and epoch-first-batch checks)."""
+        if not self.ledger.may_check(trainer.current_epoch, batch_idx):
             return  # some ranks would never come: see Ledger.may_check
         report = RankReport(local_findings=self._local_findings, digests=self._pending_digests)
         if not self.ledger.setup_sent:
