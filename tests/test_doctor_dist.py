@@ -9,7 +9,8 @@ Mistakes are grouped into few launches (tests/scripts/doctor_fit.py) to keep the
   same check, naming the rule, before the hang or crash they predict;
 * the default settings stopping every rank at a fatal finding: uneven batches (under ``ddp_tuned``
   and stock ``ddp``), a reentrant checkpoint; and, told only to warn, the doctor staying out of the
-  way of the failure it predicted;
+  way of the failure it predicted; ranks out of step on data of unknown length waiting for each
+  other no longer than ``check_timeout``;
 * a Hugging Face BERT whose pooler is unused: the divergence it causes is put down to it;
 * a correct run with every check active (strict), and the three recipes with ``--doctor``.
 """
@@ -220,6 +221,24 @@ def test_uneven_batches_only_warned_go_on_into_ddps_failure_with_no_doctor_colle
     assert shorter["completed"] and shorter["global_step"] == 14  # 2 epochs of 7 batches, no doctor wait
     assert not longer["completed"] and longer["error_type"] == "RuntimeError"  # DDP's own error, not ours
     assert "Connection closed by peer" in longer["error"] and "DistributedDoctor" not in longer["error"]
+
+
+def test_ranks_out_of_step_on_data_of_unknown_length_wait_for_each_other_no_longer_than_check_timeout(
+    tmp_path: Path,
+) -> None:
+    """A stream (no length) one batch shorter on rank 1: nothing to compare in advance. Rank 1 reaches the end
+    of its epoch while rank 0 is still in its next step (held in a collective that waits for rank 1): rank 1
+    waits check_timeout at the epoch-end check, then stops naming rank 0 and where it was last seen."""
+    run = launch(tmp_path / "out", "--mistakes", "short-iterable", "--check-timeout", "5", check=False)
+    assert run.returncode != 0, run.output
+    waiting, held = run.ranks[1], run.ranks[0]
+    assert waiting["error_type"] == "DistributedDoctorOutOfStep", waiting
+    assert waiting["error"].startswith(
+        "DistributedDoctor: rank 0 did not reach check 4 (the end of epoch 0) within 5 s"
+    )
+    assert "rank 0 was last at check 3 (after batch 3 of epoch 0)" in waiting["error"]
+    assert 5 <= waiting["fit_s"] < 60
+    assert held["error_type"] == "RuntimeError" and not held["completed"]  # freed by rank 1's exit
 
 
 def test_reentrant_checkpoint_stops_both_ranks_before_the_first_backward(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ minutes passes in microseconds; the other ranks run on the real clock.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_mgpu.callbacks.doctor import DistributedDoctorOutOfStep
-from lightning_mgpu.callbacks.doctor.exchange import Exchange, next_namespace, process_gone
+from lightning_mgpu.callbacks.doctor.exchange import Exchange, next_namespace, process_gone, this_process
 
 NO_SUCH_PID = 4_194_304 + 17  # above Linux's largest pid_max: never a process
 
@@ -116,15 +115,21 @@ def test_a_rank_on_this_machine_whose_process_is_gone_ends_the_wait() -> None:
     exchanges, fake, keys = _ranks(dist.HashStore(), 2, timeout=None, neighbours=[0, 1])
     _meet_all(exchanges, keys, 1, "after batch 0 of epoch 0")
     # Rank 1 was killed (SIGKILL, out of memory): it said nothing, and its pid is gone.
-    keys.set("who/1", f"{socket.gethostname()} {NO_SUCH_PID}")
+    here = this_process().rsplit(" ", 1)[0]  # this host and pid namespace
+    keys.set("who/1", f"{here} {NO_SUCH_PID}")
     with pytest.raises(DistributedDoctorOutOfStep, match=f"rank 1's process \\(pid {NO_SUCH_PID} on this machine\\)"):
         exchanges[0].meet("after batch 3 of epoch 0")
     assert fake.now <= 1.2
 
 
-def test_a_rank_elsewhere_is_not_taken_for_dead() -> None:
+@pytest.mark.parametrize("elsewhere", ["another host", "another pid namespace"])
+def test_a_rank_elsewhere_is_not_taken_for_dead(elsewhere: str) -> None:
     exchanges, _, keys = _ranks(dist.HashStore(), 2, timeout=30.0, neighbours=[0, 1])
-    keys.set("who/1", f"another-{socket.gethostname()} {NO_SUCH_PID}")
+    host, namespace, _ = this_process().split(" ")
+    if elsewhere == "another host":
+        keys.set("who/1", f"another-{host} {namespace} {NO_SUCH_PID}")
+    else:  # e.g. a container with the same host name: its pids are not this namespace's
+        keys.set("who/1", f"{host} {int(namespace) + 1} {NO_SUCH_PID}")
     with pytest.raises(DistributedDoctorOutOfStep, match="did not reach check 1"):  # only the timeout
         exchanges[0].meet("the start of epoch 0")
 

@@ -15,6 +15,7 @@ Mistakes (``--mistakes``, comma-separated):
   nested-sampler   a shuffling DistributedSampler inside a custom sampler: Lightning cannot call set_epoch
   uneven           rank r has 64 + 16 r samples: different numbers of batches
   short-rank       rank r has one batch fewer than rank r - 1 (rank 1 ends its epoch first)
+  short-iterable   the same through an IterableDataset (no length: the batch counts cannot be compared)
   dataparallel     the network wrapped in nn.DataParallel inside the LightningModule
   fake-gpus        the doctor is told 4 GPUs are visible (the run trains on CPU)
   batchnorm        a BatchNorm1d layer (use with a batch size below 16)
@@ -47,7 +48,7 @@ import lightning as L
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
 from lightning_mgpu.callbacks.doctor import probes
 from lightning_mgpu.callbacks.doctor import DistributedDoctor, DistributedDoctorError
@@ -70,6 +71,7 @@ MISTAKES = {
     "unused-needed",
     "unsynced-log",
     "short-rank",
+    "short-iterable",
     "reentrant",
 }
 
@@ -90,6 +92,16 @@ class NoisyData(Dataset):
         if self.noise:
             x = x + 0.1 * torch.randn_like(x)
         return x, self.y[index]
+
+
+class Stream(IterableDataset):
+    """The samples of a map-style data set, as a stream of unknown length."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.dataset[i] for i in range(len(self.dataset)))  # type: ignore[arg-type]
 
 
 class NestedSampler(Sampler[int]):
@@ -158,7 +170,7 @@ class Model(L.LightningModule):
         args, mistakes = self.args, self.mistakes
         world, rank = self.trainer.world_size, self.trainer.global_rank
         samples = args.samples + (16 * rank if "uneven" in mistakes else 0)
-        samples -= args.batch_size * rank if "short-rank" in mistakes else 0
+        samples -= args.batch_size * rank if mistakes & {"short-rank", "short-iterable"} else 0
         generator = torch.Generator().manual_seed(1000 + (rank if "uneven" in mistakes else 0))
         x = torch.randn(samples, 8, generator=generator)
         y = x[:, :1] * 2 + 0.1 * torch.randn(samples, 1, generator=generator)
@@ -169,6 +181,8 @@ class Model(L.LightningModule):
             return DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, world, 0))
         if "nested-sampler" in mistakes:
             return DataLoader(dataset, batch_size=args.batch_size, sampler=NestedSampler(dataset, world, rank))
+        if "short-iterable" in mistakes:
+            return DataLoader(Stream(dataset), batch_size=args.batch_size)
         # shared-data / uneven / short-rank: Trainer(use_distributed_sampler=False), so this loader is used as is.
         return DataLoader(dataset, batch_size=args.batch_size, shuffle=False)
 
@@ -230,6 +244,7 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("ddp_tuned", "ddp"), default="ddp_tuned", help="ours, or Lightning's")
     parser.add_argument("--model", choices=("mlp", "bert"), default="mlp")
     parser.add_argument("--warn-fatal", action="store_true", help="DistributedDoctor(stop_on_fatal=False)")
+    parser.add_argument("--check-timeout", type=float, default=None, help="DistributedDoctor(check_timeout=...)")
     args = parser.parse_args()
     mistakes = {m for m in args.mistakes.split(",") if m}
     if mistakes - MISTAKES:
@@ -246,6 +261,7 @@ def main() -> None:
         check_every_n_batches=args.check_every_n_batches,
         disable=[d for d in args.disable.split(",") if d],
         **({"stop_on_fatal": False} if args.warn_fatal else {}),
+        **({"check_timeout": args.check_timeout} if args.check_timeout is not None else {}),
     )
     callbacks: list[L.Callback] = [doctor]
     if args.save_every_epoch:
@@ -262,7 +278,7 @@ def main() -> None:
         ),
         max_epochs=args.epochs,
         use_distributed_sampler=not (
-            mistakes & {"shared-data", "uneven", "short-rank", "rank0-sampler", "nested-sampler"}
+            mistakes & {"shared-data", "uneven", "short-rank", "short-iterable", "rank0-sampler", "nested-sampler"}
         ),
         callbacks=callbacks,
         logger=False,

@@ -10,7 +10,8 @@ rank first *meets* the others through the default process group's store:
   main thread is back in Python between polls;
 * while it waits, a rank watches for ranks that left: one that raised or finished its fit says so
   (the callback's ``on_exception``/``teardown`` call :meth:`Exchange.leave`), and one on this
-  machine whose process is gone is seen by its pid; either ends the wait at once;
+  machine (same host, same pid namespace) whose process is gone is seen by its pid; either ends
+  the wait at once;
 * after ``timeout`` seconds the wait ends anyway.
 
 Both end in :class:`~.findings.DistributedDoctorOutOfStep` naming the ranks that did not arrive
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from lightning_mgpu.callbacks.doctor.findings import DistributedDoctorOutOfStep, rank_list
 
-__all__ = ["Exchange", "next_namespace", "process_gone"]
+__all__ = ["Exchange", "next_namespace", "process_gone", "this_process"]
 
 _SERIAL = itertools.count()
 _FIRST_POLL_S = 0.0005
@@ -45,6 +46,15 @@ _FIRST_POLL_S = 0.0005
 def next_namespace() -> str:
     """A fresh key namespace for a fit's meetings: the fit's number in this process."""
     return str(next(_SERIAL))
+
+
+def this_process() -> str:
+    """This process as other ranks on the same machine can look for it: host, pid namespace and pid."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()} {namespace} {os.getpid()}"
 
 
 def process_gone(pid: int) -> bool:
@@ -116,7 +126,7 @@ class Exchange:
             return False
         prefixed = dist.PrefixStore(f"lightning_mgpu/doctor/{namespace}/", store)
         try:
-            prefixed.set(f"who/{rank}", f"{socket.gethostname()} {os.getpid()}")
+            prefixed.set(f"who/{rank}", this_process())
         except (dist.DistError, RuntimeError):
             return False
         self._store = prefixed
@@ -193,12 +203,12 @@ class Exchange:
                 f"{'them' if len(ranks) > 1 else 'it'}.",
                 ranks,
             )
-        host = socket.gethostname()
+        here = this_process().rsplit(" ", 1)[0]
         for rank in self._neighbours:
             if self._reached(store, rank) >= n:
                 continue
-            who = self._whois(store, rank)
-            if who is not None and who[0] == host and process_gone(who[1]):
+            who = self._whois(store, rank)  # its pid means something here only on this host, in this pid namespace
+            if who is not None and who[0] == here and process_gone(who[1]):
                 raise DistributedDoctorOutOfStep(
                     f"DistributedDoctor: rank {rank}'s process (pid {who[1]} on this machine) has ended without a "
                     f"word (killed, out of memory, or a crash below Python) before check {n} ({where}); "
@@ -232,8 +242,8 @@ class Exchange:
         if rank not in self._who:
             if not store.check([f"who/{rank}"]):
                 return None
-            host, pid = str(store.get(f"who/{rank}"), "utf-8").rsplit(" ", 1)
-            self._who[rank] = (host, int(pid))
+            where, pid = str(store.get(f"who/{rank}"), "utf-8").rsplit(" ", 1)
+            self._who[rank] = (where, int(pid))
         return self._who[rank]
 
     def _missing(self, store: dist.Store, n: int) -> list[int]:
