@@ -320,10 +320,11 @@ class DistributedDoctor(L.Callback):
             self._window_done = True  # sent (and the hooks removed) at the next check
         seen = self.ledger.batches_seen
         periodic = seen == 1 or seen % self.check_every_n_batches == 0
+        self._batch_idx = batch_idx
         if periodic:
-            self._check(trainer, "periodic", batch_idx)
+            self._check(trainer, "periodic")
         elif batch_idx == 0:
-            self._check(trainer, "epoch_first_batch", batch_idx)
+            self._check(trainer, "epoch_first_batch")
 
     # ------------------------------------------------------------------ epoch and fit end
 
@@ -397,10 +398,10 @@ class DistributedDoctor(L.Callback):
 
     # ------------------------------------------------------------------ checks
 
-    def _check(self, trainer: L.Trainer, kind: str, batch_idx: Optional[int] = None) -> None:
-        """One exchange: every rank sends what it saw, all evaluate the same gathered data.
-
-        ``batch_idx``: the training batch just ended (periodic and epoch-first-batch checks)."""
+    def _check(self, trainer: L.Trainer, kind: str) -> None:
+        """One exchange: every rank sends what it saw, all evaluate the same gathered data."""
+        # After a training batch (periodic and epoch-first-batch checks): the one just ended.
+        batch_idx = self._batch_idx if kind in ("periodic", "epoch_first_batch") else None
         if not self.ledger.may_check(trainer.current_epoch, batch_idx):
             return  # some ranks would never come: see Ledger.may_check
         report = RankReport(local_findings=self._local_findings, digests=self._pending_digests)
