@@ -215,6 +215,11 @@ def test_uneven_batches_predicts_the_hang_and_suggests_the_limit() -> None:
     assert "limit_train_batches=8" in finding.fix and "hangs" in finding.why
     assert checks.check_batch_counts([8.0, 8.0], 0) is None
     assert checks.check_batch_counts([math.inf, 8.0], 0) is None  # an iterable of unknown length: no verdict
+    assert finding.severity is None  # the rule's: fatal
+    # A fit that ends (max_steps) before the shortest rank runs out does not hang: a warning for longer runs.
+    short_fit = checks.check_batch_counts([8.0, 9.0], 0, batches_left=8)
+    assert short_fit is not None and short_fit.severity == "wrong" and "after 8 more batch(es)" in short_fit.seen
+    assert checks.check_batch_counts([8.0, 9.0], 0, batches_left=9).severity is None  # type: ignore[union-attr]
 
 
 def _bitsums(tensors: list[torch.Tensor]) -> list[int]:

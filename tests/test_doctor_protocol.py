@@ -192,6 +192,12 @@ def test_once_batch_counts_differ_checks_are_made_only_within_the_shortest_ranks
     assert not book.may_check(2, 0)
     book.reset()  # a new fit
     assert book.may_check(0)
+    # The fit ends (max_steps) before the shortest rank's last batch: the ranks never fall out of step.
+    ends_first = [RankReport(batches=count, batches_left=9.0) for count in (10.0, 9.0)]
+    snapshot = _absorb(book, ends_first)
+    assert book.may_check(0) and book.may_check(0, 20) and book.out_of_step_epoch is None
+    (finding,) = checks.evaluate(snapshot)
+    assert finding.rule == "uneven-batches" and finding.severity == "wrong"
 
 
 def test_parameters_without_a_gradient_are_kept_for_the_divergence_they_cause() -> None:

@@ -39,6 +39,7 @@ not in the checkpoint.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -409,6 +410,7 @@ class DistributedDoctor(L.Callback):
             report.setup = self._setup_info
         if kind == "epoch_start":
             report.batches = float(trainer.num_training_batches)
+            report.batches_left = _batches_left(trainer)
             loader = probes.train_loader(trainer)  # the sampler as this epoch starts (its epoch, for one)
             report.sampler = probes.describe_sampler(loader, trainer) if loader is not None else {}
             if report.sampler.get("order_unknown"):
@@ -471,6 +473,13 @@ class DistributedDoctor(L.Callback):
             raise DistributedDoctorError(stopping + others, strict=self.strict, fatal=[f.rule for f in stopping])
         for finding in new:
             rank_zero_warn(f"{_OWNER} " + finding.format(), category=DistributedDoctorWarning)
+
+
+def _batches_left(trainer: L.Trainer) -> float:
+    """Training batches until ``max_steps`` ends the fit (inf: no such limit)."""
+    if trainer.max_steps is None or trainer.max_steps < 0:
+        return math.inf
+    return float(max(0, trainer.max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches))
 
 
 def _severity(finding: Finding) -> str:

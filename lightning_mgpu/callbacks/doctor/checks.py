@@ -160,19 +160,34 @@ def check_epoch_order(
     )
 
 
-def check_batch_counts(counts: Sequence[float], epoch: int) -> Optional[Finding]:
+def check_batch_counts(counts: Sequence[float], epoch: int, batches_left: float = math.inf) -> Optional[Finding]:
+    """``counts[r]``: rank ``r``'s training batches this epoch (inf: unknown); ``batches_left``: batches until
+    the fit ends (``max_steps``), inf without a limit. Fatal only when the fit would run past the shortest
+    rank's last batch."""
     finite = [c for c in counts if c is not None and math.isfinite(c)]
     if len(finite) != len(counts) or len(set(finite)) <= 1:
         return None
     low = int(min(finite))
     per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(finite))
+    fix = RULES["uneven-batches"].fix + f"; or stop every rank at the shortest: Trainer(limit_train_batches={low})"
+    seen = f"epoch {epoch} has different numbers of training batches per rank ({per_rank})"
+    if batches_left <= low:
+        return Finding(
+            "uneven-batches",
+            seen=seen + f"; this fit ends (max_steps) after {int(batches_left)} more batch(es), before the shortest "
+            "rank runs out",
+            why="this run ends before the ranks fall out of step, but a longer one (more steps, another epoch) hangs "
+            "or fails at the shortest rank's last batch",
+            fix=fix,
+            severity="wrong",  # not this run's crash: it goes on
+        )
     return Finding(
         "uneven-batches",
-        seen=f"epoch {epoch} has different numbers of training batches per rank ({per_rank})",
+        seen=seen,
         why=f"after batch {low} the ranks with {low} batches end the epoch while the others run one more step: "
         "from then on the ranks' collectives no longer pair up, and the job hangs until the collective timeout "
         "(30 minutes by default) or fails when a rank exits",
-        fix=RULES["uneven-batches"].fix + f"; or stop every rank at the shortest: Trainer(limit_train_batches={low})",
+        fix=fix,
     )
 
 
@@ -410,7 +425,7 @@ def _dataparallel(s: Snapshot) -> Iterable[Optional[Finding]]:
 
 def _batch_counts(s: Snapshot) -> Iterable[Optional[Finding]]:
     if s.batch_counts is not None:
-        yield check_batch_counts(s.batch_counts, s.epoch)
+        yield check_batch_counts(s.batch_counts, s.epoch, s.batches_left)
 
 
 def _first_batches(s: Snapshot) -> Iterable[Optional[Finding]]:

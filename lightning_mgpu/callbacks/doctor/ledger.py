@@ -109,10 +109,13 @@ class Ledger:
         snapshot.samplers = self.samplers
         if first.batches is not None:
             counts = [float(report.batches or 0.0) for report in reports]
-            snapshot.batch_counts = counts
-            # Whether or not the rule is enabled: checks must not wait for ranks that have run out of batches.
-            self.epoch_batch_limit = min(counts) if check_batch_counts(counts, epoch) is not None else None
-            if self.epoch_batch_limit is not None:
+            snapshot.batch_counts, snapshot.batches_left = counts, first.batches_left
+            # Whether or not the rule is enabled: checks must not wait for ranks that have run out of batches
+            # (unless the fit ends before the shortest rank's last batch: then they never do).
+            uneven = check_batch_counts(counts, epoch) is not None
+            reached = uneven and min(counts) < first.batches_left
+            self.epoch_batch_limit = min(counts) if reached else None
+            if reached:
                 self.out_of_step_epoch = epoch
         if world > 1:
             snapshot.first_batches = self._absorb_digests([report.digests for report in reports])

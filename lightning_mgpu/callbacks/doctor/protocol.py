@@ -10,6 +10,7 @@ Plain data (dicts, lists, dataclasses): it is pickled between ranks. No torch im
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, TypedDict
 
@@ -136,6 +137,9 @@ class RankReport:
     """At the fit's first check."""
     batches: Optional[float] = None
     """Training batches this epoch (inf: unknown length), at epoch start."""
+    batches_left: float = math.inf
+    """Training batches until ``max_steps`` ends the fit (inf: no such limit), at epoch start (the same on
+    every rank)."""
     sampler: Optional[SamplerInfo] = None
     """At epoch start."""
     random_state_sent: bool = False
@@ -187,6 +191,8 @@ class Snapshot:
     setups: Optional[list[SetupInfo]] = None
     """At the fit's first check."""
     batch_counts: Optional[list[float]] = None
+    batches_left: float = math.inf
+    """As the epoch started: training batches until ``max_steps`` ends the fit."""
     samplers: list[SamplerInfo] = field(default_factory=list)
     """As of the latest epoch start."""
     first_batches: list[FirstBatches] = field(default_factory=list)

@@ -93,7 +93,8 @@ RULES: dict[str, Rule] = {
             catches="ranks with different numbers of training batches (the classic hang or crash at the end of an "
             "epoch)",
             detection="each rank's number of batches this epoch, compared at every epoch start, before the first step; "
-            "the run stops there unless stop_on_fatal=False",
+            "the run stops there unless stop_on_fatal=False (only a warning when max_steps ends the fit before the "
+            "shortest rank runs out)",
             cost="one small exchange per epoch",
             fix="give every rank the same number of batches: DistributedSampler pads (drop_last=False) or trims "
             "(drop_last=True) the shards to equal length; split your own shards evenly",
