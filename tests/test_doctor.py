@@ -69,6 +69,11 @@ ISSUE_RULES = {
         ({"disable": ["no-such-rule"]}, "disable"),
         ({"disable": 5}, "disable"),
         ({"disable": [None]}, "disable"),
+        ({"stop_on_fatal": "no"}, "stop_on_fatal"),
+        ({"strict": True, "stop_on_fatal": False}, "strict"),
+        ({"check_timeout": 0}, "check_timeout"),
+        ({"check_timeout": "60"}, "check_timeout"),
+        ({"check_timeout": float("inf")}, "check_timeout"),
     ],
 )
 def test_bad_arguments_give_one_clear_error_naming_the_argument(kwargs: dict[str, Any], names: str) -> None:
@@ -120,6 +125,27 @@ def test_finding_says_what_why_and_how_and_the_error_names_the_rules() -> None:
     assert isinstance(error, RuntimeError)
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error) and copy.rules == error.rules
+
+
+def test_a_fatal_stop_names_the_fatal_rules_and_how_to_only_warn() -> None:
+    fatal = findings.Finding("unused-parameters", "no grad", "w", "f")
+    other = findings.Finding("params-diverged", "differ", "w", "f", severity=None)
+    error = DistributedDoctorError([fatal, other], strict=False, fatal=["unused-parameters"])
+    first_line = str(error).splitlines()[0]
+    assert first_line == (
+        "DistributedDoctor stopped the run on every rank: unused-parameters (fatal: the run would crash or hang); "
+        "also found: params-diverged"
+    )
+    assert "DistributedDoctor(stop_on_fatal=False) only warns" in str(error) and error.rules == [
+        "unused-parameters",
+        "params-diverged",
+    ]
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error) and copy.fatal == ["unused-parameters"]
+    # A finding's own severity (not its rule's) survives the exchange and the checkpoint.
+    wrong = findings.Finding("unused-parameters", "never trained", "w", "f", severity="wrong")
+    assert findings.Finding.from_dict(wrong.as_dict()) == wrong
+    assert findings.Finding.from_dict({k: v for k, v in fatal.as_dict().items() if k != "severity"}) == fatal
 
 
 def test_local_findings_merge_into_one_per_rule_naming_the_ranks() -> None:
@@ -189,10 +215,57 @@ def test_uneven_batches_predicts_the_hang_and_suggests_the_limit() -> None:
     assert "limit_train_batches=8" in finding.fix and "hangs" in finding.why
     assert checks.check_batch_counts([8.0, 8.0], 0) is None
     assert checks.check_batch_counts([math.inf, 8.0], 0) is None  # an iterable of unknown length: no verdict
+    assert finding.severity is None  # the rule's: fatal
+    # A fit that ends (max_steps) before the shortest rank runs out does not hang: a warning for longer runs.
+    short_fit = checks.check_batch_counts([8.0, 9.0], 0, batches_left=8)
+    assert short_fit is not None and short_fit.severity == "wrong" and "after 8 more batch(es)" in short_fit.seen
+    assert checks.check_batch_counts([8.0, 9.0], 0, batches_left=9).severity is None  # type: ignore[union-attr]
 
 
 def _bitsums(tensors: list[torch.Tensor]) -> list[int]:
     return [int(parameters.bitsum(t)) for t in tensors]
+
+
+def test_divergence_from_a_bucket_ddp_never_reduced_is_put_down_to_the_unused_parameters() -> None:
+    """Issue 28 (5): a BERT whose pooler gets no gradient under find_unused_parameters=False diverges in every
+    tensor of the pooler's bucket; the finding must say why, with the fix that works."""
+    sums, names = [[1, 2, 3], [1, 5, 7]], ["encoder.w", "encoder.b", "pooler.dense.weight"]
+    plain = checks.check_params(sums, names, buffers_checked=False)
+    assert plain is not None and plain.fix == RULES["params-diverged"].fix
+    explained = checks.check_params(sums, names, False, unreduced=["pooler.dense.weight", "pooler.dense.bias"])
+    assert explained is not None and explained.rule == "params-diverged"
+    assert "2 tensor(s) differ" in explained.seen
+    assert "follow from unused-parameters" in explained.seen and "pooler.dense.weight, pooler.dense.bias" in (
+        explained.seen
+    )
+    assert explained.fix.endswith(RULES["unused-parameters"].fix) and "load weights" not in explained.fix
+    assert "never averaged" in explained.why
+
+
+def test_unused_parameters_under_find_unused_true_is_not_fatal() -> None:
+    never = checks.check_param_usage([[4, 0], [4, 0]], [4, 4], ["w", "extra.w"], find_unused=True)
+    assert never is not None and never.rule == "unused-parameters" and never.severity == "wrong"
+    assert RULES["unused-parameters"].severity == "fatal"  # the find_unused_parameters=False kind
+    assert checks.unused_needed_finding(["w"]).severity is None
+
+
+def test_reentrant_checkpoints_are_found_in_the_graph_however_checkpoint_was_called() -> None:
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+    x = torch.randn(2, 4)
+    wrapped = partial(checkpoint, use_reentrant=True)  # e.g. Hugging Face's _gradient_checkpointing_func
+    two = c(wrapped(b, wrapped(a, x.requires_grad_())))
+    assert probes.reentrant_checkpoints(two.sum()) == 2
+    assert probes.reentrant_checkpoints({"loss": two.sum(), "aux": [two]}) == 2
+    seq = checkpoint_sequential(nn.Sequential(a, nn.Tanh(), b), 2, x, use_reentrant=True)
+    assert probes.reentrant_checkpoints(seq) >= 1
+    assert probes.reentrant_checkpoints(c(checkpoint(b, a(x), use_reentrant=False)).sum()) == 0
+    assert probes.reentrant_checkpoints(c(b(a(x))).sum()) == 0
+    assert probes.reentrant_checkpoints(torch.ones(1)) == 0  # no graph
 
 
 def test_param_checksums_are_exact_and_independent_of_the_reduction_order() -> None:
@@ -411,3 +484,72 @@ def test_strict_raises_and_disable_silences() -> None:
     doctor = DistributedDoctor(strict=True, disable=["dataparallel-wrapped"])
     _fit(doctor)
     assert doctor.findings == []
+
+
+# ----------------------------------------------------------------------------- one rank under DDP, in this process
+
+
+class _Checkpointed(L.LightningModule):
+    """Its last layer runs under a reentrant checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        out: torch.Tensor = checkpoint(self.last, self.first(batch[0]), use_reentrant=True)
+        return out.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+
+
+@pytest.fixture
+def one_ddp_rank(clean_process: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _fit_checkpointed(doctor: DistributedDoctor, **ddp: Any) -> None:
+    from lightning_mgpu import TunedDDPStrategy
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=TunedDDPStrategy(find_unused_parameters=True, **ddp),
+        max_steps=2,
+        callbacks=[doctor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_Checkpointed())
+
+
+@pytest.mark.usefixtures("one_ddp_rank")
+def test_reentrant_checkpoint_under_find_unused_stops_the_run_before_ddps_first_backward() -> None:
+    """Issue 28 (4): torch.utils.checkpoint(use_reentrant=True) with find_unused_parameters=True."""
+    with pytest.raises(DistributedDoctorError) as info:
+        _fit_checkpointed(DistributedDoctor())
+    assert info.value.rules == ["reentrant-checkpoint"] and info.value.findings[0].step == 0
+    assert "static_graph=True" in str(info.value) and "use_reentrant=False" in str(info.value)
+
+
+@pytest.mark.usefixtures("one_ddp_rank")
+def test_reentrant_checkpoint_only_warned_is_followed_by_the_failure_it_predicts() -> None:
+    with pytest.warns(DistributedDoctorWarning, match=r"\[reentrant-checkpoint\] at step 0"):
+        with pytest.raises(RuntimeError, match="Expected to mark a variable ready only once"):
+            _fit_checkpointed(DistributedDoctor(stop_on_fatal=False))
+
+
+@pytest.mark.usefixtures("one_ddp_rank")
+def test_reentrant_checkpoint_with_the_fix_trains_without_a_finding() -> None:
+    doctor = DistributedDoctor(strict=True)
+    _fit_checkpointed(doctor, static_graph=True)
+    assert doctor.findings == [] and doctor.ledger.batches_seen == 2

@@ -7,6 +7,11 @@ Mistakes are grouped into few launches (tests/scripts/doctor_fit.py) to keep the
   never trains; checkpointed every epoch, and resumed from epoch 0 (``resumed``);
 * three strict runs (Lightning's launcher and torchrun) that must stop on both ranks at the
   same check, naming the rule, before the hang or crash they predict;
+* the default settings stopping every rank at a fatal finding: uneven batches (under ``ddp_tuned``
+  and stock ``ddp``), a reentrant checkpoint; and, told only to warn, the doctor staying out of the
+  way of the failure it predicted; ranks out of step on data of unknown length waiting for each
+  other no longer than ``check_timeout``;
+* a Hugging Face BERT whose pooler is unused: the divergence it causes is put down to it;
 * a correct run with every check active (strict), and the three recipes with ``--doctor``.
 """
 
@@ -186,6 +191,85 @@ def test_strict_params_diverged_stops_both_ranks_at_the_same_check(tmp_path: Pat
     assert run.output.count("DistributedDoctorError: DistributedDoctor(strict=True)") >= 2  # raised on both ranks
 
 
+# ----------------------------------------------------------------------------- default settings: fatal stops every rank
+
+FATAL_STOP = "DistributedDoctor stopped the run on every rank: "
+
+
+@pytest.mark.parametrize("strategy", ["ddp_tuned", "ddp"])
+def test_uneven_batches_stop_every_rank_by_default_within_a_minute(strategy: str, tmp_path: Path) -> None:
+    """Issue 28 (2): rank 1 one batch short, DistributedDoctor() with its defaults. It used to warn, then hang
+    in its own epoch-start collective until the collective timeout (30 minutes)."""
+    run = launch(tmp_path / "out", "--mistakes", "short-rank", "--strategy", strategy, check=False)
+    assert run.returncode != 0, run.output
+    for rank in run.ranks:  # each rank stopped itself (and re-raised: a non-zero exit) at the same check
+        assert rank["error_rules"] == ["uneven-batches"] and rank["error_step"] == 0 and not rank["completed"], rank
+        assert rank["fit_s"] < 60, rank["fit_s"]
+    assert "rank 0: 8, rank 1: 7" in run.ranks[1]["error"] and "limit_train_batches=7" in run.ranks[1]["error"]
+    assert FATAL_STOP + "uneven-batches (fatal: the run would crash or hang)" in run.output
+
+
+def test_uneven_batches_only_warned_go_on_into_ddps_failure_with_no_doctor_collective_in_the_way(
+    tmp_path: Path,
+) -> None:
+    """stop_on_fatal=False: the doctor warns, then makes no check the ranks cannot all reach. The run fails
+    as it does without the doctor (rank 1 ends its fit early; rank 0's next all-reduce finds it gone)."""
+    run = launch(tmp_path / "out", "--mistakes", "short-rank,unsynced-log", "--warn-fatal", check=False)
+    assert run.returncode != 0, run.output
+    assert "DistributedDoctor [uneven-batches] at step 0" in run.output
+    shorter, longer = run.ranks[1], run.ranks[0]
+    assert shorter["completed"] and shorter["global_step"] == 14  # 2 epochs of 7 batches, no doctor wait
+    assert not longer["completed"] and longer["error_type"] == "RuntimeError"  # DDP's own error, not ours
+    assert "Connection closed by peer" in longer["error"] and "DistributedDoctor" not in longer["error"]
+
+
+def test_ranks_out_of_step_on_data_of_unknown_length_wait_for_each_other_no_longer_than_check_timeout(
+    tmp_path: Path,
+) -> None:
+    """A stream (no length) one batch shorter on rank 1: nothing to compare in advance. Rank 1 reaches the end
+    of its epoch while rank 0 is still in its next step (held in a collective that waits for rank 1): rank 1
+    waits check_timeout at the epoch-end check, then stops naming rank 0 and where it was last seen."""
+    run = launch(tmp_path / "out", "--mistakes", "short-iterable", "--check-timeout", "5", check=False)
+    assert run.returncode != 0, run.output
+    waiting, held = run.ranks[1], run.ranks[0]
+    assert waiting["error_type"] == "DistributedDoctorOutOfStep", waiting
+    assert waiting["error"].startswith(
+        "DistributedDoctor: rank 0 did not reach check 4 (the end of epoch 0) within 5 s"
+    )
+    assert "rank 0 was last at check 3 (after batch 3 of epoch 0)" in waiting["error"]
+    assert 5 <= waiting["fit_s"] < 60
+    assert held["error_type"] == "RuntimeError" and not held["completed"]  # freed by rank 1's exit
+
+
+def test_reentrant_checkpoint_stops_both_ranks_before_the_first_backward(tmp_path: Path) -> None:
+    """Issue 28 (4): checkpoint(use_reentrant=True) with find_unused_parameters=True used to end in torch's
+    raw "Expected to mark a variable ready only once" on both ranks."""
+    run = launch(tmp_path / "out", "--mistakes", "reentrant", check=False)
+    assert run.returncode != 0, run.output
+    for rank in run.ranks:
+        assert rank["error_rules"] == ["reentrant-checkpoint"] and rank["error_step"] == 0, rank
+    assert "1 reentrant checkpoint region(s)" in run.ranks[0]["error"]
+    assert FATAL_STOP + "reentrant-checkpoint" in run.output
+    assert "Expected to mark a variable ready only once" not in run.output  # DDP never got there
+
+
+def test_bert_whose_pooler_is_unused_diverges_because_of_it_and_is_told_so(tmp_path: Path) -> None:
+    """Issue 28 (5): a Hugging Face BertModel (tiny config) whose pooler the loss never uses, under stock DDP
+    (find_unused_parameters=False). Its parameters diverge across ranks because DDP never all-reduced the
+    pooler's bucket: params-diverged used to blame rank-dependent code ("load weights on every rank")."""
+    run = launch(tmp_path / "out", "--model", "bert", "--strategy", "ddp", check=False)
+    unused, diverged = run.finding("unused-parameters"), run.finding("params-diverged")
+    assert "bert.pooler.dense.weight, bert.pooler.dense.bias" in unused["seen"]
+    assert "follow from unused-parameters" in diverged["seen"] and "bert.pooler.dense.weight" in diverged["seen"]
+    assert "load weights" not in diverged["fix"] and "find_unused_parameters=True" in diverged["fix"]
+    assert unused["step"] == diverged["step"] == 1
+    for rank in run.ranks:  # the unused pooler is fatal (DDP fails at the next step): both ranks stop together
+        assert rank["error_rules"] == ["unused-parameters", "params-diverged"] and rank["error_step"] == 1, rank
+    assert FATAL_STOP + "unused-parameters (fatal: the run would crash or hang); also found: params-diverged" in (
+        run.output
+    )
+
+
 # ----------------------------------------------------------------------------- silent on correct runs
 
 
@@ -219,5 +303,5 @@ def test_recipes_run_clean_under_the_strict_doctor(recipe: str, flags: list[str]
 
 
 def test_every_rule_is_provoked_by_a_launch_here() -> None:
-    provoked = SHARED_RULES | SAMPLER_RULES | {"uneven-batches"}
+    provoked = SHARED_RULES | SAMPLER_RULES | {"uneven-batches", "reentrant-checkpoint"}
     assert provoked == set(RULE_IDS)

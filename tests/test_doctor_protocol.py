@@ -179,6 +179,37 @@ def test_ledger_stops_checks_past_the_shortest_rank_even_with_the_rule_disabled(
     assert book.epoch_batch_limit is None
 
 
+def test_once_batch_counts_differ_checks_are_made_only_within_the_shortest_ranks_batches() -> None:
+    """Issue 28 (2): past the shortest rank's last batch, a check would wait for ranks that are elsewhere."""
+    book = ledger.Ledger()
+    assert book.may_check(0) and book.may_check(0, 11)
+    _absorb(book, _reports(batches=[10.0, 9.0]), epoch=1)
+    assert book.out_of_step_epoch == 1 and book.epoch_batch_limit == 9.0
+    assert book.may_check(1, 7) and not book.may_check(1, 8)  # after batch 8, rank 1 has left the epoch
+    assert book.may_check(1, 8, during=True) and not book.may_check(1, 9, during=True)
+    for epoch in (1, 2):
+        assert not book.may_check(epoch)  # epoch ends, validation ends, epoch starts, the end of training
+    assert not book.may_check(2, 0)
+    book.reset()  # a new fit
+    assert book.may_check(0)
+    # The fit ends (max_steps) before the shortest rank's last batch: the ranks never fall out of step.
+    ends_first = [RankReport(batches=count, batches_left=9.0) for count in (10.0, 9.0)]
+    snapshot = _absorb(book, ends_first)
+    assert book.may_check(0) and book.may_check(0, 20) and book.out_of_step_epoch is None
+    (finding,) = checks.evaluate(snapshot)
+    assert finding.rule == "uneven-batches" and finding.severity == "wrong"
+
+
+def test_parameters_without_a_gradient_are_kept_for_the_divergence_they_cause() -> None:
+    book = ledger.Ledger()
+    snapshot = _absorb(book, _reports(missing_grads=[["pooler.w", "pooler.b"], ["pooler.w"]]))
+    assert snapshot.unreduced == ["pooler.w", "pooler.b"]
+    later = _absorb(book, _reports(param_sums=[[1], [2]]))
+    assert later.unreduced == ["pooler.w", "pooler.b"]
+    (finding,) = checks.evaluate(later)
+    assert finding.rule == "params-diverged" and "follow from unused-parameters" in finding.seen
+
+
 def test_ledger_sums_parameter_use_over_the_window_and_judges_it_when_it_closes() -> None:
     book = ledger.Ledger()
     open_window = _absorb(book, _reports(usage=[UsageReport([2], 2, False), UsageReport([1], 2, False)]))

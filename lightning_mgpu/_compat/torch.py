@@ -269,3 +269,52 @@ BATCHNORM_TYPES: "tuple[type[_nn_for_hooks.Module], ...]" = (
 def is_batchnorm(module: object) -> bool:
     """Whether ``module`` is a BatchNorm layer of any flavour (1d/2d/3d, lazy, SyncBatchNorm)."""
     return isinstance(module, BATCHNORM_TYPES)
+
+
+# ---------------------------------------------------------------------------------------
+# DistributedDoctor: the rendezvous store its checks meet through, and reentrant checkpoints
+# ---------------------------------------------------------------------------------------
+import torch.utils.checkpoint as _checkpoint
+
+_DEFAULT_STORE = guarded(
+    "torch.distributed.distributed_c10d",
+    "_get_default_store",
+    required=False,
+    why="the default process group's rendezvous store, where DistributedDoctor's ranks meet before a check "
+    "(a bounded wait that sees a rank that left); fallback: the check's collective alone, unbounded",
+)
+
+
+def default_group_store() -> "_dist.Store | None":
+    """The store the default process group was made with (None: no group, or this torch does not say)."""
+    if not (_dist.is_available() and _dist.is_initialized()):
+        return None
+    get = getattr(_dist.distributed_c10d, _DEFAULT_STORE.attribute, None)
+    if get is None:
+        return None
+    try:
+        store = get()
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    return store if isinstance(store, _dist.Store) else None
+
+
+_CHECKPOINT_NODE = guarded(
+    "torch.utils.checkpoint",
+    "CheckpointFunction._backward_cls",
+    required=False,
+    why="the autograd node type of a reentrant checkpoint (fallback: the node's name, 'CheckpointFunctionBackward')",
+)
+_CHECKPOINT_NODE_TYPE: "type | None" = getattr(
+    getattr(_checkpoint, "CheckpointFunction", None), _CHECKPOINT_NODE.attribute.rsplit(".", 1)[-1], None
+)
+
+
+def is_reentrant_checkpoint_node(node: object) -> bool:
+    """Whether an autograd graph node is the backward of ``torch.utils.checkpoint``'s reentrant variant
+    (``use_reentrant=True``; its recomputation runs its own backward, where DDP sees every parameter's
+    gradient a second time)."""
+    if _CHECKPOINT_NODE_TYPE is not None:
+        return isinstance(node, _CHECKPOINT_NODE_TYPE)
+    name = getattr(node, "name", None)
+    return callable(name) and name() == "CheckpointFunctionBackward"

@@ -3,6 +3,7 @@
 One job per module; imports go downwards in this list:
 
 - :mod:`.callback`: the Lightning hooks (feed the probes, exchange, warn or raise);
+- :mod:`.exchange`: how the ranks meet before a check's collective (bounded, never waiting on a rank that left);
 - :mod:`.probes`, :mod:`.parameters`: what is measured on the trainer, the model, the loaders;
 - :mod:`.ledger`: what the ranks agreed on, merged check by check into a snapshot (checkpointed);
 - :mod:`.checks`: pure checks over a snapshot (tested without a Trainer);
@@ -12,7 +13,12 @@ One job per module; imports go downwards in this list:
 """
 
 from lightning_mgpu.callbacks.doctor.callback import DistributedDoctor
-from lightning_mgpu.callbacks.doctor.findings import DistributedDoctorError, DistributedDoctorWarning, Finding
+from lightning_mgpu.callbacks.doctor.findings import (
+    DistributedDoctorError,
+    DistributedDoctorOutOfStep,
+    DistributedDoctorWarning,
+    Finding,
+)
 from lightning_mgpu.callbacks.doctor.rules import RULE_IDS, RULES, Rule
 
 __all__ = [
@@ -20,6 +26,7 @@ __all__ = [
     "RULE_IDS",
     "DistributedDoctor",
     "DistributedDoctorError",
+    "DistributedDoctorOutOfStep",
     "DistributedDoctorWarning",
     "Finding",
     "Rule",

@@ -33,6 +33,7 @@ __all__ = [
     "check_unsynced_metrics",
     "check_unused_devices",
     "evaluate",
+    "reentrant_checkpoint_finding",
     "unused_needed_finding",
 ]
 
@@ -159,24 +160,44 @@ def check_epoch_order(
     )
 
 
-def check_batch_counts(counts: Sequence[float], epoch: int) -> Optional[Finding]:
+def check_batch_counts(counts: Sequence[float], epoch: int, batches_left: float = math.inf) -> Optional[Finding]:
+    """``counts[r]``: rank ``r``'s training batches this epoch (inf: unknown); ``batches_left``: batches until
+    the fit ends (``max_steps``), inf without a limit. Fatal only when the fit would run past the shortest
+    rank's last batch."""
     finite = [c for c in counts if c is not None and math.isfinite(c)]
     if len(finite) != len(counts) or len(set(finite)) <= 1:
         return None
     low = int(min(finite))
     per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(finite))
+    fix = RULES["uneven-batches"].fix + f"; or stop every rank at the shortest: Trainer(limit_train_batches={low})"
+    seen = f"epoch {epoch} has different numbers of training batches per rank ({per_rank})"
+    if batches_left <= low:
+        return Finding(
+            "uneven-batches",
+            seen=seen + f"; this fit ends (max_steps) after {int(batches_left)} more batch(es), before the shortest "
+            "rank runs out",
+            why="this run ends before the ranks fall out of step, but a longer one (more steps, another epoch) hangs "
+            "or fails at the shortest rank's last batch",
+            fix=fix,
+            severity="wrong",  # not this run's crash: it goes on
+        )
     return Finding(
         "uneven-batches",
-        seen=f"epoch {epoch} has different numbers of training batches per rank ({per_rank})",
-        why=f"after batch {low} the ranks with {low} batches end the epoch while the others wait in the next "
-        "gradient all-reduce: the job hangs until the collective timeout (30 minutes by default)",
-        fix=RULES["uneven-batches"].fix + f"; or stop every rank at the shortest: Trainer(limit_train_batches={low})",
+        seen=seen,
+        why=f"after batch {low} the ranks with {low} batches end the epoch while the others run one more step: "
+        "from then on the ranks' collectives no longer pair up, and the job hangs until the collective timeout "
+        "(30 minutes by default) or fails when a rank exits",
+        fix=fix,
     )
 
 
-def check_params(bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers_checked: bool) -> Optional[Finding]:
+def check_params(
+    bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers_checked: bool, unreduced: Sequence[str] = ()
+) -> Optional[Finding]:
     """``bitsums[r][i]``: the exact bit-pattern checksum of tensor ``names[i]`` on rank ``r``
-    (see ``DistributedDoctor``): equal for bitwise-equal tensors, different for any change."""
+    (see ``DistributedDoctor``): equal for bitwise-equal tensors, different for any change.
+    ``unreduced``: parameters that got no gradient under ``find_unused_parameters=False``; DDP then did
+    not all-reduce their buckets, which explains the divergence (the finding says so, with that fix)."""
     if len(bitsums) < 2 or any(len(s) != len(names) for s in bitsums):
         return None
     differ: list[str] = []
@@ -188,10 +209,23 @@ def check_params(bitsums: Sequence[Sequence[int]], names: Sequence[str], buffers
             ranks.update(bad)
     if not differ:
         return None
+    seen = f"{len(differ)} tensor(s) differ between rank 0 and rank(s) {rank_list(sorted(ranks))}: {name_list(differ)}"
+    if unreduced:
+        # DDP launches a bucket's all-reduce once every parameter in it has its gradient: a parameter that gets
+        # none holds its whole bucket back, and at the end of that backward the bucket's gradients stay local.
+        return Finding(
+            "params-diverged",
+            seen=seen + f"; they follow from unused-parameters: {len(unreduced)} parameter(s) got no gradient with "
+            f"find_unused_parameters=False ({name_list(list(unreduced))})",
+            why="DDP all-reduces a bucket only once every parameter in it has a gradient: the buckets holding "
+            "those parameters were never averaged, so every parameter sharing them stepped with its own rank's "
+            "gradient, and the replicas drifted apart",
+            fix="fix the unused parameters and this goes with them: " + RULES["unused-parameters"].fix,
+        )
     kinds = "parameters" + (" and buffers" if buffers_checked else "")
     return Finding(
         "params-diverged",
-        seen=f"{len(differ)} tensor(s) differ between rank 0 and rank(s) {rank_list(sorted(ranks))}: {name_list(differ)}",
+        seen=seen,
         why=f"DDP keeps replicas identical only if every change goes through the averaged gradients; {kinds} that "
         "drifted stay apart for the rest of the run (each rank trains a different model, the checkpoint keeps "
         "rank 0's)",
@@ -315,6 +349,7 @@ def check_param_usage(
             "every step",
             fix="requires_grad_(False) on them (or remove them) if they are not meant to train; check the forward "
             "pass if they are",
+            severity="wrong",  # DDP copes (find_unused_parameters=True): the run goes on, without them training
         )
     always = all(c[i] == b for c, b in zip(counts, batches) for i in range(len(names)))
     if find_unused and always:
@@ -338,6 +373,19 @@ def unused_needed_finding(names: Sequence[str]) -> Finding:
         why="DDP waits for a gradient from every parameter: the next step fails (DDP did not finish reducing the "
         "previous step's gradients), and the gradients in their bucket were never averaged across ranks",
         fix=RULES["unused-parameters"].fix,
+    )
+
+
+def reentrant_checkpoint_finding(regions: int) -> Finding:
+    return Finding(
+        "reentrant-checkpoint",
+        seen=f"the first loss's autograd graph holds {regions} reentrant checkpoint region(s) "
+        "(torch.utils.checkpoint with use_reentrant=True), and DDP has find_unused_parameters=True without a "
+        "static graph",
+        why="a reentrant checkpoint runs its region without a graph and recomputes it during backward: DDP's search "
+        "for unused parameters after the forward misses the region's parameters and marks them ready, then their "
+        "gradients arrive in the backward and DDP stops with an error at the first backward",
+        fix=RULES["reentrant-checkpoint"].fix,
     )
 
 
@@ -377,7 +425,7 @@ def _dataparallel(s: Snapshot) -> Iterable[Optional[Finding]]:
 
 def _batch_counts(s: Snapshot) -> Iterable[Optional[Finding]]:
     if s.batch_counts is not None:
-        yield check_batch_counts(s.batch_counts, s.epoch)
+        yield check_batch_counts(s.batch_counts, s.epoch, s.batches_left)
 
 
 def _first_batches(s: Snapshot) -> Iterable[Optional[Finding]]:
@@ -394,7 +442,7 @@ def _random_state(s: Snapshot) -> Iterable[Optional[Finding]]:
 
 def _params(s: Snapshot) -> Iterable[Optional[Finding]]:
     if s.param_sums is not None and s.world_size > 1:
-        yield check_params(s.param_sums, s.tensor_names, s.buffers_checked)
+        yield check_params(s.param_sums, s.tensor_names, s.buffers_checked, s.unreduced)
 
 
 def _metrics(s: Snapshot) -> Iterable[Optional[Finding]]:
@@ -425,7 +473,7 @@ CHECKS: tuple[Check, ...] = (
 )
 """In the order their findings are reported within one check."""
 
-LOCAL_RULES: frozenset[str] = frozenset({"batchnorm-without-sync", "unused-parameters"})
+LOCAL_RULES: frozenset[str] = frozenset({"batchnorm-without-sync", "unused-parameters", "reentrant-checkpoint"})
 """Rules a rank judges on its own (the findings arrive in ``Snapshot.local_findings``)."""
 
 

@@ -55,8 +55,30 @@ class Ledger:
         self.epoch_batch_limit: Optional[float] = None
         """The shortest rank's batch count this epoch when the ranks' counts differ: past it the other
         ranks would not join a check."""
+        self.out_of_step_epoch: Optional[int] = None
+        """The epoch whose batch counts differ across ranks: from its shortest rank's last batch on, the ranks
+        are out of step for the rest of the fit, and no check is made."""
+        self.unreduced: list[str] = []
+        """Parameters without a gradient on some rank under find_unused_parameters=False (their DDP buckets
+        were not all-reduced)."""
 
     # ------------------------------------------------------------------ checks
+
+    def may_check(self, epoch: int, batch_idx: Optional[int] = None, *, during: bool = False) -> bool:
+        """Whether every rank is certain to reach a check made now: after training batch ``batch_idx`` of
+        ``epoch`` (``during``: within it, e.g. before its backward), or, with ``batch_idx`` None, at an
+        epoch's start or end, a validation's end, the end of training.
+
+        Once an epoch's batch counts differ, the ranks meet only within the shortest rank's batches (and
+        not after its last one): past it the shorter ranks go on without the others (into the next epoch,
+        or the end of the fit) and would wait at a check the others never reach.
+        """
+        if self.out_of_step_epoch is None:
+            return True
+        limit = self.epoch_batch_limit
+        if batch_idx is None or epoch != self.out_of_step_epoch or limit is None:
+            return False
+        return batch_idx < limit if during else batch_idx + 1 < limit
 
     def absorb(
         self,
@@ -87,9 +109,14 @@ class Ledger:
         snapshot.samplers = self.samplers
         if first.batches is not None:
             counts = [float(report.batches or 0.0) for report in reports]
-            snapshot.batch_counts = counts
-            # Whether or not the rule is enabled: checks must not wait for ranks that have run out of batches.
-            self.epoch_batch_limit = min(counts) if check_batch_counts(counts, epoch) is not None else None
+            snapshot.batch_counts, snapshot.batches_left = counts, first.batches_left
+            # Whether or not the rule is enabled: checks must not wait for ranks that have run out of batches
+            # (unless the fit ends before the shortest rank's last batch: then they never do).
+            uneven = check_batch_counts(counts, epoch) is not None
+            reached = uneven and min(counts) < first.batches_left
+            self.epoch_batch_limit = min(counts) if reached else None
+            if reached:
+                self.out_of_step_epoch = epoch
         if world > 1:
             snapshot.first_batches = self._absorb_digests([report.digests for report in reports])
         if first.random_state_sent:
@@ -105,6 +132,9 @@ class Ledger:
         if first.timing is not None:
             snapshot.timings = [report.timing for report in reports if report.timing is not None]
             snapshot.loaders = [setup.loader for setup in self.setups]
+        for report in reports:
+            self.unreduced += [name for name in report.missing_grads or () if name not in self.unreduced]
+        snapshot.unreduced = list(self.unreduced)
         if first.usage is not None:
             usage = [report.usage for report in reports if report.usage is not None]
             self._absorb_usage(usage)

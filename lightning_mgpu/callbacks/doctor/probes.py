@@ -29,7 +29,7 @@ from lightning_mgpu._compat.lightning import (
     time_train_fetches,
     trainer_uses_distributed_sampler,
 )
-from lightning_mgpu._compat.torch import is_batchnorm
+from lightning_mgpu._compat.torch import is_batchnorm, is_reentrant_checkpoint_node
 from lightning_mgpu.callbacks.doctor.protocol import (
     AugmentInfo,
     DistributedSamplerInfo,
@@ -50,6 +50,7 @@ __all__ = [
     "observe_setup",
     "probe_augmentation",
     "random_state_digest",
+    "reentrant_checkpoints",
     "train_loader",
     "unsynced_metric_values",
     "worker_seed_source_digest",
@@ -340,6 +341,42 @@ def batch_size_of(batch: Any) -> Optional[int]:
         return int(extract_batch_size(batch))
     except Exception:  # noqa: BLE001 - an opaque batch: no verdict
         return None
+
+
+# --------------------------------------------------------------------------- the first loss's graph
+
+
+def reentrant_checkpoints(output: Any) -> int:
+    """Reentrant checkpoint regions (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, and what
+    calls it: ``checkpoint_sequential``, Hugging Face's gradient checkpointing) in the autograd graph that
+    produced ``output`` (a tensor, or tensors nested in lists/tuples/dicts).
+
+    The graph itself, not the call: it finds the regions however ``checkpoint`` was imported or wrapped.
+    A region whose inputs need no gradient is not in the graph (it gives its parameters no gradient either).
+    """
+    roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    seen: dict[int, Any] = {}  # the nodes themselves kept: a freed node's id may come back for another
+    found = 0
+    while roots:
+        node = roots.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if is_reentrant_checkpoint_node(node):
+            found += 1
+        roots.extend(child for child, _ in node.next_functions if child is not None)
+    return found
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
 
 
 # --------------------------------------------------------------------------- logged metrics

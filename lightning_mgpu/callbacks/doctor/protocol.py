@@ -10,6 +10,7 @@ Plain data (dicts, lists, dataclasses): it is pickled between ranks. No torch im
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, TypedDict
 
@@ -136,6 +137,9 @@ class RankReport:
     """At the fit's first check."""
     batches: Optional[float] = None
     """Training batches this epoch (inf: unknown length), at epoch start."""
+    batches_left: float = math.inf
+    """Training batches until ``max_steps`` ends the fit (inf: no such limit), at epoch start (the same on
+    every rank)."""
     sampler: Optional[SamplerInfo] = None
     """At epoch start."""
     random_state_sent: bool = False
@@ -148,6 +152,9 @@ class RankReport:
     timing: Optional[Timing] = None
     """At full checks."""
     usage: Optional[UsageReport] = None
+    missing_grads: Optional[list[str]] = None
+    """Parameters with no gradient after the first backward under ``find_unused_parameters=False`` (DDP then
+    skips the all-reduce of their buckets), once, with the check after that backward."""
 
 
 # --------------------------------------------------------------------------- what the rules judge
@@ -184,6 +191,8 @@ class Snapshot:
     setups: Optional[list[SetupInfo]] = None
     """At the fit's first check."""
     batch_counts: Optional[list[float]] = None
+    batches_left: float = math.inf
+    """As the epoch started: training batches until ``max_steps`` ends the fit."""
     samplers: list[SamplerInfo] = field(default_factory=list)
     """As of the latest epoch start."""
     first_batches: list[FirstBatches] = field(default_factory=list)
@@ -200,3 +209,6 @@ class Snapshot:
     data_wait_threshold: float = 0.25
     usage: Optional[ParamUsage] = None
     """When the parameter-use window closed with this check."""
+    unreduced: list[str] = field(default_factory=list)
+    """Parameters that got no gradient on some rank under ``find_unused_parameters=False`` this fit (so far):
+    DDP did not all-reduce their buckets, and the parameters sharing them drift apart."""

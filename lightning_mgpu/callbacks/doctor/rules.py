@@ -78,7 +78,8 @@ RULES: dict[str, Rule] = {
         Rule(
             "params-diverged",
             catches="parameters that differ across ranks (rank-dependent code, in-place edits, weights loaded on one "
-            "rank, buffers not broadcast)",
+            "rank, buffers not broadcast; or a DDP bucket never all-reduced because a parameter in it got no gradient "
+            "under find_unused_parameters=False: then the finding says so and gives unused-parameters' fix)",
             detection="per tensor, an exact checksum of the bit patterns (integer sum, wrapping) of every parameter "
             "(and buffer, when DDP does not broadcast them), compared across ranks after the first step and every "
             "check_every_n_batches",
@@ -89,8 +90,11 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "uneven-batches",
-            catches="ranks with different numbers of training batches (the classic hang at the end of an epoch)",
-            detection="each rank's number of batches this epoch, compared at every epoch start, before the first step",
+            catches="ranks with different numbers of training batches (the classic hang or crash at the end of an "
+            "epoch)",
+            detection="each rank's number of batches this epoch, compared at every epoch start, before the first step; "
+            "the run stops there unless stop_on_fatal=False (only a warning when max_steps ends the fit before the "
+            "shortest rank runs out)",
             cost="one small exchange per epoch",
             fix="give every rank the same number of batches: DistributedSampler pads (drop_last=False) or trims "
             "(drop_last=True) the shards to equal length; split your own shards evenly",
@@ -108,8 +112,8 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "unused-parameters",
-            catches="parameters that get no gradient: DDP fails at the next step (find_unused_parameters=False), or "
-            "they never train (find_unused_parameters=True)",
+            catches="parameters that get no gradient: DDP fails at the next step (find_unused_parameters=False; "
+            "fatal), or they never train (find_unused_parameters=True; rated wrong, the run goes on)",
             detection="find_unused_parameters=False: .grad still None after the first backward; =True: gradient hooks "
             "over the first max(check_every_n_batches, 8) batches, summed over ranks",
             cost="a loop over the parameters after the first backward; with find_unused_parameters=True one hook call "
@@ -117,6 +121,22 @@ RULES: dict[str, Rule] = {
             fix="for a graph that really skips parameters, find_unused_parameters=True "
             "(strategy='ddp_find_unused_parameters_true' or TunedDDPStrategy(find_unused_parameters=True)); "
             "parameters that never train: requires_grad_(False) or remove them",
+            severity="fatal",
+        ),
+        Rule(
+            "reentrant-checkpoint",
+            catches="reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True, "
+            "checkpoint_sequential, a Hugging Face model's gradient checkpointing) under DDP with "
+            "find_unused_parameters=True: the first backward fails ('Expected to mark a variable ready only once')",
+            detection="before the first backward: the loss's autograd graph holds a reentrant checkpoint's node, "
+            "while DDP has find_unused_parameters=True and no static graph",
+            cost="one walk over the first loss's autograd graph (find_unused_parameters=True only), and one small "
+            "exchange",
+            fix="TunedDDPStrategy(static_graph=True) (stock: DDPStrategy(static_graph=True)) if the graph is the same at "
+            "every step (DDP then finds unused parameters itself: find_unused_parameters is not needed); or "
+            "checkpoint(..., use_reentrant=False) (Hugging Face: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})); or "
+            "find_unused_parameters=False if every parameter gets a gradient",
             severity="fatal",
         ),
         Rule(
