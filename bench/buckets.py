@@ -135,7 +135,8 @@ def build(model_name: str) -> tuple[nn.Module, TensorDataset, Callable[[torch.Te
 
 def distinct_sizes(model_name: str) -> list[dict[str, Any]]:
     """The grid's candidates for this model, one per distinct layout (as ``"auto"`` predicts them)."""
-    from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB, candidates_from_ready_order, observe_ready_order
+    from lightning_mgpu.tuning.buckets import DEFAULT_GRID_MB
+    from lightning_mgpu.tuning.layout import candidates_from_ready_order, observe_ready_order
 
     model, data, loss_fn = build(model_name)
     params = [p for p in model.parameters() if p.requires_grad]

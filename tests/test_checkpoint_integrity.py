@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import HybridParallelStrategy, TunedDDPStrategy
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
-from lightning_mgpu.strategies.checkpoint_io import IncompleteCheckpointError
+from lightning_mgpu.strategies.parts.checkpoint_io import IncompleteCheckpointError
 from tests.conftest import destroy_default_group
 
 # ----------------------------------------------------------------------------- item 5: atomic writes, damaged files

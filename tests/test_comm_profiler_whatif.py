@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import CommProfiler, TunedDDPStrategy
 from lightning_mgpu.callbacks.comm_profiler import advice, report
-from lightning_mgpu.strategies.ddp_layout import BucketInfo
+from lightning_mgpu.strategies.parts.ddp_model import BucketInfo
 from lightning_mgpu.whatif import PRESETS
 from tests.scripts.models import MLPRegressor
 from tests.test_whatif import mlp_profile

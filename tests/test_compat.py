@@ -132,6 +132,21 @@ def test_no_private_torch_or_lightning_name_outside_compat() -> None:
     assert not found, "private names outside lightning_mgpu/_compat/:\n" + "\n".join(found)
 
 
+def test_ddps_default_bucket_sizes_are_the_ones_the_package_assumes() -> None:
+    """``tuning.buckets`` states torch's defaults instead of reading private names: the installed torch must agree."""
+    import torch.distributed
+    import torch.nn.parallel.distributed
+
+    from lightning_mgpu.tuning import buckets
+
+    cap = getattr(torch.nn.parallel.distributed, "_DEFAULT_BUCKET_CAP_MB", buckets.DDP_DEFAULT_BUCKET_CAP_MB)
+    first = getattr(
+        torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", buckets.cap_bytes(buckets.DDP_DEFAULT_FIRST_BUCKET_MB)
+    )
+    assert float(cap) == buckets.DDP_DEFAULT_BUCKET_CAP_MB
+    assert int(first) == buckets.cap_bytes(buckets.DDP_DEFAULT_FIRST_BUCKET_MB)
+
+
 def test_module_hook_dicts_exist_on_a_module() -> None:
     from torch import nn
 

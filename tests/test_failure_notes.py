@@ -11,7 +11,7 @@ import signal
 from datetime import timedelta
 from typing import Any, Optional
 
-from lightning_mgpu.strategies import _failures
+from lightning_mgpu.strategies.parts import failures as _failures
 
 
 class _Child:

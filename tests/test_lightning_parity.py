@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_mgpu
 from lightning_mgpu import CommProfiler, DistributedDoctor, HybridParallelStrategy, TunedDDPStrategy
-from lightning_mgpu.strategies.ddp_options import TUNED_STRATEGY_NAMES
+from lightning_mgpu.strategies.parts.options import TUNED_STRATEGY_NAMES
 from tests.conftest import destroy_default_group
 
 jsonargparse = pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the dev extra)")

@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import TunedDDPStrategy
-from lightning_mgpu.strategies import preemption
-from lightning_mgpu.strategies.preemption import Preempted
+from lightning_mgpu.strategies.parts import preemption
+from lightning_mgpu.strategies.parts.preemption import Preempted
 from tests.scripts.fail_harness import Job, launch_all
 
 

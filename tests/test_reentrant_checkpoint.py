@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mgpu import HybridParallelStrategy, TunedDDPStrategy
-from lightning_mgpu.strategies._failures import READY_TWICE, ReentrantCheckpointError
+from lightning_mgpu.strategies.parts.failures import READY_TWICE, ReentrantCheckpointError
 from tests.conftest import SCRIPTS, TORCHRUN_2, run_python
 
 

@@ -11,7 +11,7 @@ import pytest
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_mgpu.comm import distributed
-from lightning_mgpu.strategies import process_group
+from lightning_mgpu.strategies.parts import process_group
 
 
 @pytest.mark.parametrize(

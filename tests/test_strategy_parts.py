@@ -19,9 +19,10 @@ from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_mgpu.comm.compression import PrescaledAllreduce
 from lightning_mgpu.comm.hook_chain import CommHookHost, HookChain
-from lightning_mgpu.strategies import launchers
-from lightning_mgpu.strategies.ddp_options import bucket_kwargs, check_options, first_cap_for
-from lightning_mgpu.strategies.rewrap import replace_ddp_wrapper
+from lightning_mgpu.strategies.parts import launchers
+from lightning_mgpu.strategies.parts.ddp_model import DDPModel
+from lightning_mgpu.strategies.parts.options import bucket_kwargs, check_options
+from lightning_mgpu.tuning.buckets import first_cap
 
 
 # ----------------------------------------------------------------------------- hook chain
@@ -208,7 +209,7 @@ def test_replace_ddp_wrapper_carries_hooks_and_detaches_the_old_reducer(one_rank
     old = DistributedDataParallel(module)
     forwards: list[int] = []
     handle = old.register_forward_hook(lambda *_: forwards.append(1))
-    new = replace_ddp_wrapper(old, lambda: DistributedDataParallel(module, init_sync=False, bucket_cap_mb=1))
+    new = DDPModel.rebuild(old, lambda: DistributedDataParallel(module, init_sync=False, bucket_cap_mb=1))
     assert new is not old and new.module is module
     assert "reducer" not in old.__dict__  # the old buckets are freed at once
     new(torch.randn(2, 4)).sum().backward()
@@ -324,7 +325,7 @@ def test_bucket_kwargs_keep_the_small_first_bucket() -> None:
     assert bucket_kwargs(cap=None, given_first=None) == {}
     assert bucket_kwargs(cap=50.0, given_first=None) == {"bucket_cap_mb_list": [1.0, 50.0]}
     assert bucket_kwargs(cap=0.5, given_first=None) == {"bucket_cap_mb_list": [0.5, 0.5]}
-    assert first_cap_for(64.0, given_cap=None, given_first=4.0) == 4.0
+    assert first_cap(64.0, given_cap=None, given_first=4.0) == 4.0
 
 
 # ----------------------------------------------------------------------------- static graph and accumulation

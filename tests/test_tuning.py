@@ -18,11 +18,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu._compat.torch import carry_module_hooks as _carry_module_hooks
-from lightning_mgpu.tuning import decision, layout, plan, tuner
+from lightning_mgpu.tuning import buckets, decision, layout, plan, tuner
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
 from tests.conftest import destroy_default_group
 
-MIB = 1024 * 1024
+from lightning_mgpu.tuning.buckets import MIB  # noqa: E402
 # The 8M MLP of bench/common.py (1024 -> 2048 -> 2048 -> 1024 -> 256), gradients in ready order.
 MLP_READY_BYTES = [
     256 * 4,
@@ -59,7 +59,7 @@ def oracle(sizes: list[int], limits: list[int]) -> list[int]:
 def test_python_assignment_matches_torchs_and_the_rule(numels: list[int], limits: list[int]) -> None:
     tensors = [torch.empty(n) for n in numels]
     sizes = [n * 4 for n in numels]
-    ours = layout.assign_buckets(sizes, limits)
+    ours = buckets.assign_buckets(sizes, limits)
     assert layout.predict_buckets(tensors, limits) == ours  # torch's _compute_bucket_assignment_by_size
     assert [sum(sizes[i] for i in bucket) for bucket in ours] == oracle(sizes, limits)
     assert sorted(i for bucket in ours for i in bucket) == list(range(len(sizes)))
@@ -74,16 +74,16 @@ def test_dtypes_never_share_a_bucket() -> None:
     ]
     keys = [t.dtype for t in tensors]
     sizes = [t.numel() * t.element_size() for t in tensors]
-    expected = layout.assign_buckets(sizes, [1000], keys)
+    expected = buckets.assign_buckets(sizes, [1000], keys)
     assert sorted(map(sorted, expected)) == [[0, 2], [1, 3]]
     assert sorted(map(sorted, layout.predict_buckets(tensors, [1000]))) == [[0, 2], [1, 3]]
 
 
 def test_mlp_grid_collapses_to_three_layouts_with_ddps_default_first() -> None:
     def layout_for(cap: float) -> list[int]:
-        return oracle(MLP_READY_BYTES, layout.bucket_limits(min(1.0, cap), cap))
+        return oracle(MLP_READY_BYTES, buckets.bucket_limits(buckets.first_cap(cap), cap))
 
-    candidates = layout.distinct_candidates(layout.DEFAULT_GRID_MB, 25.0, layout_for)
+    candidates = layout.distinct_candidates(buckets.DEFAULT_GRID_MB, 25.0, layout_for)
     assert [c.cap_mb for c in candidates] == [25.0, 1.0, 16.0]
     assert candidates[0].is_default and candidates[0].equivalent_mb == (25.0, 32.0, 64.0, 128.0, 256.0)
     assert candidates[1].equivalent_mb == (1.0, 2.0, 4.0, 8.0)
@@ -94,8 +94,24 @@ def test_mlp_grid_collapses_to_three_layouts_with_ddps_default_first() -> None:
 
 
 def test_cap_bytes_truncates_like_ddp() -> None:
-    assert layout.cap_bytes(0.3) == int(0.3 * MIB)
-    assert layout.bucket_limits(1, 2.5) == [MIB, int(2.5 * MIB)]
+    assert buckets.cap_bytes(0.3) == int(0.3 * MIB)
+    assert buckets.bucket_limits(1, 2.5) == [MIB, int(2.5 * MIB)]
+
+
+def test_the_first_bucket_rule_and_ddps_keyword_arguments() -> None:
+    assert buckets.first_cap(64.0) == 1.0 and buckets.first_cap(0.5) == 0.5  # DDP's 1 MiB, or the cap if smaller
+    assert buckets.first_cap(64.0, given_first=4.0) == 4.0
+    # torch before 2.13: one size for every bucket once a size is given
+    assert buckets.first_cap(64.0, given_cap=64.0, per_bucket_caps=False) == 64.0
+    assert buckets.first_cap(64.0, per_bucket_caps=False) == 1.0  # nothing given: DDP's own default layout
+    assert buckets.ddp_bucket_kwargs(cap=None, given_first=None, per_bucket_caps=True) == {}
+    assert buckets.ddp_bucket_kwargs(cap=50.0, given_first=None, per_bucket_caps=True) == {
+        "bucket_cap_mb_list": [1.0, 50.0]
+    }
+    assert buckets.ddp_bucket_kwargs(cap=None, given_first=2.0, per_bucket_caps=True) == {
+        "bucket_cap_mb_list": [2.0, 25.0]
+    }
+    assert buckets.ddp_bucket_kwargs(cap=50.0, given_first=None, per_bucket_caps=False) == {"bucket_cap_mb": 50.0}
 
 
 # ----------------------------------------------------------------------------- plan
@@ -433,13 +449,13 @@ def powersgd_steps(
         keeper.load_state_dict(keeper_state, keeper_state["error"])
     hook = keeper.wrap(powersgd.powerSGD_hook) if keep else powersgd.powerSGD_hook
     outputs = []
-    for step, buckets in enumerate(layouts, start=start):
+    for step, bucket_list in enumerate(layouts, start=start):
         generator = torch.Generator().manual_seed(step)
         grads = [torch.randn(s, generator=generator) for s in shapes]
         result = [torch.empty(0)] * len(shapes)
-        for index, members in enumerate(buckets):
+        for index, members in enumerate(bucket_list):
             bucket = FakeBucket(
-                index, [params[i] for i in members], [grads[i] for i in members], index == len(buckets) - 1
+                index, [params[i] for i in members], [grads[i] for i in members], index == len(bucket_list) - 1
             )
             hook(state, bucket).wait()  # type: ignore[arg-type]
             for position, view in zip(members, bucket.gradients()):

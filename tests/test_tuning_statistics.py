@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu.tuning import decision, plan, report, statistics, tuner
-from lightning_mgpu.tuning.layout import MIB, Candidate
+from lightning_mgpu.tuning.buckets import MIB
+from lightning_mgpu.tuning.layout import Candidate
 
 
 def noisy_steps(

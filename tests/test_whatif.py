@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_mgpu.tuning.layout import assign_buckets, cap_bytes
+from lightning_mgpu.tuning.buckets import assign_buckets, cap_bytes
 from lightning_mgpu.whatif import (
     PRESETS,
     CompressionCosts,

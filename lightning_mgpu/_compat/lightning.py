@@ -303,7 +303,7 @@ def sampler_wrapped_for_distribution(sampler: object) -> object:
 
 
 # ---------------------------------------------------------------------------------------
-# Preemption (strategies/preemption.py): Lightning 2.6's SIGTERM handler runs a collective
+# Preemption (strategies/parts/preemption.py): Lightning 2.6's SIGTERM handler runs a collective
 # broadcast inside the signal handler (a deadlock when only some ranks get the signal, or get it
 # mid-collective), and its SLURM requeue handler saves a checkpoint there (a barrier, again inside
 # the handler). Our strategies replace both, on the Trainer's own signal connector, by a function

@@ -16,26 +16,6 @@ import torch as _torch
 import torch.distributed as _dist
 from torch.nn.parallel import DistributedDataParallel as _DDP
 
-_MIB = 1024 * 1024
-
-_DEFAULT_BUCKET_CAP = guarded(
-    "torch.nn.parallel.distributed",
-    "_DEFAULT_BUCKET_CAP_MB",
-    required=False,
-    why="DDP's default bucket size (fallback: 25 MiB, torch's value since 1.x)",
-)
-_DEFAULT_FIRST_BUCKET = guarded(
-    "torch.distributed",
-    "_DEFAULT_FIRST_BUCKET_BYTES",
-    required=False,
-    why="DDP's first-bucket size (fallback: 1 MiB, torch's value since 1.x)",
-)
-
-DDP_DEFAULT_BUCKET_CAP_MB = float(getattr(_torch.nn.parallel.distributed, _DEFAULT_BUCKET_CAP.attribute, 25))
-"""torch's default bucket size in MiB."""
-DDP_DEFAULT_FIRST_BUCKET_BYTES = int(getattr(_dist, _DEFAULT_FIRST_BUCKET.attribute, _MIB))
-"""torch's first-bucket size in bytes (1 MiB)."""
-
 _LOGGING_DATA = guarded(
     "torch.nn.parallel",
     "DistributedDataParallel._get_ddp_logging_data",

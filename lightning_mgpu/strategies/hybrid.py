@@ -62,7 +62,7 @@ from lightning_mgpu.placement.staged_fit import (
 )
 from lightning_mgpu._compat.lightning import StrategyRegistryType
 from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
-from lightning_mgpu.strategies.hybrid_options import check_hybrid_options
+from lightning_mgpu.strategies.parts.hybrid_options import check_hybrid_options
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
 __all__ = ["HybridParallelStrategy"]
@@ -391,7 +391,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
             runner = self._staged.accumulate
         if runner is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with self.backward_errors_explained():  # DDP's error for reentrant checkpointing: its fix (managed_ddp.py)
+        with (
+            self.backward_errors_explained()
+        ):  # DDP's error for reentrant checkpointing: its fix (parts/reliability.py)
             return self._pipelined_backward(closure_loss, optimizer, runner, *args, **kwargs)
 
     def _pipelined_backward(

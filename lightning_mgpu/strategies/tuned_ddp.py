@@ -16,77 +16,73 @@ Things stock ``DDPStrategy`` does not do:
   (:mod:`lightning_mgpu.tuning`); the model is re-wrapped in DDP between optimizer steps,
   its communication hooks (compression, ``CommProfiler``'s timer) and PowerSGD's memory
   carried over.
+* **``static_graph=True`` with gradient accumulation**, which stock Lightning crashes on.
+* **Processes that start, meet, stop and fail safely**: the model checked before any rank
+  starts, a loopback-only rendezvous on one machine, preemption, atomic checkpoints and errors
+  that name the lost ranks.
 
-This class composes the pieces, each in its own module: argument checks and bucket caps
-(``ddp_options``), the bucket layout (``ddp_layout``), launchers (``launchers``), the
-rendezvous (``process_group``), the communication-hook chain (``comm.hook_chain``),
-re-wrapping (``rewrap``), checkpoint state (``checkpoint_state``) and failure notes
-(``_failures``).
+The class is the one place the Lightning hooks of our DDP strategies are overridden (``hybrid``
+subclasses it); each hook hands its work to a part with one job (``strategies/parts/``): argument
+checks (``options``), launchers (``launchers``), the rendezvous (``process_group``), the DDP wrapper
+and its hook chain (``ddp_model``), the bucket-size search (``auto_buckets``), checkpoint state
+(``checkpoint_state``), and preemption, checkpoint writing and failure notes (``reliability``).
+Bucket sizes are :mod:`lightning_mgpu.tuning.buckets` arithmetic.
 """
 
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType
+from lightning_mgpu._compat.lightning import DDPStrategyBase, PathLike, StrategyRegistryType, in_accumulation_window
 from lightning_mgpu.comm import powersgd_memory
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
-from lightning_mgpu.strategies.checkpoint_io import (
-    AtomicCheckpointIO,
-    atomic_rename_target,
-    load_naming_damage,
-    names_damaged_files,
-    replace_atomically,
-)
-from lightning_mgpu.strategies.preemption import Preemption
-from lightning_mgpu.strategies.checkpoint_state import (
+from lightning_mgpu.comm.hook_chain import CommHookWrapper
+from lightning_mgpu.strategies.parts.auto_buckets import AutoBucketDriver
+from lightning_mgpu.strategies.parts.checkpoint_state import (
     CHECKPOINT_KEY,
     check_package,
     gather_powersgd_state,
     restore_powersgd_state,
     restore_tuned_size,
 )
-from lightning_mgpu.strategies.ddp_layout import BucketInfo, read_bucket_layout
-from lightning_mgpu.strategies.hooked_ddp import HookedDDPStrategy
-from lightning_mgpu.strategies.ddp_options import (
-    DDP_DEFAULT_BUCKET_CAP_MB,
-    DEFAULT_FIRST_BUCKET_CAP_MB,
+from lightning_mgpu.strategies.parts.ddp_model import BucketInfo, DDPModel, read_bucket_layout
+from lightning_mgpu.strategies.parts.launchers import checked_launcher
+from lightning_mgpu.strategies.parts.options import (
     DEFAULT_POWERSGD_RANK,
     DEFAULT_POWERSGD_START_ITER,
-    MIB,
-    bucket_kwargs,
+    SUPPORTS_BUCKET_LIST,
+    SUPPORTS_INIT_SYNC,
     TUNED_STRATEGY_NAMES,
+    bucket_kwargs,
+    check_backend_registered,
     check_options,
-    first_cap_for,
 )
-from lightning_mgpu.strategies.auto_buckets import AutoBucketDriver
+from lightning_mgpu.strategies.parts.process_group import destroy_process_group_at_exit, rendezvous
+from lightning_mgpu.strategies.parts.reliability import Reliability
+from lightning_mgpu.tuning.buckets import DDP_DEFAULT_BUCKET_CAP_MB, MIB, first_cap
 from lightning_mgpu.tuning.tuner import BucketTuner
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = [
-    "CHECKPOINT_KEY",
-    "DDP_DEFAULT_BUCKET_CAP_MB",
-    "DEFAULT_FIRST_BUCKET_CAP_MB",
-    "BucketInfo",
-    "TunedDDPStrategy",
-]
+__all__ = ["CHECKPOINT_KEY", "BucketInfo", "TunedDDPStrategy"]
 
 
-class TunedDDPStrategy(HookedDDPStrategy):
+class TunedDDPStrategy(DDPStrategyBase):
     """DDP with sized gradient buckets and gradient compression on every backend.
 
     Args:
@@ -141,6 +137,8 @@ class TunedDDPStrategy(HookedDDPStrategy):
     """
 
     strategy_name = "ddp_tuned"
+    accepts_static_graph = True
+    """Whether ``static_graph=True`` is a fix this strategy can offer (the hybrid strategy refuses it)."""
 
     def __init__(
         self,
@@ -167,7 +165,7 @@ class TunedDDPStrategy(HookedDDPStrategy):
         tune_rounds: int = 2,
         **kwargs: Any,
     ) -> None:
-        self._default_checkpoint_io = checkpoint_io is None  # then an AtomicCheckpointIO, made when first asked for
+        self._given_checkpoint_io = checkpoint_io is not None  # else an AtomicCheckpointIO, made when first asked for
         options = check_options(
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -185,7 +183,6 @@ class TunedDDPStrategy(HookedDDPStrategy):
             start_method=start_method,
             ddp_kwargs=kwargs,
         )
-        kwargs = options.ddp_kwargs  # reserved arguments at their defaults dropped
         self._auto = options.tuning is not None
         self._bucket_cap_mb = options.bucket_cap_mb
         self._first_bucket_cap_mb = options.first_bucket_cap_mb
@@ -212,14 +209,16 @@ class TunedDDPStrategy(HookedDDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **kwargs,
+            **options.ddp_kwargs,  # reserved arguments at their defaults dropped
         )
+        self._ddp = DDPModel()
+        self._reliability = Reliability()
         self._wire_dtype: Optional[torch.dtype] = None
-        self._preemption = Preemption()
         self._pending_powersgd: Optional[dict[str, Any]] = None
+        self._at_step_start = True  # the next batch is the first of an optimizer step
         self.rewraps: list[dict[str, Any]] = []
-        self._final_bucket_layout: Optional[list[BucketInfo]] = None  # kept at teardown (bucket_layout after fit)
         """Every re-wrap of this fit (``bucket_cap_mb="auto"``): global step, batch, new size."""
+        self._final_bucket_layout: Optional[list[BucketInfo]] = None  # kept at teardown (bucket_layout after fit)
 
     # ------------------------------------------------------------------ properties
 
@@ -237,7 +236,12 @@ class TunedDDPStrategy(HookedDDPStrategy):
         return self._first_cap_for(self.bucket_cap_mb)
 
     def _first_cap_for(self, bucket_cap_mb: float) -> float:
-        return first_cap_for(bucket_cap_mb, given_cap=self._bucket_cap_mb, given_first=self._first_bucket_cap_mb)
+        return first_cap(
+            bucket_cap_mb,
+            given_cap=self._bucket_cap_mb,
+            given_first=self._first_bucket_cap_mb,
+            per_bucket_caps=SUPPORTS_BUCKET_LIST,
+        )
 
     @property
     def auto(self) -> bool:
@@ -257,9 +261,8 @@ class TunedDDPStrategy(HookedDDPStrategy):
         return None if self._tuner is None else self._tuner.status
 
     @property
-    @override
     def tuning_active(self) -> bool:
-        """True while ``bucket_cap_mb="auto"`` measures candidates."""
+        """True while ``bucket_cap_mb="auto"`` measures candidates (the hook must not change then)."""
         return self._tuner is not None and self._tuner.active
 
     @property
@@ -294,10 +297,13 @@ class TunedDDPStrategy(HookedDDPStrategy):
         return hook.stats if isinstance(hook, ScaledFp16Allreduce) else None
 
     @property
-    @override
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments given to ``DistributedDataParallel``, bucket sizes included."""
-        return {**self.user_ddp_kwargs, **self._bucket_kwargs()}
+        return self.ddp_kwargs_for(self._bucket_cap_mb)
+
+    def ddp_kwargs_for(self, bucket_cap_mb: Optional[float]) -> dict[str, Any]:
+        """The ``DistributedDataParallel`` keyword arguments with buckets of ``bucket_cap_mb`` (None: DDP's default)."""
+        return {**self.user_ddp_kwargs, **bucket_kwargs(cap=bucket_cap_mb, given_first=self._first_bucket_cap_mb)}
 
     @property
     def bucket_layout(self) -> Optional[list[BucketInfo]]:
@@ -307,27 +313,44 @@ class TunedDDPStrategy(HookedDDPStrategy):
         return layout if layout is not None else self._final_bucket_layout
 
     @property
+    def powersgd_keeper(self) -> Optional[powersgd_memory.PowerSGDLayoutKeeper]:
+        """With ``compression="powersgd"``: the keeper of PowerSGD's memory (None before DDP is set up)."""
+        return self._ddp.hooks.powersgd_keeper
+
+    @property
+    def prescaler(self) -> Any:
+        """The prescaled all-reduce in use (a wrapper asked for a Python hook and nothing else did), or None."""
+        return self._ddp.hooks.prescaler
+
+    @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
         """The ``CheckpointIO`` you gave, as given; when none was, an
-        :class:`~lightning_mgpu.strategies.checkpoint_io.AtomicCheckpointIO` (writes local files atomically,
-        names a damaged file on load). A ``TorchCheckpointIO`` of yours writes atomically too: see
-        :meth:`save_checkpoint`."""
+        :class:`~lightning_mgpu.strategies.parts.checkpoint_io.AtomicCheckpointIO` (writes local files
+        atomically, names a damaged file on load). A ``TorchCheckpointIO`` of yours writes atomically too:
+        see :meth:`save_checkpoint`."""
         io = super().checkpoint_io  # Lightning's: a TorchCheckpointIO when none was given
-        if self._default_checkpoint_io and not isinstance(io, AtomicCheckpointIO):
-            io = AtomicCheckpointIO()
-            DDPStrategyBase.checkpoint_io.fset(self, io)  # type: ignore[attr-defined]
-        return io
+        chosen = self._reliability.checkpoint_io(io, given=self._given_checkpoint_io)
+        if chosen is not io:
+            DDPStrategyBase.checkpoint_io.fset(self, chosen)  # type: ignore[attr-defined]
+        return chosen
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._default_checkpoint_io = io is None  # Trainer(plugins=[io]) sets the user's here: kept
+        self._given_checkpoint_io = io is not None  # Trainer(plugins=[io]) sets the user's here: kept
         DDPStrategyBase.checkpoint_io.fset(self, io)  # type: ignore[attr-defined]
 
-    # ------------------------------------------------------------------ setup lifecycle
+    # ------------------------------------------------------------------ launching and meeting
 
-    def _bucket_kwargs(self) -> dict[str, Any]:
-        return bucket_kwargs(cap=self._bucket_cap_mb, given_first=self._first_bucket_cap_mb)
+    @override
+    def configure_launcher(self) -> None:
+        super().configure_launcher()
+        self.set_launcher(checked_launcher(self, self.launcher))
+
+    def check_model(self, model: "pl.LightningModule") -> None:
+        """Checks of the arguments that need the LightningModule. Lightning's own launchers run them in
+        the launching process before they start the other ranks, so that a mistake is one clear error
+        rather than one traceback per rank (each rank checks again at setup). Subclasses extend it."""
 
     def launcher_results(self) -> Optional[dict[str, Any]]:
         """After a spawn: the tuned size, for the launching process."""
@@ -340,11 +363,51 @@ class TunedDDPStrategy(HookedDDPStrategy):
             self._bucket_cap_mb = results["bucket_cap_mb"]
             self._tuner.adopt(results["tuning"])
 
+    def process_group_device(self) -> Optional[torch.device]:
+        """The device NCCL binds its communicator to (``init_process_group(device_id=...)``); None on CPU.
+        A strategy whose process spans several GPUs returns None: a bound NCCL group refuses
+        collectives on any other device."""
+        return self.root_device if self.root_device.type != "cpu" else None
+
+    @override
+    def setup_distributed(self) -> None:
+        # DDPStrategy.setup_distributed, with a rendezvous that listens on the loopback interface
+        # only when every rank runs on this machine, and survives torchrun's restarts (parts/process_group.py).
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        check_backend_registered(self.resolved_backend())  # names registered after construction count
+        kwargs: dict[str, Any] = {"device_id": self.process_group_device()}
+        with rendezvous(
+            self.cluster_environment,
+            self.global_rank,
+            self.world_size,
+            self.collective_timeout,
+            self.resolved_backend(),
+        ) as store:
+            if store is not None:  # torchrun restarts only: init_process_group is otherwise called as Lightning does
+                kwargs["store"] = store
+            self.init_process_group(**kwargs)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:  # SIGTERM stops every rank at a step boundary (preemption.py)
-            self._preemption.attach(trainer, self)
+        self._reliability.setup(trainer, self)  # preemption: every rank stops at a step boundary (parts/reliability.py)
+
+    # ------------------------------------------------------------------ the DDP wrapper
+
+    def wrap_model(self, model: Module, *, bucket_cap_mb: Optional[float], **extra: Any) -> DistributedDataParallel:
+        """``model`` in a new ``DistributedDataParallel`` with buckets of ``bucket_cap_mb`` (and ``extra`` options)."""
+        return self._ddp.build(
+            model,
+            ddp_kwargs={**self.ddp_kwargs_for(bucket_cap_mb), **extra},
+            device_ids=self.determine_ddp_device_ids(),
+        )
 
     @override
     def configure_ddp(self) -> None:
@@ -359,15 +422,128 @@ class TunedDDPStrategy(HookedDDPStrategy):
             self._wire_dtype = spec.wire_dtype
         assert self.model is not None
         self._final_bucket_layout = None  # a new fit: the last one's layout no longer holds
-        self.model = self.wrap_model(self.model)
+        self.model = self.wrap_model(self.model, bucket_cap_mb=self._bucket_cap_mb)
         self.register_comm_hooks()
 
-    # ------------------------------------------------------------------ bucket-size tuning (strategies/auto_buckets.py)
+    def register_comm_hooks(self) -> None:
+        """Register the hook chain on the DDP wrapper (Lightning does so on CUDA only; DDP supports every backend)."""
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        self._ddp.register_hooks(
+            model,
+            hook=self.comm_hook,
+            state=self.comm_state,
+            user_wrapper=self.comm_wrapper,
+            world_size=self.world_size,
+            backend=self.resolved_backend(),
+            python_hook_anyway=self.has_own_comm_hook,
+            on_new_powersgd_keeper=lambda keeper: self._restore_powersgd(),
+        )
+
+    def _rewrap(self, bucket_cap_mb: Optional[float]) -> None:
+        """Replace the DDP wrapper by a new one with buckets of ``bucket_cap_mb``, hooks carried over; between
+        optimizer steps only (``bucket_cap_mb="auto"``'s sizes, ``CommProfiler``'s windows)."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        if in_accumulation_window(trainer):  # callers re-wrap after an optimizer step; never risk it
+            raise RuntimeError(
+                f"{type(self).__name__}: refusing to re-wrap the model inside a gradient-accumulation window "
+                f"(global step {trainer.global_step}); please report this."
+            )
+        old = self.model
+        assert isinstance(old, DistributedDataParallel)
+        if self._ddp.hooks.powersgd_keeper is None and powersgd_memory.reset_bucket_memory(self.comm_state):
+            rank_zero_warn(
+                "bucket_cap_mb='auto' re-wrapped the model: the PowerSGD memory of this hook is kept per bucket "
+                "number and cannot be remapped (batch_tensors_with_same_shape=True or batched_powerSGD_hook), so "
+                "its error feedback and warm start were reset."
+            )
+        # Parameters are already equal on every rank: no broadcast of the weights again.
+        extra = {"init_sync": False} if SUPPORTS_INIT_SYNC else {}
+        self.model = self._ddp.rebuild(old, lambda: self.wrap_model(module, bucket_cap_mb=bucket_cap_mb, **extra))
+        self.register_comm_hooks()
+        if bucket_cap_mb != self._bucket_cap_mb:
+            self._bucket_cap_mb = bucket_cap_mb
+            self.rewraps.append(
+                {
+                    "global_step": trainer.global_step,
+                    "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.ready,
+                    "bucket_cap_mb": bucket_cap_mb,
+                }
+            )
+
+    # ------------------------------------------------------------------ the communication hook (CommHookHost)
+
+    @property
+    def compression_hook_pending(self) -> bool:
+        """True when a compression hook will be set when DDP is configured (a Python hook in any case)."""
+        return self._compression is not None
+
+    def add_comm_hook_wrapper(self, wrapper: CommHookWrapper, *, pausable: bool = False) -> None:
+        """Wrap the communication hook DDP will use (the compression hook, or plain
+        all-reduce) with ``wrapper(hook) -> hook``; e.g. ``CommProfiler`` times buckets so.
+
+        DDP accepts one hook, registered when the model is wrapped: call this before
+        ``fit`` reaches ``strategy.setup`` (a callback's ``setup`` hook is early enough).
+        A ``pausable`` wrapper is one that :meth:`set_comm_hook_wrappers` may switch off
+        between steps: DDP then runs the hook it wraps, as if it were not there.
+        """
+        if isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(
+                "add_comm_hook_wrapper() was called after DDP registered its communication hook; "
+                "call it from a callback's setup() hook, before training starts."
+            )
+        self._ddp.hooks.add(wrapper, pausable=pausable)
+
+    @property
+    def has_own_comm_hook(self) -> bool:
+        """True when DDP runs a Python communication hook whatever the pausable wrappers
+        (compression, ``ddp_comm_hook``, ``ddp_comm_wrapper``, a wrapper that is not pausable);
+        False when without them it would use its built-in C++ all-reduce."""
+        if self.compression_hook_pending:  # its hook is set when DDP is configured
+            return True
+        return self._ddp.hooks.needs_python_hook(base_hook=self.comm_hook, user_wrapper=self.comm_wrapper)
+
+    @property
+    def comm_hook_wrappers_on(self) -> bool:
+        """Whether the pausable wrappers (:meth:`add_comm_hook_wrapper`) are switched on."""
+        return self._ddp.hooks.wrappers_on
+
+    def set_comm_hook_wrappers(self, on: bool) -> bool:
+        """Switch the pausable wrappers added by :meth:`add_comm_hook_wrapper` on or off, between
+        optimizer steps; e.g. ``CommProfiler`` profiles a window of steps so.
+
+        DDP cannot unregister a hook. With a Python hook in any case (:attr:`has_own_comm_hook`)
+        the wrappers stay registered behind a gate that calls the hook they wrap while they are
+        off. Otherwise the model is re-wrapped in a new DDP (no weight broadcast), which runs
+        DDP's built-in C++ all-reduce while the wrappers are off and the timed hook when they
+        are on. Like any new DDP wrapper, the new one uses its initial bucket layout for one step
+        and rebuilds it at the start of the next. Returns whether the wrappers are now ``on`` as
+        asked; False (nothing changed) while ``bucket_cap_mb="auto"`` is still measuring, so that
+        every candidate is timed with the same hook, and when this torch's DDP cannot be built
+        without broadcasting the weights again (no ``init_sync``).
+        """
+        hooks = self._ddp.hooks
+        if on == hooks.wrappers_on:
+            return True
+        if self.tuning_active:
+            return False
+        rewrap = hooks.has_pausable and not self.has_own_comm_hook and isinstance(self.model, DistributedDataParallel)
+        if rewrap and not SUPPORTS_INIT_SYNC:
+            return False
+        hooks.wrappers_on = on
+        if rewrap:
+            self._rewrap(self._bucket_cap_mb)
+        return True
+
+    # ------------------------------------------------------------------ a step
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._preemption.on_train_start()
+        self._reliability.on_train_start()
+        self._at_step_start = True
         self.rewraps = []
         if self._sizer is not None:
             self._sizer.on_train_start(self)
@@ -375,8 +551,33 @@ class TunedDDPStrategy(HookedDDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._sizer is not None:
-            self._sizer.on_train_batch_start()
+        if self._at_step_start:  # the first batch of an optimizer step (of an accumulation window)
+            self._at_step_start = False
+            if self._sizer is not None:
+                self._sizer.at_step_start()
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        self._ddp.prescale(closure_loss)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.backward_errors_explained():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._ddp.after_backward(self.model)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """``no_sync`` for the backwards of a gradient-accumulation window, except a static graph's first,
+        which DDP refuses under ``no_sync`` (see :mod:`~lightning_mgpu.strategies.parts.ddp_model`)."""
+        with self._ddp.no_sync(self.model):
+            yield None
 
     @override
     def optimizer_step(
@@ -387,6 +588,7 @@ class TunedDDPStrategy(HookedDDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._at_step_start = True
         if isinstance(self.comm_hook, ScaledFp16Allreduce):
             note = self.comm_hook.end_step()  # inf/NaN gradients or underflow: said, never silent
             if note is not None:
@@ -395,23 +597,32 @@ class TunedDDPStrategy(HookedDDPStrategy):
             self._sizer.after_optimizer_step(self)
         return output
 
-    def _rewrap(self, bucket_cap_mb: float) -> None:
-        """Wrap the LightningModule in a new DDP with ``bucket_cap_mb``, hooks carried over."""
-        module = self.lightning_module
-        assert module is not None
-        trainer = module.trainer
-        previous, self._bucket_cap_mb = self._bucket_cap_mb, bucket_cap_mb
-        try:
-            self._rewrap_ddp()
-        except BaseException:
-            self._bucket_cap_mb = previous
-            raise
-        self.rewraps.append(
-            {
-                "global_step": trainer.global_step,
-                "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.ready,
-                "bucket_cap_mb": bucket_cap_mb,
-            }
+    # ------------------------------------------------------------------ failures
+
+    def backward_errors_explained(self) -> Any:
+        """Around the backward: DDP's "Expected to mark a variable ready only once" (reentrant activation
+        checkpointing) re-raised as a :class:`~lightning_mgpu.strategies.parts.failures.ReentrantCheckpointError`
+        naming the fixes, torch's error as its cause."""
+        return self._reliability.backward_errors_explained(**self._ddp_facts())
+
+    def _ddp_facts(self) -> dict[str, Any]:
+        ddp_kwargs = self.user_ddp_kwargs
+        return {
+            "strategy": type(self).__name__,
+            "find_unused_parameters": bool(ddp_kwargs.get("find_unused_parameters")),
+            "static_graph": bool(ddp_kwargs.get("static_graph")),
+            "static_graph_supported": self.accepts_static_graph,
+        }
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._reliability.on_exception(
+            exception,
+            launcher=self.launcher,
+            rank=self.global_rank,
+            timeout=self.collective_timeout,
+            **self._ddp_facts(),
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -436,29 +647,26 @@ class TunedDDPStrategy(HookedDDPStrategy):
     ) -> None:
         package = checkpoint.setdefault(CHECKPOINT_KEY, {})
         package.update(self.state_for_checkpoint())
-        keeper = self._hooks.powersgd_keeper
+        keeper = self._ddp.hooks.powersgd_keeper
         if keeper is not None:
             package["powersgd"] = gather_powersgd_state(keeper, self.world_size)  # a collective: every rank is here
-        # A TorchCheckpointIO of the user's (kept as given) writes to a temporary file beside the
-        # checkpoint, renamed over its name once complete: atomic as our default writer is (checkpoint_io.py).
-        local = atomic_rename_target(self.checkpoint_io, filepath, storage_options) if self.is_global_zero else None
         save = super().save_checkpoint
-        if local is None:
-            save(checkpoint, filepath, storage_options=storage_options)
-        else:
-            replace_atomically(local, lambda temporary: save(checkpoint, temporary, storage_options=None))
+        self._reliability.save_checkpoint(
+            self.checkpoint_io,
+            lambda path, options: save(checkpoint, path, storage_options=options),
+            filepath,
+            storage_options,
+            writes=self.is_global_zero,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Never unpickle arbitrary objects unless asked to (fit(..., weights_only=False)): torch before
         # 2.6, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, would otherwise run code stored in the file.
         load, weights_only = super().load_checkpoint, True if weights_only is None else weights_only
-        if names_damaged_files(self.checkpoint_io):  # a TorchCheckpointIO of the user's: damage named as ours does
-            checkpoint = load_naming_damage(
-                lambda: load(checkpoint_path, weights_only=weights_only), checkpoint_path, verify_checksums=True
-            )
-        else:
-            checkpoint = load(checkpoint_path, weights_only=weights_only)
+        checkpoint = self._reliability.load_checkpoint(
+            self.checkpoint_io, lambda: load(checkpoint_path, weights_only=weights_only), checkpoint_path
+        )
         if CHECKPOINT_KEY in checkpoint:
             try:
                 package = check_package(checkpoint[CHECKPOINT_KEY])
@@ -479,17 +687,8 @@ class TunedDDPStrategy(HookedDDPStrategy):
         if isinstance(saved, dict):
             self._pending_powersgd = saved
 
-    @property
-    @override
-    def compression_hook_pending(self) -> bool:
-        return self._compression is not None
-
-    @override
-    def on_new_powersgd_keeper(self, keeper: powersgd_memory.PowerSGDLayoutKeeper) -> None:
-        self._restore_powersgd()
-
     def _restore_powersgd(self) -> None:
-        saved, keeper = self._pending_powersgd, self._hooks.powersgd_keeper
+        saved, keeper = self._pending_powersgd, self._ddp.hooks.powersgd_keeper
         if saved is None or keeper is None:
             return
         self._pending_powersgd = None
@@ -502,7 +701,7 @@ class TunedDDPStrategy(HookedDDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        # Lightning's DDP names with "ddp" -> "ddp_tuned" (strategies/ddp_options.py: TUNED_STRATEGY_NAMES),
+        # Lightning's DDP names with "ddp" -> "ddp_tuned" (parts/options.py: TUNED_STRATEGY_NAMES),
         # then our own presets.
         for name, description, init_params in TUNED_STRATEGY_NAMES:
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
@@ -525,9 +724,9 @@ class TunedDDPStrategy(HookedDDPStrategy):
         super().teardown()
         # Wrappers belong to one fit (callbacks add them again in their setup). The PowerSGD keeper
         # stays: a checkpoint saved after fit still carries its memory.
-        self._hooks.clear()
+        self._ddp.hooks.clear()
         # The DDP wrapper holds the process group and its gloo threads; freed only at
         # interpreter exit, those threads can abort the process (CPython 3.11 + gloo).
         gc.collect()
         # Last: a preemption signal no step boundary acted on goes to the handler from before the fit.
-        self._preemption.detach()
+        self._reliability.teardown()

@@ -13,7 +13,8 @@ strategy, so it sits above this package).
 """
 
 from lightning_mgpu.tuning.decision import CandidateResult
-from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB, Candidate, distinct_candidates, predict_buckets
+from lightning_mgpu.tuning.buckets import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.layout import Candidate, distinct_candidates, predict_buckets
 from lightning_mgpu.tuning.plan import TuningSettings
 
 __all__ = [

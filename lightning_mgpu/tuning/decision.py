@@ -37,7 +37,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from lightning_mgpu.tuning.layout import MIB, Candidate
+from lightning_mgpu.tuning.buckets import MIB
+from lightning_mgpu.tuning.layout import Candidate
 from lightning_mgpu.tuning.statistics import RatioInterval, ratio_interval, spread
 
 FASTER, NOT_FASTER, NOISY = "faster", "not faster", "too noisy"

@@ -11,66 +11,21 @@ limit; bucket ``i`` has limit ``limits[min(i, len(limits) - 1)]`` (TunedDDPStrat
 So, once the ready order has been seen, the layout every candidate size would give is
 known without measuring anything, and sizes that give the same layout are the same
 experiment: :func:`distinct_candidates` keeps one of each. :func:`predict_buckets` calls
-torch's own function when the installed torch has it, and :func:`assign_buckets` (a plain
-Python copy of the rule, tested against torch) otherwise.
+torch's own function when the installed torch has it, and
+:func:`~lightning_mgpu.tuning.buckets.assign_buckets` (a plain Python copy of the rule, tested
+against torch) otherwise. The arithmetic itself (sizes, limits, the first-bucket rule) is
+:mod:`lightning_mgpu.tuning.buckets`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from lightning_mgpu.tuning.buckets import assign_buckets, bucket_limits
 
 if TYPE_CHECKING:
     import torch
-
-MIB = 1024 * 1024
-DEFAULT_GRID_MB: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-"""Candidate bucket sizes (MiB) tried by ``bucket_cap_mb="auto"``: a log grid, plus DDP's default."""
-
-
-def cap_bytes(cap_mb: float) -> int:
-    """A MiB size as DDP turns it into bytes (``int(cap_mb * 2**20)``, truncating)."""
-    return int(cap_mb * MIB)
-
-
-def bucket_limits(first_cap_mb: float, cap_mb: float) -> list[int]:
-    """The per-bucket byte limits DDP uses with ``bucket_cap_mb_list=[first_cap_mb, cap_mb]``."""
-    return [cap_bytes(first_cap_mb), cap_bytes(cap_mb)]
-
-
-def assign_buckets(
-    sizes: Sequence[int], limits: Sequence[int], keys: Optional[Sequence[Hashable]] = None
-) -> list[list[int]]:
-    """DDP's greedy bucket assignment, in plain Python.
-
-    Args:
-        sizes: bytes of each gradient, in the order DDP walks them (the ready order).
-        limits: byte limit of bucket 0, 1, ...; the last one applies to every later bucket.
-        keys: one hashable per gradient (dtype and device): gradients of different keys
-            never share a bucket. None: all the same.
-
-    Returns:
-        Buckets in the order DDP launches them, each a list of positions into ``sizes``.
-    """
-    if not limits:
-        raise ValueError("limits must hold at least one byte limit")
-    keys = keys if keys is not None else [None] * len(sizes)
-    if len(keys) != len(sizes):
-        raise ValueError(f"sizes and keys differ in length ({len(sizes)} and {len(keys)})")
-    closed: list[list[int]] = []
-    open_buckets: dict[Hashable, list[int]] = {}
-    open_bytes: dict[Hashable, int] = {}
-    closed_per_key: dict[Hashable, int] = {}
-    for position, (size, key) in enumerate(zip(sizes, keys)):
-        open_buckets.setdefault(key, []).append(position)
-        open_bytes[key] = open_bytes.get(key, 0) + size
-        done = closed_per_key.get(key, 0)
-        if open_bytes[key] >= limits[min(done, len(limits) - 1)]:
-            closed.append(open_buckets.pop(key))
-            open_bytes[key] = 0
-            closed_per_key[key] = done + 1
-    closed.extend(bucket for bucket in open_buckets.values() if bucket)
-    return closed
 
 
 def predict_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.buckets import DEFAULT_GRID_MB
 
 DDP_UNTIMED_STEPS = 2
 """Steps after a re-wrap that DDP itself makes slow: its first iteration and its bucket rebuild."""

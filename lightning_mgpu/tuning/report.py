@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_mgpu.tuning.layout import MIB
+from lightning_mgpu.tuning.buckets import MIB
 
 
 def rows(record: dict[str, Any]) -> list[list[str]]:

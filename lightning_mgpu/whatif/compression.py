@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from lightning_mgpu._sizes import MiB as MIB
 from lightning_mgpu.whatif.records import Gradient
 
 COMPRESSIONS: tuple[Optional[str], ...] = (None, "fp16", "bf16", "powersgd")
 CASTING = ("fp16", "bf16")
 MIN_COMPRESSION_RATE = 2
-MIB = 1024 * 1024
 
 Segment = tuple[str, float]
 """``("allreduce", bytes)``, ``("host", ms)`` or ``("compute", ms)``."""

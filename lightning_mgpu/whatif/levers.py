@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.buckets import DEFAULT_GRID_MB
 from lightning_mgpu.whatif.compression import NO_COSTS, CompressionCosts
 from lightning_mgpu.whatif.links import Link, link_from_gbps, link_from_profile, resolve_link
 from lightning_mgpu.whatif.model import Prediction, Scenario, System, predict

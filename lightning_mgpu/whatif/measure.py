@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from lightning_mgpu.whatif.compression import MIB, CompressionCosts, powersgd_matrices
+from lightning_mgpu._sizes import MiB as MIB
+from lightning_mgpu.whatif.compression import CompressionCosts, powersgd_matrices
 from lightning_mgpu.whatif.records import Gradient
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
-from lightning_mgpu.tuning.layout import assign_buckets, cap_bytes
+from lightning_mgpu.tuning.buckets import assign_buckets, bucket_limits, first_cap
 from lightning_mgpu.whatif.compression import (
     NO_COSTS,
     BucketPlan,
@@ -54,8 +54,6 @@ from lightning_mgpu.whatif.records import Gradient, ProfiledRun
 
 HOST_OVERLAP = 1.0
 """Default :attr:`System.host_overlap`."""
-DEFAULT_FIRST_BUCKET_MB = 1.0
-"""DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
 ALGORITHMS = ("ring", "tree")
 
 
@@ -337,8 +335,8 @@ def layout(run: ProfiledRun, scenario: Scenario) -> list[tuple[int, float, list[
             out.append((bucket.bytes, bucket.launch_ms, [g for g, _ in members]))
         return out
     cap = scenario.bucket_cap_mb
-    first = min(scenario.first_bucket_cap_mb or DEFAULT_FIRST_BUCKET_MB, cap)
-    positions = assign_buckets([g.bytes for g, _ in timeline], [cap_bytes(first), cap_bytes(cap)])
+    first = first_cap(cap, given_cap=cap, given_first=scenario.first_bucket_cap_mb)
+    positions = assign_buckets([g.bytes for g, _ in timeline], bucket_limits(first, cap))
     out = []
     launch = 0.0
     for assigned in positions:
@@ -508,7 +506,6 @@ def sweep_world_sizes(run: ProfiledRun, scenario: Scenario, world_sizes: Sequenc
 
 __all__ = [
     "ALGORITHMS",
-    "DEFAULT_FIRST_BUCKET_MB",
     "accumulation_ms",
     "PredictedBucket",
     "Prediction",

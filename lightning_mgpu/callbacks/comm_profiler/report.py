@@ -16,7 +16,8 @@ from typing import Any, Optional, Union
 
 import lightning as L
 
-_MIB = 1024 * 1024
+from lightning_mgpu._sizes import MiB as _MIB
+
 NOT_MEASURED = "not measured"
 """What the console shows for a figure the profiler could not see (null in comm_profile.json)."""
 

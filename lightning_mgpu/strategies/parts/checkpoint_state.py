@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_mgpu._checks import check_int, check_real
 from lightning_mgpu.comm.compression import COMPRESSIONS
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
-from lightning_mgpu.strategies.ddp_options import check_size_mb
+from lightning_mgpu.tuning.buckets import check_size_mb
 from lightning_mgpu.tuning.tuner import DONE, MEASURING, OBSERVING, RESUMED, SKIPPED, UNFINISHED, WAITING, BucketTuner
 
 CHECKPOINT_KEY = "lightning_mgpu"

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.strategies.ddp_layout import reducer_named_params
+from lightning_mgpu.strategies.parts.ddp_model import reducer_named_params
 from lightning_mgpu.tuning.tuner import (
     DONE,
     FINAL_STATES,
@@ -59,14 +59,12 @@ class AutoBucketDriver:
         self.tuner = tuner
         self.owner = owner
         self._rewrap = rewrap
-        self._at_step_boundary = True
 
     @property
     def active(self) -> bool:
         return self.tuner.active
 
     def on_train_start(self, strategy: _SizedStrategy) -> None:
-        self._at_step_boundary = True
         tuner = self.tuner
         if tuner.status != WAITING:
             if tuner.status == RESUMED:
@@ -89,14 +87,12 @@ class AutoBucketDriver:
         if tuner.status in FINAL_STATES:
             rank_zero_info(f"{self.owner}: {tuner.summary()}")
 
-    def on_train_batch_start(self) -> None:
-        if self._at_step_boundary:  # the first batch of an optimizer step (of an accumulation window)
-            self._at_step_boundary = False
-            if self.tuner.active:
-                self.tuner.window_start()
+    def at_step_start(self) -> None:
+        """The first batch of an optimizer step (of its accumulation window) starts."""
+        if self.tuner.active:
+            self.tuner.window_start()
 
     def after_optimizer_step(self, strategy: _SizedStrategy) -> None:
-        self._at_step_boundary = True
         tuner = self.tuner
         if not tuner.active:
             return

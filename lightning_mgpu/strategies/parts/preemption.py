@@ -13,7 +13,8 @@ What our strategies do instead, on every rank:
    (``_compat.lightning.route_preemption_signals``); a signal Lightning does not handle (SLURM's
    requeue signal without ``auto_requeue``) gets our own handler from ``on_train_start`` on.
 2. **Agreement at the step boundary.** After every optimizer step (in ``on_train_batch_end``,
-   outside gradient-accumulation windows) the ranks all-reduce the flag with ``MAX``: one scalar
+   outside gradient-accumulation windows, through the strategy's fit callback of
+   :mod:`.reliability`, which runs after every other callback) the ranks all-reduce the flag with ``MAX``: one scalar
    collective per step, on gloo (a side gloo group under NCCL, so that no CUDA synchronisation is
    added). Every rank sees the same answer, so every rank stops at the same step.
 3. **The last completed step is saved.** With a ``ModelCheckpoint``: to its directory under its
@@ -47,10 +48,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_mgpu._compat.lightning import in_accumulation_window, route_preemption_signals
-from lightning_mgpu.strategies import _failures
+from lightning_mgpu._compat.lightning import route_preemption_signals
+from lightning_mgpu.strategies.parts import failures as _failures
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,18 +84,6 @@ class Preempted(SystemExit):
         return self.message
 
 
-class _StepBoundary(Callback):
-    """Runs the agreement after each optimizer step (added last to the Trainer's callbacks: after
-    ``ModelCheckpoint`` has saved this step, if it does)."""
-
-    def __init__(self, preemption: "Preemption") -> None:
-        self.preemption = preemption
-
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        if not in_accumulation_window(trainer):
-            self.preemption.at_step_boundary(trainer)
-
-
 class Preemption:
     """One strategy's preemption handling, for one fit at a time (see the module docstring)."""
 
@@ -111,7 +100,6 @@ class Preemption:
         self._routed: set[int] = set()
         self._undo_routing: Optional[Any] = None
         self._group: Optional[dist.ProcessGroup] = None
-        self._callback: Optional[_StepBoundary] = None
         self._trainer: Optional["pl.Trainer"] = None
         self._host: Any = None
 
@@ -148,8 +136,6 @@ class Preemption:
             if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
                 self._routed.add(int(environment.requeue_signal))
         self._group = self._agreement_group(strategy)
-        self._callback = _StepBoundary(self)
-        _callbacks(trainer).append(self._callback)
 
     def _agreement_group(self, strategy: Any) -> Optional[dist.ProcessGroup]:
         """The default group on gloo; a gloo side group otherwise (no CUDA sync for a host flag)."""
@@ -172,7 +158,7 @@ class Preemption:
                 self._installed[signum] = signal.signal(signum, self._handler)
 
     def at_step_boundary(self, trainer: "pl.Trainer") -> None:
-        """After an optimizer step, on every rank: agree, and stop if any rank was signalled."""
+        """After an optimizer step (its ``on_train_batch_end``), on every rank: agree, and stop if any rank was signalled."""
         signum = self._agree()
         if signum:
             self._stop(trainer, signum)
@@ -195,9 +181,6 @@ class Preemption:
         if self._undo_routing is not None:
             self._undo_routing()
             self._undo_routing = None
-        if self._trainer is not None and self._callback in _callbacks(self._trainer):
-            _callbacks(self._trainer).remove(self._callback)
-        self._callback = None
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
@@ -289,11 +272,6 @@ def _delivers_again(previous: Any, *, routed: bool) -> bool:
     if previous == signal.SIG_IGN:
         return False
     return not (routed and callable(previous))
-
-
-def _callbacks(trainer: "pl.Trainer") -> list[Callback]:
-    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-    return callbacks
 
 
 def _next_hpc_checkpoint(directory: str) -> str:

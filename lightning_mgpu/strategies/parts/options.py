@@ -1,15 +1,14 @@
-"""``TunedDDPStrategy``'s arguments: their checks, DDP's defaults, and the bucket-cap arithmetic.
+"""``TunedDDPStrategy``'s arguments: their checks, DDP's defaults, and the names it registers.
 
-torch's DDP keeps a small first bucket (1 MiB) only while ``bucket_cap_mb`` is left at its
-default; :func:`bucket_kwargs` passes ``bucket_cap_mb_list=[first, rest]`` so that an
-explicit size never drops it (torch >= 2.13; older torch gets one size for all buckets and
-a warning).
+The bucket-size arithmetic is :mod:`lightning_mgpu.tuning.buckets`; :func:`bucket_kwargs` adds the one
+fact about the installed torch it needs (whether DDP takes a per-bucket list of caps, torch >= 2.13:
+an explicit size then never drops the small first bucket; older torch gets one size for all buckets
+and a warning).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,16 +18,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu._compat.torch import DDP_DEFAULT_BUCKET_CAP_MB, DDP_DEFAULT_FIRST_BUCKET_BYTES
 from lightning_mgpu.comm.compression import COMPRESSIONS
-from lightning_mgpu.tuning.layout import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.buckets import DEFAULT_GRID_MB, check_size_mb, ddp_bucket_kwargs
 from lightning_mgpu.tuning.plan import TuningSettings
 
-MIB = 1024 * 1024
-MAX_SIZE_MB = float(2**40)
-"""Largest bucket size accepted, in MiB (1 EiB): DDP counts bucket bytes in 64-bit integers."""
-DEFAULT_FIRST_BUCKET_CAP_MB = DDP_DEFAULT_FIRST_BUCKET_BYTES / MIB
-"""torch's first-bucket size (1 MiB), kept by this strategy whatever ``bucket_cap_mb`` is."""
 DEFAULT_POWERSGD_RANK = 1
 DEFAULT_POWERSGD_START_ITER = 10
 
@@ -96,8 +89,6 @@ TUNED_STRATEGY_NAMES = _tuned_strategy_names()
 the names too, without importing torch; a test keeps both equal)."""
 
 __all__ = [
-    "DDP_DEFAULT_BUCKET_CAP_MB",
-    "DEFAULT_FIRST_BUCKET_CAP_MB",
     "DEFAULT_POWERSGD_RANK",
     "DEFAULT_POWERSGD_START_ITER",
     "TUNED_STRATEGY_NAMES",
@@ -106,25 +97,7 @@ __all__ = [
     "check_backend_registered",
     "check_ddp_kwargs",
     "check_options",
-    "check_size_mb",
-    "first_cap_for",
 ]
-
-
-def check_size_mb(name: str, value: object, *, auto: bool = False) -> Optional[float]:
-    allowed = "a positive number of MiB, 'auto' or None" if auto else "a positive number of MiB or None"
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
-    if not value > MAX_SIZE_MB and (not math.isfinite(value) or value <= 0):  # (a huge int has no float)
-        raise ValueError(f"{name} must be {allowed.replace('a positive', 'a positive, finite')}, got {value!r}")
-    if value > MAX_SIZE_MB:
-        raise ValueError(
-            f"{name} must be at most {MAX_SIZE_MB:.0f} MiB (1 EiB; DDP counts bucket bytes in 64-bit integers), "
-            f"got {value!r:.40}"
-        )
-    return float(value)
 
 
 BACKEND_ALLOWED = "a torch.distributed backend name such as 'gloo' or 'nccl' (or None: nccl on GPUs, gloo on CPU)"
@@ -197,32 +170,16 @@ def check_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return passed
 
 
-def first_cap_for(bucket_cap_mb: float, *, given_cap: Optional[float], given_first: Optional[float]) -> float:
-    """The first bucket's cap when later buckets are capped at ``bucket_cap_mb`` (all in MiB).
-
-    ``given_cap``/``given_first`` are what the user passed (None: DDP's defaults).
-    """
-    first = given_first if given_first is not None else DEFAULT_FIRST_BUCKET_CAP_MB
-    if not SUPPORTS_BUCKET_LIST and not (given_cap is None and given_first is None):
-        return bucket_cap_mb  # old torch: one size for every bucket (see bucket_kwargs)
-    return min(first, bucket_cap_mb)
-
-
 def bucket_kwargs(*, cap: Optional[float], given_first: Optional[float]) -> dict[str, Any]:
-    """``DistributedDataParallel`` keyword arguments for these caps (``{}``: DDP's own default)."""
-    if cap is None and given_first is None:
-        return {}  # DDP's own default: 1 MiB first bucket, then 25 MiB (also "auto" before it decides)
-    in_force = cap if cap is not None else DDP_DEFAULT_BUCKET_CAP_MB
-    if not SUPPORTS_BUCKET_LIST:
+    """``DistributedDataParallel`` keyword arguments for these caps on the installed torch (``{}``: DDP's default)."""
+    kwargs = ddp_bucket_kwargs(cap=cap, given_first=given_first, per_bucket_caps=SUPPORTS_BUCKET_LIST)
+    if "bucket_cap_mb" in kwargs:
         warnings.warn(
             f"torch {torch.__version__} cannot size the first bucket separately; every bucket, the first "
-            f"included, will be {in_force:g} MiB. Upgrade to torch >= 2.13 to keep a small first bucket.",
+            f"included, will be {kwargs['bucket_cap_mb']:g} MiB. Upgrade to torch >= 2.13 to keep a small first bucket.",
             stacklevel=3,
         )
-        return {"bucket_cap_mb": in_force}
-    # DDP fills bucket 0 up to the first cap, every later one up to the last cap.
-    first = first_cap_for(in_force, given_cap=cap, given_first=given_first)
-    return {"bucket_cap_mb_list": [first, in_force]}
+    return kwargs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,141 @@
+"""What makes a fit of ours end well, in one place: every strategy of the package calls this one object
+from the same Lightning hooks, so each mechanism works the same way under ``ddp_tuned`` and ``hybrid``.
+
+* **Preemption** (:mod:`.preemption`): SIGTERM and SLURM's requeue signal stop every rank at the
+  next step boundary, with the last completed step saved and an exit status naming the signal. The
+  boundary is the end of an optimizer step's ``on_train_batch_end``, after every other callback (so a
+  ``ModelCheckpoint`` has saved that step): a strategy has no hook there, so :meth:`Reliability.setup`
+  appends one callback of its own, :class:`FitBoundaries`, last to the Trainer's callbacks for the
+  fit (it says so in ``trainer.callbacks``, by its name) and removes it at teardown. A checkpoint
+  saved there is one Lightning resumes exactly; any earlier hook (the next batch's start) would save
+  a half-started batch.
+* **Checkpoints that are whole or absent** (:mod:`.checkpoint_io`): the default writer is atomic; a
+  ``TorchCheckpointIO`` of the user's stays the strategy's ``checkpoint_io`` and is given a temporary
+  path renamed over the checkpoint's; a damaged file is named on load; nothing is unpickled unless
+  asked to.
+* **Failures that say what happened** (:mod:`.failures`): DDP's error for reentrant activation
+  checkpointing translated into its fixes; a failed collective explained by naming the lost ranks;
+  no child rank left running after the launching process fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Callback
+
+from lightning_mgpu._compat.lightning import PathLike, in_accumulation_window
+from lightning_mgpu.strategies.parts import failures
+from lightning_mgpu.strategies.parts.checkpoint_io import (
+    AtomicCheckpointIO,
+    atomic_rename_target,
+    load_naming_damage,
+    names_damaged_files,
+    replace_atomically,
+)
+from lightning_mgpu.strategies.parts.preemption import Preemption
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class FitBoundaries(Callback):
+    """The strategy's own callback for one fit (see the module docstring): runs the reliability mechanisms
+    at the boundaries a strategy has no hook for. Last in ``trainer.callbacks`` while the fit runs."""
+
+    def __init__(self, reliability: "Reliability") -> None:
+        self.reliability = reliability
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+        if not in_accumulation_window(trainer):
+            self.reliability.preemption.at_step_boundary(trainer)
+
+
+class Reliability:
+    """One strategy's preemption handling, checkpoint writing and failure notes (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.preemption = Preemption()
+        self._boundaries: Optional[FitBoundaries] = None
+        self._trainer: Optional["pl.Trainer"] = None
+
+    # ------------------------------------------------------------------ the fit's lifecycle
+
+    def setup(self, trainer: "pl.Trainer", strategy: Any) -> None:
+        """From ``strategy.setup`` (before Lightning registers its signal handlers)."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self.preemption.attach(trainer, strategy)
+        self._trainer, self._boundaries = trainer, FitBoundaries(self)
+        _callbacks(trainer).append(self._boundaries)
+
+    def on_train_start(self) -> None:
+        self.preemption.on_train_start()
+
+    def teardown(self) -> None:
+        """Last: the fit's callback removed, and a signal no boundary acted on goes to the handler from before the fit."""
+        if self._trainer is not None and self._boundaries in _callbacks(self._trainer):
+            _callbacks(self._trainer).remove(self._boundaries)
+        self._trainer, self._boundaries = None, None
+        self.preemption.detach()
+
+    # ------------------------------------------------------------------ failures
+
+    @staticmethod
+    def backward_errors_explained(**facts: Any) -> AbstractContextManager[None]:
+        """Around the backward: DDP's "Expected to mark a variable ready only once" (reentrant activation
+        checkpointing) re-raised as a :class:`~.failures.ReentrantCheckpointError` naming the fixes."""
+        return failures.reentrant_backward_explained(**facts)
+
+    @staticmethod
+    def on_exception(exception: BaseException, *, launcher: Any, rank: int, timeout: Any, **facts: Any) -> None:
+        """Name the lost ranks in the error, explain DDP's reentrant-checkpoint error, and leave no child rank behind."""
+        failures.explain_reentrant_failure(exception, **facts)  # raised outside our backward
+        children = failures.launched_children(launcher, rank)
+        note = failures.explain_collective_failure(exception, rank=rank, timeout=timeout, children=children)
+        if note is not None and children:
+            # Lightning's child-process watcher (it polls every 5 s) SIGKILLs this launching process
+            # when it sees a dead child, possibly before the traceback is printed: say it now too.
+            print(note, file=sys.stderr, flush=True)
+        failures.reap_children_at_exit(children)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @staticmethod
+    def checkpoint_io(io: CheckpointIO, *, given: bool) -> CheckpointIO:
+        """The writer in force: the user's own as given, else an atomic one instead of Lightning's default."""
+        return io if given or isinstance(io, AtomicCheckpointIO) else AtomicCheckpointIO()
+
+    @staticmethod
+    def save_checkpoint(
+        io: CheckpointIO,
+        save: Callable[[PathLike, Optional[Any]], None],
+        filepath: PathLike,
+        storage_options: Optional[Any],
+        *,
+        writes: bool,
+    ) -> None:
+        """``save(path, storage_options)``, through a temporary file renamed over ``filepath`` when the writer
+        is a ``TorchCheckpointIO`` of the user's writing a local path (``writes``: this rank writes)."""
+        local = atomic_rename_target(io, filepath, storage_options) if writes else None
+        if local is None:
+            save(filepath, storage_options)
+        else:
+            replace_atomically(local, lambda temporary: save(temporary, None))
+
+    @staticmethod
+    def load_checkpoint(io: CheckpointIO, load: Callable[[], dict[str, Any]], path: PathLike) -> dict[str, Any]:
+        """``load()``, a damaged file named as the default writer names it."""
+        if names_damaged_files(io):
+            return load_naming_damage(load, path, verify_checksums=True)
+        return load()
+
+
+def _callbacks(trainer: "pl.Trainer") -> list[Callback]:
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    return callbacks
