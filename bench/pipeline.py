@@ -15,11 +15,11 @@ runs, with the same batch and loss:
 * unsplit, one intra-op thread (the speed-up's reference: one device), and with 2 threads
   (both cores given to one device: what one would otherwise do with two cores);
 * split into K = 2 stages by the plan (per-layer times measured on one micro-batch; the
-  GPT's per-block times by :func:`~lightning_mgpu.placement.block_profile.profile_blocks`),
+  GPT's per-block times by :func:`~lightning_mgpu.placement.planning.block_profile.profile_blocks`),
   each stage one worker thread with one intra-op thread, for each M of ``--microbatches``
   and each of our schedules: ``fill-drain`` (the ``nn.Sequential`` pipeline, loss outside;
   MLP only), and the staged pipeline's ``gpipe``, ``1f1b``, ``zero_bubble`` (loss inside,
-  :class:`~lightning_mgpu.placement.staged.StagedStep`; the GPT cut at a split point of
+  :class:`~lightning_mgpu.placement.running.engine.StagedStep`; the GPT cut at a split point of
   the unmodified model);
 * ``torch gpipe`` / ``torch 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` /
   ``Schedule1F1B`` on 2 gloo ranks of one thread each, the same stages and M
@@ -67,7 +67,7 @@ from bench.common import machine_facts, print_table, write_json
 from bench.launcher import launch
 from bench.pipeline_configs import STAGES, configs_for, time_steps
 from bench.pipeline_models import MODELS, build
-from lightning_mgpu.placement.plan import PlacementPlan
+from lightning_mgpu.placement.planning.plan import PlacementPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 MICROBATCHES = (1, 2, 4, 8)

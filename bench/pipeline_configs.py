@@ -19,12 +19,12 @@ import torch
 
 from bench.pipeline_memory import ActivationMeter, Metered
 from bench.pipeline_models import BenchModel
-from lightning_mgpu.placement.block_profile import profile_blocks
-from lightning_mgpu.placement.microbatch import scatter
+from lightning_mgpu.placement.planning.block_profile import profile_blocks
+from lightning_mgpu.placement.running.microbatch import scatter
 from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
-from lightning_mgpu.placement.profile import profile_layers
-from lightning_mgpu.placement.split_points import points_from_sizes
+from lightning_mgpu.placement.planning.plan import PlacementPlan, plan_stages
+from lightning_mgpu.placement.planning.profile import profile_layers
+from lightning_mgpu.placement.planning.split_points import points_from_sizes
 
 STAGES = 2
 
@@ -134,7 +134,7 @@ def fill_drain(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
 
 
 def staged(bench: BenchModel, plan: PlacementPlan, schedule: str, m: int) -> Config:
-    from lightning_mgpu.placement.staged import StagedStep
+    from lightning_mgpu.placement.running.engine import StagedStep
 
     model, fn, x = bench.model, bench.step_fn(), bench.batch
     points = points_from_sizes(candidates_of(bench), plan.sizes)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.placement.block_profile import profile_blocks
-from lightning_mgpu.placement.plan import PlacementPlan
-from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
-from lightning_mgpu.placement.split_points import block_costs, candidate_blocks
+from lightning_mgpu.placement.planning.block_profile import profile_blocks
+from lightning_mgpu.placement.planning.plan import PlacementPlan
+from lightning_mgpu.placement.planning.profile import LayerCost
+from lightning_mgpu.placement.planning.schedule import make_schedule, peak_in_flight
+from lightning_mgpu.placement.planning.split_points import block_costs, candidate_blocks
 from lightning_mgpu.placement.staged_fit import block_profiler, choose_split_points
 from tests.scripts.split_models import ResidualCNN
 

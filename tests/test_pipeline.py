@@ -18,8 +18,8 @@ from lightning_mgpu._compat.torch import (
 from lightning_mgpu.placement import LayerCost, PlacementPlan, plan_stages, profile_layers
 from bench.allocator import retain_freed_memory
 from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
-from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
-from lightning_mgpu.placement.worker import StageWorkers
+from lightning_mgpu.placement.planning.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
+from lightning_mgpu.placement.running.worker import StageWorkers
 
 
 def _model(seed: int = 0, depth: int = 6, width: int = 24) -> tuple[nn.Module, nn.Sequential, nn.Module]:
@@ -304,7 +304,7 @@ def test_hook_and_batchnorm_checks_see_what_torch_keeps() -> None:
 def test_fill_drain_is_each_stage_s_list_of_actions() -> None:
     import doctest
 
-    from lightning_mgpu.placement import schedule as schedule_module
+    from lightning_mgpu.placement.planning import schedule as schedule_module
 
     schedule = fill_drain(3, 4)
     assert len(schedule) == 3

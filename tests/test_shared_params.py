@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mgpu.placement.shared_params import foreign_uses
-from lightning_mgpu.placement.staged import StagedStep
+from lightning_mgpu.placement.running.shared_params import foreign_uses
+from lightning_mgpu.placement.running.engine import StagedStep
 from lightning_mgpu.placement.staged_fit import check_staged_model, place_modules
 from tests.scripts.split_models import tiny_gpt2
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mgpu.placement import staged as staged_module
-from lightning_mgpu.placement.staged import StagedStep, StagedStepError, split_batch
-from lightning_mgpu.placement.worker import PipelineError
+from lightning_mgpu.placement.running import engine as staged_module
+from lightning_mgpu.placement.running.engine import StagedStep, StagedStepError, split_batch
+from lightning_mgpu.placement.running.worker import PipelineError
 from tests.scripts.split_models import ResidualCNN, tiny_gpt2
 
 SCHEDULES = ["gpipe", "1f1b", "zero_bubble"]

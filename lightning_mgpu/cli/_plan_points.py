@@ -4,7 +4,7 @@ The model runs forward and backward on one micro-batch of ``--shape`` (its forwa
 ``--repeats`` times after a warm-up; forward pre-hooks on the split points stamp where each
 stage's forward begins, and the backward is shared out in proportion to the forward. Each
 stage's parameters, gradients and optimizer state (Adam: twice the parameters) are counted
-from the modules it holds (:func:`lightning_mgpu.placement.split_points.stage_of_modules`); a
+from the modules it holds (:func:`lightning_mgpu.placement.planning.split_points.stage_of_modules`); a
 parameter used by two stages (tied embeddings) is counted where it lives, the first of them.
 """
 
@@ -23,8 +23,8 @@ def plan_split_points(
     from rich.console import Console
     from rich.table import Table
 
-    from lightning_mgpu.placement.profile import profile_batch_size
-    from lightning_mgpu.placement.split_points import check_split_points, stage_of_modules
+    from lightning_mgpu.placement.planning.profile import profile_batch_size
+    from lightning_mgpu.placement.planning.split_points import check_split_points, stage_of_modules
 
     points = [point.strip() for point in args.split_points.split(",") if point.strip()]
     try:

@@ -1,8 +1,8 @@
 """``lightning-mgpu plan``: how a model would be split over K devices, under each balance mode.
 
 Parses the flags, builds the model from the target, measures each layer on one micro-batch
-(:func:`lightning_mgpu.placement.profile.profile_layers`), plans it with every balance mode
-(:func:`lightning_mgpu.placement.plan.plan_stages`) and prints the plans side by side.
+(:func:`lightning_mgpu.placement.planning.profile.profile_layers`), plans it with every balance mode
+(:func:`lightning_mgpu.placement.planning.plan.plan_stages`) and prints the plans side by side.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning_mgpu._target import SYNTAX
 from lightning_mgpu.cli._args import bounded_int, existing_parent, positive_size, target
 
 if TYPE_CHECKING:  # torch underneath: imported when the command runs, not for --help
-    from lightning_mgpu.placement.plan import PlacementPlan
+    from lightning_mgpu.placement.planning.plan import PlacementPlan
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
 # Beyond these a value is a mistake: refused before anything is built or measured.
@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lightning_mgpu._target import TargetError, load_target
-    from lightning_mgpu.placement.plan import BALANCE_MODES, plan_stages
-    from lightning_mgpu.placement.profile import profile_batch_size, profile_layers
+    from lightning_mgpu.placement.planning.plan import BALANCE_MODES, plan_stages
+    from lightning_mgpu.placement.planning.profile import profile_batch_size, profile_layers
 
     try:
         device = torch.device(args.device)

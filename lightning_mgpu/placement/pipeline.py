@@ -49,11 +49,11 @@ refused (the recomputed masks would differ). Not supported: using the pipelined 
 input elsewhere in the loss (a skip connection around it: a clear error says so) and
 differentiating through it with ``torch.autograd.grad`` (its output is a fresh leaf).
 
-The parts, one module each: :mod:`~lightning_mgpu.placement.schedule` (which action each
-stage runs when, as data), :mod:`~lightning_mgpu.placement.worker` (the stage threads that
-run any schedule), :mod:`~lightning_mgpu.placement.microbatch` (scatter, gather, the
+The parts, one module each: :mod:`~lightning_mgpu.placement.planning.schedule` (which action each
+stage runs when, as data), :mod:`~lightning_mgpu.placement.running.worker` (the stage threads that
+run any schedule), :mod:`~lightning_mgpu.placement.running.microbatch` (scatter, gather, the
 pending record), :mod:`~lightning_mgpu.placement.transfer` (copies between devices),
-:mod:`~lightning_mgpu.placement.checkpoint` (recomputation) and
+:mod:`~lightning_mgpu.placement.running.recompute` (recomputation) and
 :mod:`~lightning_mgpu.placement.accumulate` (one gradient accumulation per step); this
 module is the stage work itself, forward and backward.
 """
@@ -69,17 +69,17 @@ from torch import nn
 
 from lightning_mgpu._checks import check_int
 from lightning_mgpu.placement.accumulate import StageGradients
-from lightning_mgpu.placement.checkpoint import (
+from lightning_mgpu.placement.running.recompute import (
     CHECKPOINT_MODES,
     check_checkpoint_mode,
     check_recompute_randomness,
     recomputes,
     run_checkpointed,
 )
-from lightning_mgpu.placement.microbatch import PendingForward, gather, scatter
-from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
+from lightning_mgpu.placement.running.microbatch import PendingForward, gather, scatter
+from lightning_mgpu.placement.planning.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
 from lightning_mgpu.placement.transfer import CopyStreams
-from lightning_mgpu.placement.worker import (
+from lightning_mgpu.placement.running.worker import (
     PipelineError,
     Receive,
     Send,

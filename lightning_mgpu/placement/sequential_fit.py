@@ -9,7 +9,7 @@
 * :func:`capture_input`: one batch of the split module's input, from the model's
   ``example_input_array`` pushed through the model (buffers and RNG restored after).
 * :func:`measure_layers`: per-layer costs for the planner, measured on one micro-batch
-  (:func:`~lightning_mgpu.placement.profile.profile_layers`) or, without a sample,
+  (:func:`~lightning_mgpu.placement.planning.profile.profile_layers`) or, without a sample,
   parameter counts only (:func:`static_costs`).
 * :class:`PipelinedSequential`: the split ``nn.Sequential`` during a fit, with
   :func:`install_pipeline` / :func:`remove_pipeline` swapping its class in and out (its
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.torch import is_batchnorm
-from lightning_mgpu.placement.microbatch import map_tensors
+from lightning_mgpu.placement.running.microbatch import map_tensors
 from lightning_mgpu.placement.pipeline import Pipeline, check_recompute_randomness
-from lightning_mgpu.placement.plan import check_sizes
-from lightning_mgpu.placement.profile import LayerCost, profile_batch_size, profile_layers
+from lightning_mgpu.placement.planning.plan import check_sizes
+from lightning_mgpu.placement.planning.profile import LayerCost, profile_batch_size, profile_layers
 
 __all__ = [
     "PipelinedSequential",
@@ -195,7 +195,7 @@ def measure_layers(
     seq: nn.Sequential, sample: Optional[torch.Tensor], *, microbatches: int, device: torch.device, threads: int
 ) -> list[LayerCost]:
     """Per-layer costs: measured on one micro-batch of ``sample`` (at least 2 rows when ``seq`` has BatchNorm,
-    see :func:`~lightning_mgpu.placement.profile.profile_batch_size`), else parameter counts only."""
+    see :func:`~lightning_mgpu.placement.planning.profile.profile_batch_size`), else parameter counts only."""
     if sample is None:
         return static_costs(seq)
     rows = profile_batch_size(sample.shape[0], microbatches, seq)

@@ -1,15 +1,15 @@
-"""What the hybrid strategy needs around :class:`~lightning_mgpu.placement.staged.StagedStep` in a fit,
+"""What the hybrid strategy needs around :class:`~lightning_mgpu.placement.running.engine.StagedStep` in a fit,
 kept free of Lightning: model checks, module placement, and the step function with its logging.
 
 * :func:`choose_split_points`: the split points in force, given or planned among the
   candidate blocks (``balance``: time and memory measured by :func:`block_profiler` on the
   module's ``example_input_array``, where the module is before placement), as one
-  :class:`~lightning_mgpu.placement.plan.PlacementPlan` that every rank shares.
+  :class:`~lightning_mgpu.placement.planning.plan.PlacementPlan` that every rank shares.
 * :func:`check_staged_model`: refuses, before any process starts, what the staged pipeline
   cannot run (SyncBatchNorm, activation recomputation, manual optimization; a parameter
   that stages on different devices both use, only where this torch cannot copy it).
 * :func:`place_modules`: every module's own tensors on its stage's device
-  (:func:`~lightning_mgpu.placement.split_points.stage_of_modules`).
+  (:func:`~lightning_mgpu.placement.planning.split_points.stage_of_modules`).
 * :func:`run_logged`: runs a LightningModule-like object's ``training_step`` through the
   staged step; its ``self.log`` calls, made once per micro-batch in the micro-batches'
   threads, are collected and replayed once, in the calling thread, with the
@@ -28,20 +28,25 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.torch import apply_to_own_tensors
-from lightning_mgpu.placement.block_profile import profile_blocks
-from lightning_mgpu.placement.handover import current_microbatch
-from lightning_mgpu.placement.microbatch import map_tensors, split_batch
-from lightning_mgpu.placement.plan import PlacementPlan, check_sizes, plan_stages
-from lightning_mgpu.placement.profile import LayerCost, profile_batch_size
-from lightning_mgpu.placement.split_points import block_costs, check_split_points, points_from_sizes, stage_of_modules
-from lightning_mgpu.placement.staged import StagedStep
+from lightning_mgpu.placement.planning.block_profile import profile_blocks
+from lightning_mgpu.placement.running.handover import current_microbatch
+from lightning_mgpu.placement.running.microbatch import map_tensors, split_batch
+from lightning_mgpu.placement.planning.plan import PlacementPlan, check_sizes, plan_stages
+from lightning_mgpu.placement.planning.profile import LayerCost, profile_batch_size
+from lightning_mgpu.placement.planning.split_points import (
+    block_costs,
+    check_split_points,
+    points_from_sizes,
+    stage_of_modules,
+)
+from lightning_mgpu.placement.running.engine import StagedStep
 
 __all__ = ["block_profiler", "check_staged_model", "choose_split_points", "place_modules", "run_logged"]
 
 
 def block_profiler(module: nn.Module, microbatches: int) -> Optional[Callable[[list[str]], list[LayerCost]]]:
     """``measure(candidates)`` for :func:`choose_split_points`: the candidate blocks profiled
-    (:func:`~lightning_mgpu.placement.block_profile.profile_blocks`) on one micro-batch of the module's
+    (:func:`~lightning_mgpu.placement.planning.block_profile.profile_blocks`) on one micro-batch of the module's
     ``example_input_array`` (at least 2 samples with BatchNorm), run through its forward where the module is now;
     None without an ``example_input_array``."""
     example = getattr(module, "example_input_array", None)
@@ -164,7 +169,7 @@ def check_staged_model(
 def place_modules(module: nn.Module, split_points: Sequence[str], devices: Sequence[torch.device]) -> None:
     """Move every module's own parameters and buffers to its stage's device (definition order decides the stage);
     a parameter or buffer registered by several modules (tied embeddings) goes with the first of them, and the
-    others use a copy (:mod:`~lightning_mgpu.placement.shared_params`)."""
+    others use a copy (:mod:`~lightning_mgpu.placement.running.shared_params`)."""
     stages = stage_of_modules(module, split_points)
     placed: set[int] = set()
     for name, sub in module.named_modules():

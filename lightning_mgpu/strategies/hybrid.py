@@ -15,10 +15,10 @@ devices), and both exact against one process with the full batch:
 * **Staged** (``split_points``, or ``schedule="1f1b"``/``"zero_bubble"``, or no single
   ``nn.Sequential`` child): any ``nn.Module`` as it is, cut where the named submodules
   begin; ``training_step`` runs once per micro-batch inside the pipeline, loss included
-  (:class:`~lightning_mgpu.placement.staged.StagedStep`; setup in
+  (:class:`~lightning_mgpu.placement.running.engine.StagedStep`; setup in
   :mod:`~lightning_mgpu.placement.staged_fit`).
 * **Sequential** (an ``nn.Sequential``, ``schedule="gpipe"``): its layers are split by
-  :func:`~lightning_mgpu.placement.plan.plan_stages` (``balance``) from per-layer costs
+  :func:`~lightning_mgpu.placement.planning.plan.plan_stages` (``balance``) from per-layer costs
   measured on one micro-batch (:mod:`~lightning_mgpu.placement.sequential_fit`); the rest
   of the model and the loss stay on the replica's first device.
 
@@ -40,8 +40,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
-from lightning_mgpu.placement.profile import LayerCost
+from lightning_mgpu.placement.planning.plan import PlacementPlan, plan_stages
+from lightning_mgpu.placement.planning.profile import LayerCost
 from lightning_mgpu.placement.sequential_fit import (
     capture_input,
     check_sequential,
@@ -51,8 +51,8 @@ from lightning_mgpu.placement.sequential_fit import (
     measure_layers,
     remove_pipeline,
 )
-from lightning_mgpu.placement.split_points import candidate_blocks, check_split_points
-from lightning_mgpu.placement.staged import StagedStep
+from lightning_mgpu.placement.planning.split_points import candidate_blocks, check_split_points
+from lightning_mgpu.placement.running.engine import StagedStep
 from lightning_mgpu.placement.staged_fit import (
     block_profiler,
     check_staged_model,

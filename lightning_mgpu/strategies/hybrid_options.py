@@ -9,8 +9,8 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES
-from lightning_mgpu.placement.plan import BALANCE_MODES, check_sizes
-from lightning_mgpu.placement.schedule import SCHEDULES
+from lightning_mgpu.placement.planning.plan import BALANCE_MODES, check_sizes
+from lightning_mgpu.placement.planning.schedule import SCHEDULES
 
 __all__ = ["check_hybrid_options"]
 

@@ -25,10 +25,10 @@ stage begins (``split_points``, torch's convention) and a schedule, and runs a f
   (the usual ``reduction="mean"``; pass ``loss_reduction="sum"`` for sums).
 * **Backward.** ``B`` runs ``torch.autograd.grad`` of the stage's outputs with respect to
   its cut leaves and the parameters; with ``zero_bubble``, ``B`` computes only the cut
-  leaves' gradients and ``W`` the parameters' (:mod:`~lightning_mgpu.placement.weight_pass`).
+  leaves' gradients and ``W`` the parameters' (:mod:`~lightning_mgpu.placement.running.weight_pass`).
   Each stage sums its parameters' gradients over the micro-batches; a parameter used by
   several stages (tied embeddings) gets the sum of every stage's part (on stages of different
-  devices through a differentiable copy: :mod:`~lightning_mgpu.placement.shared_params`). Nothing is
+  devices through a differentiable copy: :mod:`~lightning_mgpu.placement.running.shared_params`). Nothing is
   accumulated into ``.grad`` until :meth:`StagedStep.accumulate`, which does it with one
   ``torch.autograd.backward`` per parameter set, so each gradient accumulator (and DDP's
   hook on it) fires exactly once per step, after DDP prepared its reducer.
@@ -41,8 +41,8 @@ order in one step; a tensor computed before a split point used after it without 
 passed to it (e.g. a skip connection around the split point): the step fails at its first
 backward, before any parameter changed (see :class:`StagedStepError`).
 
-Around it: :mod:`~lightning_mgpu.placement.handover` (a micro-batch's thread and its turns),
-:func:`~lightning_mgpu.placement.microbatch.split_batch` (the batch cut into micro-batches),
+Around it: :mod:`~lightning_mgpu.placement.running.handover` (a micro-batch's thread and its turns),
+:func:`~lightning_mgpu.placement.running.microbatch.split_batch` (the batch cut into micro-batches),
 :mod:`~lightning_mgpu.placement.staged_fit` (what a Lightning fit adds).
 """
 
@@ -57,7 +57,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu.placement.handover import (
+from lightning_mgpu.placement.running.handover import (
     Aborted,
     Cut,
     MicroRun,
@@ -66,12 +66,12 @@ from lightning_mgpu.placement.handover import (
     current_run,
     running,
 )
-from lightning_mgpu.placement.linear_grads import LinearWeightGrads
-from lightning_mgpu.placement.microbatch import map_tensors, split_batch
-from lightning_mgpu.placement.shared_params import SharedParameterCopies
-from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
-from lightning_mgpu.placement.weight_pass import DeferredWeights, reached_graph, split_backward
-from lightning_mgpu.placement.worker import Receive, Send, StageWorkers, stage_context, thread_modes
+from lightning_mgpu.placement.running.linear_grads import LinearWeightGrads
+from lightning_mgpu.placement.running.microbatch import map_tensors, split_batch
+from lightning_mgpu.placement.running.shared_params import SharedParameterCopies
+from lightning_mgpu.placement.planning.schedule import BACKWARD, FORWARD, SCHEDULES, WEIGHT, Action, make_schedule
+from lightning_mgpu.placement.running.weight_pass import DeferredWeights, reached_graph, split_backward
+from lightning_mgpu.placement.running.worker import Receive, Send, StageWorkers, stage_context, thread_modes
 
 __all__ = ["LOSS_REDUCTIONS", "StagedStep", "StagedStepError", "current_microbatch", "split_batch"]
 
@@ -84,9 +84,9 @@ class StagedStep:
 
     ``devices[j]``: stage ``j``'s device (``len(split_points) + 1`` of them). Modules are not
     moved here (the strategy places them). ``schedule``: a name of
-    :data:`~lightning_mgpu.placement.schedule.SCHEDULES`. A parameter used by modules of stages on
+    :data:`~lightning_mgpu.placement.planning.schedule.SCHEDULES`. A parameter used by modules of stages on
     different devices (tied embeddings) is used through a differentiable copy on the using stage's
-    device (:mod:`~lightning_mgpu.placement.shared_params`); ``copy_shared=True`` copies it even where
+    device (:mod:`~lightning_mgpu.placement.running.shared_params`); ``copy_shared=True`` copies it even where
     the devices are the same (how the tests run that path on CPU stages).
     """
 

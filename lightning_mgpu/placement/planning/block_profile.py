@@ -1,6 +1,6 @@
 """Measure what each candidate block of an unmodified model costs, by running the model's own forward.
 
-:func:`~lightning_mgpu.placement.profile.profile_layers` runs an ``nn.Sequential``'s layers
+:func:`~lightning_mgpu.placement.planning.profile.profile_layers` runs an ``nn.Sequential``'s layers
 one by one; a model whose forward is arbitrary Python (GPT-2's, a ResNet's) cannot be run
 that way. :func:`profile_blocks` runs the whole model instead (``run()``: one forward on
 one micro-batch), ``repeats`` times after ``warmup`` untimed runs, with a forward pre-hook
@@ -15,7 +15,7 @@ on each candidate block:
 * ``activation_bytes``: the tensors autograd saves while block ``i``'s span runs (each
   storage once, parameters left out), what a stage keeps per micro-batch in flight;
 * parameters, gradients and optimizer state as
-  :func:`~lightning_mgpu.placement.split_points.block_costs` counts them.
+  :func:`~lightning_mgpu.placement.planning.split_points.block_costs` counts them.
 
 Buffers (BatchNorm's running statistics) and the random state are restored after, so
 profiling leaves the model as it was.
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.split_points import block_costs
+from lightning_mgpu.placement.planning.profile import LayerCost
+from lightning_mgpu.placement.planning.split_points import block_costs
 
 __all__ = ["profile_blocks"]
 

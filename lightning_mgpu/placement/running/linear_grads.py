@@ -4,7 +4,7 @@ Through autograd, every micro-batch's backward of an ``nn.Linear`` allocates a f
 weight-sized gradient that the stage then adds into its running sum: one more pass over
 the weight per micro-batch. With zero-bubble's split backward it is worse: the weight
 pass is a second ``torch.autograd.grad`` call from the layer's node. Here, while a
-:class:`~lightning_mgpu.placement.staged.StagedStep` runs, a plain ``nn.Linear`` of the
+:class:`~lightning_mgpu.placement.running.engine.StagedStep` runs, a plain ``nn.Linear`` of the
 model computes in its backward only the gradient of its input (what the previous layer
 waits for) and hands the weight's part to the engine: ``grad_out^T @ input`` goes
 straight into the stage's running sum with ``addmm_`` (the arithmetic an ``nn.Linear``
@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from lightning_mgpu.placement.handover import MicroRun, current_run
+from lightning_mgpu.placement.running.handover import MicroRun, current_run
 
 __all__ = ["LinearWeightGrads"]
 
@@ -57,7 +57,7 @@ class _Target(NamedTuple):
 
 
 class LinearWeightGrads:
-    """The fast path of a :class:`~lightning_mgpu.placement.staged.StagedStep` (module docstring).
+    """The fast path of a :class:`~lightning_mgpu.placement.running.engine.StagedStep` (module docstring).
 
     ``params``: the engine's trainable parameters (indices are positions here); ``sums[j]``:
     stage ``j``'s running sums by parameter index (the engine's own dicts); ``exclude``: ids of

@@ -1,7 +1,7 @@
 """One micro-batch of the staged pipeline: the user's code runs in a thread of its own, taking turns with the stages.
 
 A micro-batch's Python call stack cannot move between threads, so the staged pipeline
-(:class:`~lightning_mgpu.placement.staged.StagedStep`) runs each micro-batch's function in
+(:class:`~lightning_mgpu.placement.running.engine.StagedStep`) runs each micro-batch's function in
 its own thread and lets the stages' worker threads decide when it may go on: at each split
 point the micro-batch's thread calls :meth:`MicroRun.arrive` and waits there until the
 stage that begins at that point calls :meth:`MicroRun.grant`; that stage's worker waits in

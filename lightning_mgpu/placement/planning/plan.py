@@ -1,7 +1,7 @@
 """``PlacementPlan``: which layers run on which device, and what that is expected to cost.
 
-:func:`plan_stages` turns per-layer costs (from :func:`~lightning_mgpu.placement.profile.profile_layers`)
-into a plan with :func:`~lightning_mgpu.placement.partition.partition`:
+:func:`plan_stages` turns per-layer costs (from :func:`~lightning_mgpu.placement.planning.profile.profile_layers`)
+into a plan with :func:`~lightning_mgpu.placement.planning.partition.partition`:
 
 * ``balance="time"``: minimise the slowest stage's forward+backward time (the pipeline's pace);
 * ``balance="memory"``: minimise the largest stage memory (parameters, gradients, optimizer
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu.placement.partition import partition
-from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
+from lightning_mgpu.placement.planning.partition import partition
+from lightning_mgpu.placement.planning.profile import LayerCost
+from lightning_mgpu.placement.planning.schedule import make_schedule, peak_in_flight
 
 __all__ = ["BALANCE_MODES", "PlacementPlan", "check_sizes", "make_plan", "plan_stages"]
 
@@ -108,7 +108,7 @@ class PlacementPlan:
     def peak_activation_bytes(self, schedule: str = "gpipe") -> Optional[list[int]]:
         """Per stage, the saved activations it holds at its peak under ``schedule``: one micro-batch's
         (the layers' profiled ``activation_bytes``) times the most micro-batches the schedule keeps in flight
-        on that stage (:func:`~lightning_mgpu.placement.schedule.peak_in_flight`). None without a profile."""
+        on that stage (:func:`~lightning_mgpu.placement.planning.schedule.peak_in_flight`). None without a profile."""
         per_microbatch = self._stage_sum("activation_bytes")
         if per_microbatch is None:
             return None

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.placement.handover import StagedStepError
+from lightning_mgpu.placement.running.handover import StagedStepError
 
 __all__ = ["PendingForward", "gather", "map_tensors", "scatter", "split_batch"]
 

@@ -3,7 +3,7 @@
 GPT-2's output layer is its token embedding (``lm_head.weight is transformer.wte.weight``):
 with the embedding in the first stage and the output layer in the last, the parameter lives
 on the first stage's device (where its module is defined first,
-:func:`~lightning_mgpu.placement.split_points.stage_of_modules`) and the output layer runs on
+:func:`~lightning_mgpu.placement.planning.split_points.stage_of_modules`) and the output layer runs on
 another device. :class:`SharedParameterCopies` runs every such module with a
 **differentiable copy** of the parameter on its own stage's device (``param.to(device,
 copy=True)``, made in a forward pre-hook). The module is not changed: the copy is put in the
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu.placement.handover import current_run
-from lightning_mgpu.placement.split_points import stage_of_modules
+from lightning_mgpu.placement.running.handover import current_run
+from lightning_mgpu.placement.planning.split_points import stage_of_modules
 
 __all__ = ["SharedParameterCopies", "foreign_uses", "holders"]
 

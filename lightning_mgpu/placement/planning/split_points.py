@@ -19,7 +19,7 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_mgpu.placement.profile import LayerCost
+from lightning_mgpu.placement.planning.profile import LayerCost
 
 __all__ = ["block_costs", "candidate_blocks", "check_split_points", "points_from_sizes", "stage_of_modules"]
 
