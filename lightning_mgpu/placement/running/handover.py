@@ -1,7 +1,7 @@
-"""One micro-batch of the staged pipeline: the user's code runs in a thread of its own, taking turns with the stages.
+"""One micro-batch in the pipeline: the user's code runs in a thread of its own, taking turns with the stages.
 
-A micro-batch's Python call stack cannot move between threads, so the staged pipeline
-(:class:`~lightning_mgpu.placement.running.engine.StagedStep`) runs each micro-batch's function in
+A micro-batch's Python call stack cannot move between threads, so the pipeline
+(:class:`~lightning_mgpu.placement.running.engine.Pipeline`) runs each micro-batch's function in
 its own thread and lets the stages' worker threads decide when it may go on: at each split
 point the micro-batch's thread calls :meth:`MicroRun.arrive` and waits there until the
 stage that begins at that point calls :meth:`MicroRun.grant`; that stage's worker waits in
@@ -10,7 +10,8 @@ So a stage never runs two things at once, and the user's code runs unchanged.
 
 :class:`MicroRun` also holds what the micro-batch's backward needs: the tensors that
 crossed each split point (:class:`Cut`), the gradient edges they came from, the loss, and
-what zero-bubble's deferred weight passes need.
+what zero-bubble's deferred weight passes need. :class:`CopyStreams` moves what crosses a split
+point to the next stage's device (on CUDA through a copy stream per destination device).
 """
 
 from __future__ import annotations
@@ -24,13 +25,23 @@ from typing import Any, Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["Aborted", "Cut", "MicroRun", "StagedStepError", "current_microbatch", "current_run", "running"]
+__all__ = [
+    "Aborted",
+    "CopyStreams",
+    "Cut",
+    "MicroRun",
+    "PipelineModelError",
+    "current_microbatch",
+    "current_run",
+    "current_stage",
+    "running",
+]
 
 _LOCAL = threading.local()
 
 
-class StagedStepError(RuntimeError):
-    """The model's code does something the staged pipeline cannot run; the message says what and how to fix it."""
+class PipelineModelError(RuntimeError):
+    """The model's code does something the pipeline cannot run; the message says what and how to fix it."""
 
 
 class Aborted(BaseException):
@@ -55,7 +66,9 @@ class MicroRun:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     num_stages: int
-    owner: object = None  # the StagedStep running it (another one's hooks leave it alone)
+    owner: object = None  # the Pipeline running it (another one's hooks leave it alone)
+    recompute: bool = False  # its stage forwards run again in backward (activation checkpointing)
+    loss_inside: bool = True  # the function's result is the loss (else an output, whose gradient comes from outside)
     cond: threading.Condition = field(default_factory=threading.Condition)
     granted: int = -1  # the segment the thread may run
     reached: int = 0  # the split point the thread waits at (num_stages: the function returned)
@@ -115,22 +128,64 @@ class MicroRun:
 
 
 @contextmanager
-def running(micro: MicroRun) -> Iterator[None]:
-    """Mark the calling thread as running ``micro`` (what the split-point hooks and ``self.log`` look at)."""
-    _LOCAL.micro = micro
+def running(micro: MicroRun, stage: Optional[int] = None) -> Iterator[None]:
+    """Mark the calling thread as running ``micro`` (what the split-point hooks, the ``nn.Linear`` fast path, shared
+    parameters and ``self.log`` look at); ``stage``: as that stage (a forward recomputed in a backward), else the
+    segment the micro-batch has reached."""
+    previous = getattr(_LOCAL, "where", None)
+    _LOCAL.where = (micro, stage)
     try:
         yield
     finally:
-        _LOCAL.micro = None
+        _LOCAL.where = previous
 
 
 def current_run() -> Optional[MicroRun]:
-    """The micro-batch the calling thread runs, or None outside a staged step."""
-    micro: Optional[MicroRun] = getattr(_LOCAL, "micro", None)
-    return micro
+    """The micro-batch the calling thread runs, or None outside a pipelined step."""
+    where: Optional[tuple[MicroRun, Optional[int]]] = getattr(_LOCAL, "where", None)
+    return None if where is None else where[0]
+
+
+def current_stage() -> int:
+    """The stage whose code the calling thread runs (call only where :func:`current_run` is not None)."""
+    micro, stage = _LOCAL.where
+    return micro.reached if stage is None else stage  # type: ignore[no-any-return]
 
 
 def current_microbatch() -> Optional[tuple[int, float]]:
-    """``(index, share of the batch)`` of the micro-batch the calling thread runs, or None outside a staged step."""
+    """``(index, share of the batch)`` of the micro-batch the calling thread runs, or None outside a pipelined step."""
     micro = current_run()
     return None if micro is None else (micro.index, micro.weight)
+
+
+class CopyStreams:
+    """Moves tensors across stage boundaries, keeping one copy stream per CUDA device.
+
+    A copy to a GPU runs on that device's copy stream, so it overlaps with the stages' kernels;
+    the consumer's current stream waits for it, and both tensors are recorded on the streams
+    that use them so that the caching allocator does not reuse them too early. Anything else
+    (to the CPU, between CPU stages) is a plain ``tensor.to(device)``.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def move(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` on ``device`` (itself if already there)."""
+        if tensor.device == device:
+            return tensor
+        if device.type != "cuda":
+            return tensor.to(device)  # device -> host (or cpu -> cpu-like): a plain, synchronous copy
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # untyped in torch
+        consumer = torch.cuda.current_stream(device)
+        if tensor.is_cuda:
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            moved = tensor.to(device, non_blocking=True)
+        consumer.wait_stream(stream)
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+        moved.record_stream(consumer)
+        return moved

@@ -1,36 +1,19 @@
-"""Cutting a batch into micro-batches, joining the outputs, and the record a forward call leaves for its backward.
+"""Cutting a batch into micro-batches, and reaching every tensor of a nested value.
 
-* :func:`scatter` / :func:`gather` / :class:`PendingForward`: the ``nn.Sequential`` pipeline
-  (one tensor in, one tensor out).
-* :func:`split_batch` / :func:`map_tensors`: the staged pipeline, whose batch is whatever the
-  user's ``training_step`` takes (tensors nested in tuples, lists, dicts, named tuples, with
-  non-tensors beside them).
+The pipeline's batch is whatever the function it runs takes (a ``training_step``'s batch:
+tensors nested in tuples, lists, dicts, named tuples, with non-tensors beside them):
+:func:`split_batch` cuts every tensor along its first dimension, :func:`map_tensors` applies a
+function to every tensor of such a value, keeping its types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 
-from lightning_mgpu.placement.running.handover import StagedStepError
-
-__all__ = ["PendingForward", "gather", "map_tensors", "scatter", "split_batch"]
-
-Move = Callable[[Optional[torch.Tensor], torch.device], Optional[torch.Tensor]]
-
-
-def scatter(batch: object, microbatches: int) -> list[torch.Tensor]:
-    """``batch`` cut along its first dimension into ``microbatches`` pieces (fewer if it has fewer samples)."""
-    if not isinstance(batch, torch.Tensor):
-        raise TypeError(f"the pipelined module takes one tensor (batch first), got {type(batch).__name__}")
-    if batch.dim() == 0 or batch.shape[0] == 0:
-        raise ValueError(
-            f"the pipelined module needs a batch dimension with at least one sample, got shape {tuple(batch.shape)}"
-        )
-    return list(batch.tensor_split(min(microbatches, batch.shape[0])))
+__all__ = ["map_tensors", "split_batch"]
 
 
 def split_batch(value: Any, microbatches: int) -> tuple[list[Any], list[int]]:
@@ -39,18 +22,20 @@ def split_batch(value: Any, microbatches: int) -> tuple[list[Any], list[int]]:
     sizes: set[int] = set()
     _collect_sizes(value, sizes)
     if not sizes:
-        raise StagedStepError(
+        raise ValueError(
             "the batch holds no tensor with a batch dimension: the pipeline cuts the batch into micro-batches along "
             "the first dimension of its tensors"
         )
     if len(sizes) > 1:
-        raise StagedStepError(
+        raise ValueError(
             f"the batch's tensors have different first dimensions {sorted(sizes)}: the pipeline cuts every tensor "
             "of the batch along its first dimension (the samples), so they must all have the same length"
         )
     (n,) = sizes
     if n == 0:
-        raise StagedStepError("the batch is empty: there is nothing to cut into micro-batches")
+        raise ValueError(
+            "the batch is empty (no sample along its batch dimension): there is nothing to cut into micro-batches"
+        )
     count = min(microbatches, n)
     pieces = [_take(value, count, i) for i in range(count)]
     base, extra = divmod(n, count)
@@ -97,28 +82,3 @@ def map_tensors(value: Any, fn: Callable[[Any], Any], *, tensors_only: bool = Tr
         except TypeError:
             return out
     return value
-
-
-def gather(outputs: Sequence[torch.Tensor], device: torch.device, move: Move) -> torch.Tensor:
-    """The micro-batches' outputs joined on ``device``, detached, in a tensor of its own."""
-    final = [move(out, device).detach() if out.device != device else out.detach() for out in outputs]  # type: ignore[union-attr]
-    return torch.cat(final) if len(final) > 1 else final[0].clone()
-
-
-@dataclass
-class PendingForward:
-    """One forward call whose backward is pending."""
-
-    source: torch.Tensor  # the input as the caller gave it (may carry a graph from earlier layers)
-    splits: list[int]  # micro-batch sizes
-    inputs: list[list[Optional[torch.Tensor]]]  # [stage][micro-batch] detached input (requires_grad or None)
-    outputs: list[list[Optional[torch.Tensor]]]  # [stage][micro-batch] output with the stage's graph
-    result: torch.Tensor  # the leaf handed back to the caller
-    input_grads: list[Optional[torch.Tensor]] = field(default_factory=list)
-
-    def output_grads(self) -> list[torch.Tensor]:
-        """Take the gradient ``loss.backward()`` left on the result, cut per micro-batch (the result's is cleared)."""
-        grad = self.result.grad
-        assert grad is not None, "only called for a forward whose output received a gradient"
-        self.result.grad = None
-        return list(torch.split(grad, self.splits))

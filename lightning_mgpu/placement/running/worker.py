@@ -33,7 +33,7 @@ Receive = Callable[[Action], Any]
 Send = Callable[[Action, Any], None]
 StageProgram = Callable[[int, list[Action], Receive, Send], None]
 """``program(stage, actions, receive, send)``: runs one stage's actions (in that stage's thread)."""
-Move = Callable[[Optional[torch.Tensor], torch.device], Optional[torch.Tensor]]
+Move = Callable[[Any, torch.device], Any]
 
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight backward"}
 
