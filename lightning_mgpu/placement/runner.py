@@ -167,62 +167,57 @@ class PipelineRunner:
         warning = check_model(module, options, devices)
         if warning is not None:
             warn(warning)
-        capacity = [_capacity(device) for device in devices]
-        threads = options.threads_per_stage or max(1, torch.get_num_threads() // len(devices))
-        common = dict(
+        outside = options.loss_outside(module)
+        if outside:
+            name, seq = find_split_module(module, options.split_module)
+            inside = {id(m) for m in seq.modules()}
+            for sub in module.modules():  # the rest of the model: on the first device, the split module stays put
+                if id(sub) not in inside:
+                    apply_to_own_tensors(sub, lambda t: t.to(devices[0]))
+            threads = options.threads_per_stage or max(1, torch.get_num_threads() // len(devices))
+            root: nn.Module = seq
+            measure = layer_profiler(module, seq, options, devices[0], threads)
+            what = f"`{name}` (or pass sample_input=, one batch of its input)"
+        else:
+            name, root, measure, what = "", module, block_profiler(module, options.microbatches), "the candidate blocks"
+        points, plan = choose_split_points(
+            root,
+            split_points=options.split_points,
+            candidates=lambda: (
+                [str(i) for i in range(len(seq))] if outside else _candidates(module, options.split_module)
+            ),
             balance=options.balance,
             devices=devices,
             microbatches=options.microbatches,
             rank_zero=rank_zero,
             broadcast=broadcast,
             warn=warn,
-            capacity=capacity,
+            measure=measure,
+            capacity=[_capacity(device) for device in devices],
+            what=what,
         )
-        engine_options = dict(
-            microbatches=options.microbatches,
-            checkpoint=options.checkpoint,
-            threads_per_stage=options.threads_per_stage,
-        )
-        if options.loss_outside(module):
-            name, seq = find_split_module(module, options.split_module)
-            inside = {id(m) for m in seq.modules()}
-            for sub in module.modules():  # the rest of the model: on the first device, the split module stays put
-                if id(sub) not in inside:
-                    apply_to_own_tensors(sub, lambda t: t.to(devices[0]))
-            layers = [str(i) for i in range(len(seq))]
-            points, plan = choose_split_points(
-                seq,
-                split_points=None,
-                candidates=lambda: layers,
-                measure=layer_profiler(module, seq, options, devices[0], threads),
-                what=f"`{name}` (or pass sample_input=, one batch of its input)",
-                **common,  # type: ignore[arg-type]
-            )
+        units: Optional[list[str]] = None
+        if outside:  # each stage's layers as one module: the stage's unit of recomputation, as in GPipe
             chunks, start = [], 0
             for size, device in zip(plan.sizes, devices):
                 chunks.append(nn.Sequential(*list(seq)[start : start + size]).to(device))
                 start += size
-            stages = nn.Sequential(*chunks)
-            engine = Pipeline(
-                stages,
-                [str(j) for j in range(1, len(chunks))],
-                devices,
-                checkpoint_units=[str(j) for j in range(len(chunks))],
-                **engine_options,  # type: ignore[arg-type]
-            )
-            split = (seq, _install(seq, engine, stages))
-            qualified = [f"{name}.{point}" for point in points]
-            info(f"split `{name}` as {plan.summary_line()}\n{plan}")
-            return cls(engine, plan, qualified, split=split)
-        points, plan = choose_split_points(
-            module,
-            split_points=options.split_points,
-            candidates=lambda: _candidates(module, options.split_module),
-            measure=block_profiler(module, options.microbatches),
-            **common,  # type: ignore[arg-type]
+            root, units = nn.Sequential(*chunks), [str(j) for j in range(len(chunks))]
+        else:
+            place_modules(module, points, devices)
+        engine = Pipeline(
+            root,
+            units[1:] if units is not None else points,
+            devices,
+            schedule=options.schedule,
+            microbatches=options.microbatches,
+            checkpoint=options.checkpoint,
+            threads_per_stage=options.threads_per_stage,
+            checkpoint_units=units,
         )
-        place_modules(module, points, devices)
-        engine = Pipeline(module, points, devices, schedule=options.schedule, **engine_options)  # type: ignore[arg-type]
+        if outside:
+            info(f"split `{name}` as {plan.summary_line()}\n{plan}")
+            return cls(engine, plan, [f"{name}.{point}" for point in points], split=(seq, _install(seq, engine, root)))
         measured = any(layer.time_ms > 0 for layer in plan.layers)
         info(
             f"{len(devices)} stages beginning at {points}, schedule={options.schedule!r}, "

@@ -53,7 +53,7 @@ changed. A stage that fails is named (:class:`~lightning_mgpu.placement.running.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -75,7 +75,7 @@ from lightning_mgpu.placement.planning.schedule import (
     phase,
 )
 from lightning_mgpu.placement.planning.split_points import recompute_units
-from lightning_mgpu.placement.running.gradients import StageGradients
+from lightning_mgpu.placement.running.gradients import StageGradients, combine_results, loss_of
 from lightning_mgpu.placement.running.handover import (
     Aborted,
     CopyStreams,
@@ -195,15 +195,18 @@ class Pipeline:
     # ------------------------------------------------------------------ the loss inside
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` run once per micro-batch (the tensors of ``args``/``kwargs`` cut along their first
-        dimension) through the stages and the whole schedule, backward included; returns the combined result (see
-        :meth:`combine`). Parameter gradients are summed, not accumulated: call :meth:`backward` after the combined
+        dimension) through the stages and the whole schedule, backward included; returns the combined result
+        (:func:`~lightning_mgpu.placement.running.gradients.combine_results`). Parameter gradients are summed, not accumulated: call :meth:`backward` after the combined
         loss's backward."""
         micros, sizes = self._micro_runs(args, kwargs, entry=False)
         weights = [size / sum(sizes) if self.loss_reduction == "mean" else 1.0 for size in sizes]
         self.gradients.clear()
         self._result_leaf = None
         self._execute(make_schedule(self.schedule_name, self.num_stages, len(micros)), micros, fn)
-        return self.combine([micro.result for micro in micros], weights, trains=any(micro.trains for micro in micros))
+        combined, self._result_leaf = combine_results(
+            [micro.result for micro in micros], weights, trains=any(micro.trains for micro in micros)
+        )
+        return combined
 
     # ------------------------------------------------------------------ the loss outside
     def forward(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -376,7 +379,7 @@ class Pipeline:
                 )
             micro.result = result
             if micro.loss_inside:
-                micro.loss = _loss_of(result)
+                micro.loss = loss_of(result)
             micro.trains = micro.loss is not None and micro.loss.requires_grad
             micro.arrive(self.num_stages)
         except Aborted:
@@ -434,43 +437,6 @@ class Pipeline:
 
         return cut
 
-    # ------------------------------------------------------------------ results
-    def combine(self, results: list[Any], weights: list[float], *, trains: bool) -> Any:
-        """The micro-batches' results as one: the loss (a tensor, or a dict's ``"loss"``) as a fresh leaf holding
-        the weighted sum of the micro-batch losses (its gradient scales the step's gradients, see
-        :meth:`backward`); other tensors of a dict: the same weighted sum, detached; anything else: the last value."""
-        first = results[0]
-        if isinstance(first, torch.Tensor) or first is None:
-            return self._combined_loss(results, weights, trains)
-        if isinstance(first, Mapping):
-            out: dict[str, Any] = {}
-            for key in first:
-                values = [result[key] for result in results]
-                if key == "loss":
-                    out[key] = self._combined_loss(values, weights, trains)
-                elif all(isinstance(value, torch.Tensor) and value.shape == values[0].shape for value in values):
-                    out[key] = sum(w * value.detach() for w, value in zip(weights, values))
-                else:
-                    out[key] = values[-1]
-            return out
-        raise PipelineModelError(
-            f"the step returned {type(first).__name__}: with the pipeline it must return the loss (a tensor) or a "
-            "dict with a 'loss' entry"
-        )
-
-    def _combined_loss(self, losses: list[Any], weights: list[float], trains: bool) -> Any:
-        if any(loss is None for loss in losses):
-            if all(loss is None for loss in losses):
-                return None
-            raise PipelineModelError(
-                "the step returned None for some micro-batches only: return the loss for every one"
-            )
-        device = losses[0].device
-        total = sum(w * loss.detach().to(device) for w, loss in zip(weights, losses))
-        leaf = total.detach().requires_grad_(trains)
-        self._result_leaf = leaf if leaf.requires_grad else None
-        return leaf
-
     # ------------------------------------------------------------------ threads
     def _get_threads(self, count: int) -> ThreadPoolExecutor:
         if self._threads is None or self._thread_count < count:
@@ -503,11 +469,3 @@ def _submodule(root: nn.Module, name: str) -> nn.Module:
             f"split point {name!r} is not a submodule of {type(root).__name__}: give qualified names as "
             "root.named_modules() lists them (e.g. 'model.transformer.h.2')"
         ) from None
-
-
-def _loss_of(result: Any) -> Optional[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return result
-    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
-        return result["loss"]  # type: ignore[no-any-return]
-    return None

@@ -1,5 +1,5 @@
 """A step's parameter gradients in the pipeline: each stage's backward of a micro-batch, the stages' sums, and
-their one accumulation into ``.grad``.
+their one accumulation into ``.grad``, scaled by the gradient the step's combined loss received.
 
 * ``B`` (:meth:`StageGradients.backward`): ``torch.autograd.grad`` of what the stage's outputs
   received (the loss on the last stage, scaled by the micro-batch's share; else the
@@ -13,7 +13,10 @@ their one accumulation into ``.grad``.
   parameter used by several stages (tied embeddings) gets every stage's part.
 * Nothing reaches ``.grad`` until :meth:`StageGradients.accumulate`, which does it with one
   ``torch.autograd.backward`` over the parameters, so each gradient accumulator (and DDP's
-  hook on it) fires exactly once per step.
+  hook on it) fires exactly once per step. With the loss inside the pipeline, the step's
+  result is the micro-batch losses' weighted sum as a leaf of its own
+  (:func:`combine_results`): the gradient ``loss.backward()`` leaves on it (1, or a loss
+  scale, or a pre-division) scales the accumulation.
 
 A tensor computed before a split point and used after it without being passed to it (a skip
 connection around the split point) is refused at the first backward that meets it, before
@@ -22,7 +25,7 @@ any parameter changed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -33,7 +36,7 @@ from lightning_mgpu.placement.running.linear_grads import LinearWeightGrads
 from lightning_mgpu.placement.running.microbatch import map_tensors
 from lightning_mgpu.placement.running.weight_pass import DeferredWeights, reached_graph, split_backward
 
-__all__ = ["StageGradients"]
+__all__ = ["StageGradients", "combine_results", "loss_of"]
 
 
 class StageGradients:
@@ -182,6 +185,51 @@ class StageGradients:
             grads = [g.mul_(scale.to(g.device)) for g in grads]
         torch.autograd.backward([self.params[n] for n in ordered], grads)
         return True
+
+
+def combine_results(results: list[Any], weights: list[float], *, trains: bool) -> tuple[Any, Optional[torch.Tensor]]:
+    """The micro-batches' results of a step as one, and the leaf whose gradient scales :meth:`StageGradients.accumulate`
+    (None where nothing trains). The loss (a tensor, or a dict's ``"loss"``): a fresh leaf holding the weighted sum of
+    the micro-batch losses; other tensors of a dict: the same weighted sum, detached; anything else: the last value."""
+    first = results[0]
+    if isinstance(first, torch.Tensor) or first is None:
+        return _combined_loss(results, weights, trains)
+    if isinstance(first, Mapping):
+        out: dict[str, Any] = {}
+        leaf: Optional[torch.Tensor] = None
+        for key in first:
+            values = [result[key] for result in results]
+            if key == "loss":
+                out[key], leaf = _combined_loss(values, weights, trains)
+            elif all(isinstance(value, torch.Tensor) and value.shape == values[0].shape for value in values):
+                out[key] = sum(w * value.detach() for w, value in zip(weights, values))
+            else:
+                out[key] = values[-1]
+        return out, leaf
+    raise PipelineModelError(
+        f"the step returned {type(first).__name__}: with the pipeline it must return the loss (a tensor) or a "
+        "dict with a 'loss' entry"
+    )
+
+
+def _combined_loss(losses: list[Any], weights: list[float], trains: bool) -> tuple[Any, Optional[torch.Tensor]]:
+    if any(loss is None for loss in losses):
+        if all(loss is None for loss in losses):
+            return None, None
+        raise PipelineModelError("the step returned None for some micro-batches only: return the loss for every one")
+    device = losses[0].device
+    total = sum(w * loss.detach().to(device) for w, loss in zip(weights, losses))
+    leaf = total.detach().requires_grad_(trains)
+    return leaf, leaf if leaf.requires_grad else None
+
+
+def loss_of(result: Any) -> Optional[torch.Tensor]:
+    """The loss in a step's result: the result itself (a tensor), or its ``"loss"`` entry."""
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
+        return result["loss"]  # type: ignore[no-any-return]
+    return None
 
 
 def _explain(exc: RuntimeError, split_points: Sequence[str], stage: int) -> BaseException:

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -96,25 +96,25 @@ class MicroRun:
             self.cond.notify_all()
 
     def wait_reached(self, boundary: int) -> None:
+        """Called by a stage's worker: wait until the micro-batch's thread has reached ``boundary`` (or failed)."""
         with self.cond:
-            while self.reached < boundary and self.error is None and not self.aborted:
-                self.cond.wait()
-            if self.error is not None:
-                raise self.error
-            if self.aborted:
-                raise Aborted()
+            self._wait(lambda: self.reached >= boundary)
 
     def arrive(self, boundary: int) -> None:
         """Called by the micro-batch's thread at a split point: segment ``boundary - 1`` is done; wait for its turn."""
         with self.cond:
             self.reached = boundary
             self.cond.notify_all()
-            if boundary >= self.num_stages:
-                return
-            while self.granted < boundary and not self.aborted:
-                self.cond.wait()
-            if self.aborted:
-                raise Aborted()
+            if boundary < self.num_stages:
+                self._wait(lambda: self.granted >= boundary)
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Holding ``cond``: wait until ``ready()``; a failed micro-batch raises its error, an abandoned step Aborted."""
+        self.cond.wait_for(lambda: ready() or self.error is not None or self.aborted)
+        if self.error is not None:
+            raise self.error
+        if self.aborted:
+            raise Aborted()
 
     def fail(self, exc: BaseException) -> None:
         with self.cond:
