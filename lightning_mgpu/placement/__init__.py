@@ -1,7 +1,11 @@
-"""Where each layer runs: splitting a sequential model into pipeline stages.
+"""Where each layer runs: a model split into pipeline stages, planned (``planning/``) and run (``running/``).
 
-``partition`` is pure algorithm on plain lists of numbers (no torch import here, so the
-planner can run anywhere, e.g. in ``lightning-mgpu plan`` before any device is touched).
+Two layers, each importing only the one below it: :mod:`.planning` decides the split before
+anything runs (the exact planner, schedules, the one profiler, split points, the plan), and
+:mod:`.running` is the one pipeline engine that runs it under any schedule. The hybrid strategy
+calls them through one facade, :mod:`.runner`. ``partition`` is pure algorithm on plain lists of
+numbers (no torch import here, so the planner can run anywhere, e.g. in ``lightning-mgpu plan``
+before any device is touched).
 """
 
 from typing import TYPE_CHECKING, Any

@@ -95,6 +95,7 @@ def check_model(module: nn.Module, options: PipelineOptions, devices: Sequence[t
         _check_sequential(module, name, seq, options)
         units: list[nn.Module] = list(seq)
         norms = [m for m in seq.modules() if is_batchnorm(m)]
+        threaded: nn.Module = seq  # what runs in the pipeline's threads
     else:
         if options.split_points is not None:
             check_split_points(module, options.split_points, k)
@@ -112,7 +113,8 @@ def check_model(module: nn.Module, options: PipelineOptions, devices: Sequence[t
         name = type(module).__name__
         units = [module.get_submodule(unit) for unit in recompute_units(module, options.split_points or [])]
         norms = [m for m in module.modules() if is_batchnorm(m)] if options.checkpoint != "never" else []
-    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        threaded = module
+    if any(isinstance(m, nn.SyncBatchNorm) for m in threaded.modules()):
         raise ValueError(
             f"`{name}` contains SyncBatchNorm: its collectives would run in the pipeline's threads, in an order that "
             "differs between ranks. Use BatchNorm (per micro-batch statistics) or GroupNorm/LayerNorm."
