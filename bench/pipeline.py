@@ -14,13 +14,15 @@ runs, with the same batch and loss:
 
 * unsplit, one intra-op thread (the speed-up's reference: one device), and with 2 threads
   (both cores given to one device: what one would otherwise do with two cores);
-* split into K = 2 stages by the plan (per-layer times measured on one micro-batch; the
-  GPT's per-block times by :func:`~lightning_mgpu.placement.block_profile.profile_blocks`),
-  each stage one worker thread with one intra-op thread, for each M of ``--microbatches``
-  and each of our schedules: ``fill-drain`` (the ``nn.Sequential`` pipeline, loss outside;
-  MLP only), and the staged pipeline's ``gpipe``, ``1f1b``, ``zero_bubble`` (loss inside,
-  :class:`~lightning_mgpu.placement.staged.StagedStep`; the GPT cut at a split point of
-  the unmodified model);
+* split into K = 2 stages by the plan (the MLP's layers and the GPT's blocks measured on one
+  micro-batch by the one profiler, :mod:`lightning_mgpu.placement.planning.profile`), each
+  stage one worker thread with one intra-op thread, for each M of ``--microbatches`` and each
+  schedule, ``gpipe``, ``1f1b``, ``zero_bubble``, of the pipeline engine
+  (:class:`~lightning_mgpu.placement.running.engine.Pipeline`) with the loss inside (the step
+  runs per micro-batch; the GPT cut at a split point of the unmodified model), and, for the
+  MLP, ``gpipe, loss outside``: the same engine and schedule with the ``nn.Sequential``
+  pipelined as a module and its loss after it, as ``hybrid`` splits an ``nn.Sequential``
+  (``--no-loss-outside`` leaves it out);
 * ``torch gpipe`` / ``torch 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` /
   ``Schedule1F1B`` on 2 gloo ranks of one thread each, the same stages and M
   (:mod:`bench.pipeline_torch`), launched once per round.
@@ -67,11 +69,11 @@ from bench.common import machine_facts, print_table, write_json
 from bench.launcher import launch
 from bench.pipeline_configs import STAGES, configs_for, time_steps
 from bench.pipeline_models import MODELS, build
-from lightning_mgpu.placement.plan import PlacementPlan
+from lightning_mgpu.placement.planning.plan import PlacementPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 MICROBATCHES = (1, 2, 4, 8)
-OUR_SCHEDULES = ("fill-drain", "gpipe", "1f1b", "zero_bubble")
+OUR_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 TORCH_SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -189,6 +191,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     config.name,
                     "ours",
                     config.schedule,
+                    config.loss,
                     config.microbatches,
                     per_round[(name, config.name)],
                     base,
@@ -210,6 +213,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         label,
                         "torch.distributed.pipelining",
                         entry["schedule"],
+                        "inside",
                         m,
                         entry["rounds"],
                         base,
@@ -241,6 +245,7 @@ def _row(
     config: str,
     engine: str,
     schedule: Optional[str],
+    loss: Optional[str],
     m: Optional[int],
     rounds: list[float],
     base: float,
@@ -252,12 +257,12 @@ def _row(
     ceiling: Optional[float],
 ) -> dict[str, Any]:
     ms = statistics.median(rounds)
-    estimate_schedule = {"fill-drain": "gpipe"}.get(schedule or "", schedule)
     return {
         "model": model,
         "config": config,
         "engine": engine,
         "schedule": schedule,
+        "loss": loss,
         "microbatches": m,
         "step_ms": ms,
         "step_ms_rounds": rounds,
@@ -268,9 +273,7 @@ def _row(
         "plan_ideal_speedup": plan.ideal_speedup if plan else None,
         "stage_sizes": plan.sizes if plan else None,
         "peak_activation_bytes": peak,
-        "estimated_activation_bytes": plan.peak_activation_bytes(estimate_schedule)
-        if plan and estimate_schedule
-        else None,
+        "estimated_activation_bytes": plan.peak_activation_bytes(schedule) if plan and schedule else None,
         "page_faults_per_step": faults,
         "cpu_ms_per_step": cpu_ms,
     }
@@ -287,6 +290,7 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
                 if r["model"] == model
                 and r["engine"] == engine
                 and r["schedule"] == schedule
+                and r["loss"] == "inside"
                 and r["microbatches"] == 8
             ),
             None,
@@ -403,7 +407,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         nargs="+",
         default=list(OUR_SCHEDULES),
         choices=OUR_SCHEDULES,
-        help="fill-drain: the nn.Sequential pipeline (loss outside, MLP only); the others: the staged pipeline",
+        help="the pipeline's schedules, the loss inside (and, for the MLP under gpipe, outside)",
+    )
+    parser.add_argument(
+        "--no-loss-outside",
+        dest="loss_outside",
+        action="store_false",
+        help="leave out the MLP's 'gpipe, loss outside' (the nn.Sequential pipelined as a module, as hybrid splits it)",
     )
     parser.add_argument(
         "--torch-schedules",

@@ -1,6 +1,7 @@
 """``bench.pipeline``'s configurations of ours: the unsplit model (whole batch, or micro-batches one after
-another), the fill-drain ``nn.Sequential`` pipeline and the staged pipeline under each schedule, each with its
-timed step and its untimed, metered step.
+another) and the pipeline under each schedule, the loss inside (the step runs per micro-batch), and, for the MLP,
+under GPipe with the loss outside (the ``nn.Sequential`` pipelined as a module, as ``hybrid`` splits one), each with
+its timed step and its untimed, metered step.
 
 Each :class:`Config` carries ``step()`` (one training step, timed by :func:`time_steps`) and ``memory()``
 (one more step under :class:`~bench.pipeline_memory.ActivationMeter`, returning each stage's peak of saved
@@ -17,14 +18,13 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.pipeline_memory import ActivationMeter, Metered
+from bench.pipeline_memory import ActivationMeter
 from bench.pipeline_models import BenchModel
-from lightning_mgpu.placement.block_profile import profile_blocks
-from lightning_mgpu.placement.microbatch import scatter
-from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
-from lightning_mgpu.placement.profile import profile_layers
-from lightning_mgpu.placement.split_points import points_from_sizes
+from lightning_mgpu.placement.planning.plan import PlacementPlan, plan_stages
+from lightning_mgpu.placement.planning.profile import profile_blocks, profile_layers
+from lightning_mgpu.placement.planning.split_points import points_from_sizes
+from lightning_mgpu.placement.running.engine import Pipeline
+from lightning_mgpu.placement.running.microbatch import split_batch
 
 STAGES = 2
 
@@ -42,9 +42,11 @@ class Config:
         microbatches: Optional[int] = None,
         plan: Optional[PlacementPlan] = None,
         close: Callable[[], None] = lambda: None,
+        loss: Optional[str] = None,
     ) -> None:
         self.name, self.step, self.memory, self.close = name, step, memory, close
         self.schedule, self.microbatches, self.plan = schedule, microbatches, plan
+        self.loss = loss  # "inside" (the step runs per micro-batch) or "outside" (the module only), for pipelines
 
 
 # ----------------------------------------------------------------------------- plans
@@ -72,7 +74,7 @@ def unsplit(bench: BenchModel, threads: int, microbatches: int = 1) -> Config:
     that many micro-batches one after another: the work a pipeline of them has to do, without any pipeline (its
     cost over ``unsplit, 1 core`` is what smaller matrix products and gradient accumulation cost on this CPU)."""
     model, fn, x = bench.model, bench.step_fn(), bench.batch
-    chunks = scatter(x, microbatches)  # cut as the pipelines cut it (tensor_split: equal sizes within one sample)
+    chunks, _ = split_batch(x, microbatches)  # cut as the pipeline cuts it (equal sizes within one sample)
     weights = [len(c) / len(x) if bench.loss_reduction == "mean" else 1.0 for c in chunks]
 
     def step() -> None:
@@ -94,51 +96,53 @@ def unsplit(bench: BenchModel, threads: int, microbatches: int = 1) -> Config:
     return Config(f"sequential M={microbatches}, 1 core", step, memory, microbatches=microbatches)
 
 
-def fill_drain(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
+def loss_outside(bench: BenchModel, plan: PlacementPlan, m: int) -> Config:
+    """GPipe with the loss outside the pipeline: the MLP's layers as the plan's stages (the ``hybrid`` strategy's
+    split of an ``nn.Sequential``), its output's loss after the forwards, the stages' backward after that loss's."""
     model, x = bench.model, bench.batch
+    chunks, start = [], 0
+    for size in plan.sizes:
+        chunks.append(torch.nn.Sequential(*list(model)[start : start + size]))  # type: ignore[call-overload]
+        start += size
+    stages = torch.nn.Sequential(*chunks)
+    engine = Pipeline(stages, ["1"], ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
 
-    def stages(meter: Optional[ActivationMeter] = None) -> list[torch.nn.Module]:
-        out, start = [], 0
-        for j, size in enumerate(plan.sizes):
-            part = model[start : start + size]  # type: ignore[index]
-            out.append(part if meter is None else Metered(part, meter, j))
-            start += size
-        return out
-
-    pipe = Pipeline(stages(), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
-
-    def run(engine: Pipeline) -> None:
+    def run(forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
         torch.set_num_threads(1)
         model.zero_grad(set_to_none=True)
-        engine.forward(x).sum().backward()
+        engine.forward(forward, x).sum().backward()
         engine.backward()
 
     def memory() -> list[int]:
         meter = ActivationMeter(STAGES, [*model.parameters(), x])
-        metered = Pipeline(stages(meter), ["cpu"] * STAGES, microbatches=m, threads_per_stage=1)
+        handle = stages[1].register_forward_pre_hook(lambda *_: meter.set_stage(1))
+
+        def metered(batch: torch.Tensor) -> torch.Tensor:
+            with meter.recording(0):
+                return stages(batch)  # type: ignore[no-any-return]
+
         try:
-            run(metered)  # the stages wrapped: the nn.Linear fast path is off here (same saved tensors)
+            run(metered)
         finally:
-            metered.close()
+            handle.remove()
         return meter.peak
 
     return Config(
-        f"fill-drain M={m}",
-        lambda: run(pipe),
+        f"gpipe, loss outside M={m}",
+        lambda: run(stages),
         memory,
-        schedule="fill-drain",
+        schedule="gpipe",
         microbatches=m,
         plan=plan,
-        close=pipe.close,
+        close=engine.close,
+        loss="outside",
     )
 
 
 def staged(bench: BenchModel, plan: PlacementPlan, schedule: str, m: int) -> Config:
-    from lightning_mgpu.placement.staged import StagedStep
-
     model, fn, x = bench.model, bench.step_fn(), bench.batch
     points = points_from_sizes(candidates_of(bench), plan.sizes)
-    engine = StagedStep(
+    engine = Pipeline(
         model,
         points,
         ["cpu"] * STAGES,
@@ -152,7 +156,7 @@ def staged(bench: BenchModel, plan: PlacementPlan, schedule: str, m: int) -> Con
         torch.set_num_threads(1)
         model.zero_grad(set_to_none=True)
         engine.run(fn, model, x).backward()
-        engine.accumulate()
+        engine.backward()
 
     def memory() -> list[int]:
         meter = ActivationMeter(STAGES, [*model.parameters(), x])
@@ -168,13 +172,22 @@ def staged(bench: BenchModel, plan: PlacementPlan, schedule: str, m: int) -> Con
         try:
             model.zero_grad(set_to_none=True)
             engine.run(metered, model, x).backward()
-            engine.accumulate()
+            engine.backward()
         finally:
             for handle in handles:
                 handle.remove()
         return meter.peak
 
-    return Config(f"{schedule} M={m}", step, memory, schedule=schedule, microbatches=m, plan=plan, close=engine.close)
+    return Config(
+        f"{schedule} M={m}",
+        step,
+        memory,
+        schedule=schedule,
+        microbatches=m,
+        plan=plan,
+        close=engine.close,
+        loss="inside",
+    )
 
 
 def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
@@ -184,11 +197,9 @@ def configs_for(bench: BenchModel, args: argparse.Namespace) -> list[Config]:
         if m > 1:
             configs.append(unsplit(bench, 1, m))
         for schedule in args.schedules:
-            if schedule == "fill-drain":
-                if bench.name == "mlp":  # the nn.Sequential pipeline takes an nn.Sequential only
-                    configs.append(fill_drain(bench, plan, m))
-            else:
-                configs.append(staged(bench, plan, schedule, m))
+            if schedule == "gpipe" and bench.name == "mlp" and args.loss_outside:  # an nn.Sequential's pipeline
+                configs.append(loss_outside(bench, plan, m))
+            configs.append(staged(bench, plan, schedule, m))
     return configs
 
 

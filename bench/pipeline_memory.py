@@ -103,7 +103,7 @@ class ActivationMeter:
 
 class Metered(nn.Module):
     """A stage module whose forward runs under ``meter.recording(stage)`` (for engines that run a stage's
-    forward in a thread or process we do not otherwise reach: the fill-drain pipeline, torch's pipelining)."""
+    forward in a process we do not otherwise reach: torch's pipelining)."""
 
     def __init__(self, inner: nn.Module, meter: ActivationMeter, stage: int) -> None:
         super().__init__()

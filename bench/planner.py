@@ -1,4 +1,4 @@
-"""Is ``lightning_mgpu.placement.partition`` optimal, how fast is it, and what do the usual heuristics cost?
+"""Is ``lightning_mgpu.placement.planning.partition`` optimal, how fast is it, and what do the usual heuristics cost?
 
 A pipeline runs at the pace of its slowest stage, so a placement is judged by its
 bottleneck: the largest stage time. For thousands of random per-layer cost vectors, and
@@ -36,7 +36,7 @@ L = 1000, k = 8 (median of ``--timing-runs`` runs per input kind; target < 1 s).
 
 The "models" section holds two kinds of cost vectors. ``"source": "profiled"``: real
 per-layer forward+backward times measured on this machine's CPU with
-:func:`lightning_mgpu.placement.profile.profile_layers` (median of 5 after warm-up) for the
+:func:`lightning_mgpu.placement.planning.profile.profile_layers` (median of 5 after warm-up) for the
 project's own three models: the char-LM transformer of ``recipes/char_lm`` (embeddings,
 blocks, norm, head as one sequence), the CNN of ``recipes/image_classifier`` and the 8M MLP
 of ``bench/common.py``. ``"source": "synthetic"``: GPU-scale shapes whose per-layer times
@@ -223,7 +223,7 @@ def mlp_costs() -> dict[str, Any]:
 def _profiled(seq: Any, sample: Any) -> dict[str, Any]:
     import torch
 
-    from lightning_mgpu.placement.profile import profile_layers
+    from lightning_mgpu.placement.planning.profile import profile_layers
 
     torch.manual_seed(0)
     with _threads(1):

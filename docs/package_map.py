@@ -18,14 +18,18 @@ __all__ = ["PACKAGE", "import_graph", "modules", "package_map"]
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mgpu"
 
 # The layers, top to bottom, as the design has them (docs/development.md): a unit may import
-# units of its own layer or below. "package" is lightning_mgpu/__init__.py.
+# units of its own layer or below. "package" is lightning_mgpu/__init__.py. A sub-package named
+# here ("placement.running") is a unit of its own; its parent unit is the rest of the parent.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("package", "_registration"),
     ("callbacks", "strategies"),
     ("tuning", "placement", "whatif", "comm", "envcheck"),
+    ("placement.running",),
+    ("placement.planning",),
     ("_compat", "_checks", "_sizes", "_target"),
 )
+_UNITS = {unit for layer in LAYERS for unit in layer}
 
 
 def modules(package: Path = PACKAGE) -> list[Path]:
@@ -62,9 +66,11 @@ def package_map(package: Path = PACKAGE) -> str:
 
 
 def _unit(dotted: str) -> str:
-    """The top-level unit of a module of the package: ``lightning_mgpu.comm.timing`` -> ``comm``."""
+    """The unit of a module of the package: ``lightning_mgpu.comm.timing`` -> ``comm``, and a sub-package that
+    ``LAYERS`` names is a unit of its own: ``lightning_mgpu.placement.running.engine`` -> ``placement.running``."""
     parts = dotted.split(".")
-    return parts[1] if len(parts) > 1 else "package"
+    nested = ".".join(parts[1:3])
+    return nested if nested in _UNITS else parts[1] if len(parts) > 1 else "package"
 
 
 def _imports(path: Path, package: Path) -> set[str]:

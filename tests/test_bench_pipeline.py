@@ -22,12 +22,12 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
     assert [r["config"] for r in by_model["mlp"]] == [
         "unsplit, 1 core",
         "unsplit, 2 threads",
-        "fill-drain M=1",
+        "gpipe, loss outside M=1",
         "gpipe M=1",
         "1f1b M=1",
         "zero_bubble M=1",
         "sequential M=2, 1 core",
-        "fill-drain M=2",
+        "gpipe, loss outside M=2",
         "gpipe M=2",
         "1f1b M=2",
         "zero_bubble M=2",
@@ -35,7 +35,7 @@ def test_pipeline_bench_quick_run(tmp_path: Path) -> None:
         "torch gpipe M=2",
         "torch 1f1b M=2",  # torch's 1F1B refuses M < K
     ]
-    assert [r["config"] for r in by_model["gpt"]] == [  # no fill-drain: the GPT is not an nn.Sequential
+    assert [r["config"] for r in by_model["gpt"]] == [  # no loss outside: the GPT is not an nn.Sequential
         "unsplit, 1 core",
         "unsplit, 2 threads",
         "gpipe M=1",

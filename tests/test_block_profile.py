@@ -1,4 +1,4 @@
-"""Profiling the candidate blocks of an unmodified model (placement/block_profile.py) and the plan's activation
+"""Profiling the candidate blocks of an unmodified model (placement/planning/profile.py) and the plan's activation
 estimate per schedule (PlacementPlan.peak_activation_bytes). In-process, no threads."""
 
 from __future__ import annotations
@@ -7,12 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.placement.block_profile import profile_blocks
-from lightning_mgpu.placement.plan import PlacementPlan
-from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
-from lightning_mgpu.placement.split_points import block_costs, candidate_blocks
-from lightning_mgpu.placement.staged_fit import block_profiler, choose_split_points
+from lightning_mgpu.placement.planning.profile import LayerCost, block_costs, profile_blocks
+from lightning_mgpu.placement.planning.plan import PlacementPlan, choose_split_points
+from lightning_mgpu.placement.planning.schedule import make_schedule, peak_in_flight
+from lightning_mgpu.placement.planning.split_points import candidate_blocks
+from lightning_mgpu.placement.runner import block_profiler
 from tests.scripts.split_models import ResidualCNN
 
 BLOCKS = [f"blocks.{i}" for i in range(4)]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import warnings
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -14,7 +14,7 @@ from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu import HybridParallelStrategy
-from lightning_mgpu.placement.sequential_fit import find_split_module
+from lightning_mgpu.placement.runner import check_model, find_split_module
 from tests.conftest import SCRIPTS, run_python
 
 FIT = str(SCRIPTS / "fit_hybrid.py")
@@ -105,35 +105,36 @@ def test_the_split_module_is_found_or_the_error_says_how_to_name_it() -> None:
         find_split_module(module, "missing")
 
 
+def _check(strategy: HybridParallelStrategy, module: nn.Module) -> Optional[str]:
+    """The strategy's model checks on two CPU devices: raise for what it refuses, return its warning."""
+    return check_model(module, strategy._options, [torch.device("cpu")] * strategy.devices_per_replica)
+
+
 def test_unsupported_models_are_refused_with_the_reason() -> None:
     strategy = HybridParallelStrategy(devices_per_replica=2, microbatches=4)
     with pytest.raises(ValueError, match=r"`body` has 1 layer\(s\) but devices_per_replica=2"):
-        strategy._check_sequential(_Module(body=_seq(nn.Linear(2, 2))), "body", _seq(nn.Linear(2, 2)), warn=True)
+        _check(strategy, _Module(body=_seq(nn.Linear(2, 2))))
     shared = nn.Linear(4, 4)
     body = _seq(shared, nn.ReLU())
     with pytest.raises(ValueError, match=r"parameters shared between `body` and the rest of the model.*tied\.weight"):
-        strategy._check_sequential(_Module(body=body, tied=shared), "body", body, warn=True)
+        _check(strategy, _Module(body=body, tied=shared))
     sync = _seq(nn.Linear(4, 4), nn.SyncBatchNorm(4))
     with pytest.raises(ValueError, match="contains SyncBatchNorm"):
-        strategy._check_sequential(_Module(body=sync), "body", sync, warn=True)
+        _check(strategy, _Module(body=sync))
     with pytest.raises(ValueError, match="adds up to 2 layers but the split module has 3"):
-        HybridParallelStrategy(balance=[1, 1])._check_sequential(_Module(body=_seq()), "body", _seq(), warn=True)
+        _check(HybridParallelStrategy(balance=[1, 1]), _Module(body=_seq()))
     bn = _seq(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    with pytest.warns(
-        UserWarning, match=r"contains BatchNorm with microbatches=4, checkpoint='never': .*normalises each micro-batch"
-    ):
-        strategy._check_sequential(_Module(body=bn), "body", bn, warn=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        HybridParallelStrategy(microbatches=1)._check_sequential(_Module(body=bn), "body", bn, warn=True)
-    with pytest.warns(UserWarning, match=r"checkpoint='always'.*up to 2 times per step"):
-        HybridParallelStrategy(microbatches=1, checkpoint="always")._check_sequential(
-            _Module(body=bn), "body", bn, warn=True
-        )
+    warning = _check(strategy, _Module(body=bn))
+    assert warning and re.search(
+        r"contains BatchNorm with microbatches=4, checkpoint='never': .*normalises each micro-batch", warning
+    )
+    assert _check(HybridParallelStrategy(microbatches=1), _Module(body=bn)) is None
+    warning = _check(HybridParallelStrategy(microbatches=1, checkpoint="always"), _Module(body=bn))
+    assert warning and re.search(r"checkpoint='always'.*up to 2 times per step", warning)
     shared_inside = nn.Linear(4, 4)
     tied = _seq(shared_inside, nn.ReLU(), shared_inside)
     with pytest.raises(ValueError, match=r"layers 0 and 2 of `body` share a parameter"):
-        strategy._check_sequential(_Module(body=tied), "body", tied, warn=True)
+        _check(strategy, _Module(body=tied))
     with pytest.raises(ValueError, match="static_graph=True is not supported"):
         HybridParallelStrategy(static_graph=True)
 

@@ -1,4 +1,4 @@
-"""``lightning_mgpu.placement.partition``: exact, reproducible, and loud about bad input.
+"""``lightning_mgpu.placement.planning.partition``: exact, reproducible, and loud about bad input.
 
 Plain lists only (the module imports no torch). Three independent oracles:
 
@@ -30,12 +30,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_mgpu.placement import partition
-from lightning_mgpu.placement.partition import stage_costs
+from lightning_mgpu.placement.planning.partition import stage_costs
 
 REPO = Path(__file__).resolve().parents[1]
-PARTITION_FILE = REPO / "lightning_mgpu" / "placement" / "partition.py"
-PARTITION_INPUT_FILE = REPO / "lightning_mgpu" / "placement" / "partition_input.py"
+PARTITION_FILE = REPO / "lightning_mgpu" / "placement" / "planning" / "partition.py"
+PARTITION_INPUT_FILE = REPO / "lightning_mgpu" / "placement" / "planning" / "partition_input.py"
 PLACEMENT_INIT = REPO / "lightning_mgpu" / "placement" / "__init__.py"
+PLANNING_INIT = REPO / "lightning_mgpu" / "placement" / "planning" / "__init__.py"
 
 Capacity = Union[float, list[float], None]
 
@@ -344,7 +345,7 @@ def test_capacity_errors_say_what_does_not_fit(memory: list[float], capacity: Ca
 @pytest.mark.multiprocess  # a fresh interpreter proves the module loads without torch
 @pytest.mark.timeout(90)
 def test_partition_module_imports_no_torch() -> None:
-    for path in (PARTITION_FILE, PARTITION_INPUT_FILE, PLACEMENT_INIT):
+    for path in (PARTITION_FILE, PARTITION_INPUT_FILE, PLACEMENT_INIT, PLANNING_INIT):
         tree = ast.parse(path.read_text())
         imported = {
             alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
@@ -358,7 +359,7 @@ def test_partition_module_imports_no_torch() -> None:
     code = (
         "import sys, types\n"
         "package = types.ModuleType('lightning_mgpu')\n"
-        f"package.__path__ = [{str(PARTITION_FILE.parents[1])!r}]\n"
+        f"package.__path__ = [{str(PARTITION_FILE.parents[2])!r}]\n"
         "sys.modules['lightning_mgpu'] = package\n"
         "from lightning_mgpu.placement import partition\n"
         "assert partition([1, 1, 1, 1, 4], 2) == [4, 1]\n"
@@ -371,9 +372,9 @@ def test_partition_module_imports_no_torch() -> None:
 def test_module_docstring_examples() -> None:
     import doctest
 
-    import lightning_mgpu.placement.partition  # noqa: F401  (the module, not the function)
+    import lightning_mgpu.placement.planning.partition  # noqa: F401  (the module, not the function)
 
-    module = sys.modules["lightning_mgpu.placement.partition"]
+    module = sys.modules["lightning_mgpu.placement.planning.partition"]
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 4 and result.failed == 0
 

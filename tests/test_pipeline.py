@@ -1,4 +1,5 @@
-"""Pipeline executor, per-layer profile and PlacementPlan (in-process, no process group)."""
+"""The pipeline engine with its loss outside (an nn.Sequential pipelined as a module of a larger model, the loss
+after it), the one profiler on an nn.Sequential, and PlacementPlan (in-process, no process group)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.torch import (
-    PUBLIC_BATCHNORM_TYPES,
-    global_module_hooks_registered,
-    is_batchnorm,
-    module_has_hooks,
-)
-from lightning_mgpu.placement import LayerCost, PlacementPlan, plan_stages, profile_layers
 from bench.allocator import retain_freed_memory
-from lightning_mgpu.placement.pipeline import Pipeline, PipelineError
-from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
-from lightning_mgpu.placement.worker import StageWorkers
+from lightning_mgpu._compat.torch import PUBLIC_BATCHNORM_TYPES, is_batchnorm
+from lightning_mgpu.placement import LayerCost, PlacementPlan, plan_stages, profile_layers
+from lightning_mgpu.placement.planning.schedule import BACKWARD, FORWARD, Action, fill_drain, phase
+from lightning_mgpu.placement.running.engine import Pipeline
+from lightning_mgpu.placement.running.worker import PipelineError, StageWorkers
+
+
+def _pipeline(model: nn.Sequential, points: list[str], **options) -> Pipeline:
+    return Pipeline(model, points, ["cpu"] * (len(points) + 1), **options)
 
 
 def _model(seed: int = 0, depth: int = 6, width: int = 24) -> tuple[nn.Module, nn.Sequential, nn.Module]:
@@ -43,9 +43,9 @@ def test_pipelined_gradients_equal_the_full_batch_gradients(microbatches: int, c
     loss_ref.backward()
 
     embed, body, head = copy.deepcopy(_model())
-    pipe = Pipeline([body[:2], body[2:5], body[5:]], ["cpu"] * 3, microbatches=microbatches, checkpoint=checkpoint)
+    pipe = _pipeline(body, ["2", "5"], microbatches=microbatches, checkpoint=checkpoint)
     try:
-        out = pipe.forward(embed(x))
+        out = pipe.forward(body, embed(x))
         loss = nn.functional.cross_entropy(head(out), y)
         loss.backward()
         assert pipe.has_pending_backward
@@ -65,12 +65,12 @@ def test_each_parameter_accumulates_once_per_step_and_across_steps() -> None:
     hits: dict[int, int] = {}
     for p in body.parameters():
         p.register_post_accumulate_grad_hook(lambda q: hits.__setitem__(id(q), hits.get(id(q), 0) + 1))
-    pipe = Pipeline([body[:2], body[2:]], ["cpu", "cpu"], microbatches=4)
+    pipe = _pipeline(body, ["2"], microbatches=4)
     reference = copy.deepcopy(body)
     x = torch.randn(16, 24)
     try:
         for _ in range(2):  # two backwards without zero_grad: gradients add up, as in gradient accumulation
-            pipe.forward(x).square().sum().backward()
+            pipe.forward(body, x).square().sum().backward()
             pipe.backward()
             reference(x).square().sum().backward()
     finally:
@@ -80,12 +80,12 @@ def test_each_parameter_accumulates_once_per_step_and_across_steps() -> None:
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-4)
 
 
-def test_stages_really_run_in_their_own_threads_concurrently() -> None:
+def test_stages_really_run_at_the_same_time_but_never_two_micro_batches_each() -> None:
     import threading
     import time
 
-    seen: dict[int, set[str]] = {0: set(), 1: set()}
-    active, overlap = [0], [False]
+    active, overlap, busy = [0], [False], {0: 0, 1: 0}
+    twice = [False]
     lock = threading.Lock()
 
     class Probe(nn.Module):
@@ -94,24 +94,27 @@ def test_stages_really_run_in_their_own_threads_concurrently() -> None:
             self.stage = stage
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen[self.stage].add(threading.current_thread().name)
             with lock:
                 active[0] += 1
+                busy[self.stage] += 1
                 overlap[0] |= active[0] > 1
+                twice[0] |= busy[self.stage] > 1
             time.sleep(0.02)
             with lock:
                 active[0] -= 1
+                busy[self.stage] -= 1
             return x + 1
 
-    pipe = Pipeline([Probe(0), Probe(1)], ["cpu", "cpu"], microbatches=4)
+    model = nn.Sequential(Probe(0), Probe(1))
+    pipe = _pipeline(model, ["1"], microbatches=4)
     try:
         with torch.no_grad():
-            out = pipe.forward(torch.zeros(8, 2))
+            out = pipe.forward(model, torch.zeros(8, 2))
     finally:
         pipe.close()
     assert torch.equal(out, torch.full((8, 2), 2.0))
-    assert len(seen[0]) == len(seen[1]) == 1 and seen[0] != seen[1], seen
     assert overlap[0], "stage 1 never ran while stage 0 was running: no pipelining"
+    assert not twice[0], "a stage ran two micro-batches at once"
 
 
 def test_a_failing_stage_is_named_and_nothing_hangs() -> None:
@@ -121,25 +124,27 @@ def test_a_failing_stage_is_named_and_nothing_hangs() -> None:
                 raise RuntimeError("bad micro-batch")
             return x
 
-    pipe = Pipeline([nn.Linear(4, 4), Boom(), nn.Linear(4, 4)], ["cpu"] * 3, microbatches=3)
+    model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 4))
+    pipe = _pipeline(model, ["1", "2"], microbatches=3)
     try:
         with pytest.raises(PipelineError, match=r"stage 1 on cpu failed in forward: RuntimeError: bad micro-batch"):
-            pipe.forward(torch.randn(9, 4))
-        assert pipe.forward(torch.randn(4, 4)).shape == (4, 4)  # micro-batches of 2, 1, 1: the workers survived
+            pipe.forward(model, torch.randn(9, 4))
+        assert pipe.forward(model, torch.randn(4, 4)).shape == (4, 4)  # micro-batches of 2, 1, 1: the workers survived
     finally:
         pipe.close()
 
 
 def test_no_grad_forward_records_nothing_and_bad_inputs_are_refused() -> None:
-    pipe = Pipeline([nn.Linear(3, 3), nn.Linear(3, 3)], ["cpu", "cpu"], microbatches=2)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    pipe = _pipeline(model, ["1"], microbatches=2)
     try:
         with torch.no_grad():
-            pipe.forward(torch.randn(4, 3))
+            pipe.forward(model, torch.randn(4, 3))
         assert not pipe.has_pending_backward
         with pytest.raises(TypeError, match="one tensor"):
-            pipe.forward([torch.randn(4, 3)])
+            pipe.forward(model, [torch.randn(4, 3)])
         with pytest.raises(ValueError, match="batch dimension"):
-            pipe.forward(torch.randn(0, 3))
+            pipe.forward(model, torch.randn(0, 3))
     finally:
         pipe.close()
     for kwargs, match in (
@@ -148,9 +153,9 @@ def test_no_grad_forward_records_nothing_and_bad_inputs_are_refused() -> None:
         ({"threads_per_stage": 0}, "threads_per_stage must be an integer >= 1"),
     ):
         with pytest.raises(ValueError, match=match):
-            Pipeline([nn.Linear(3, 3)], ["cpu"], **kwargs)
+            Pipeline(nn.Sequential(nn.Linear(3, 3)), [], ["cpu"], **kwargs)
     with pytest.raises(ValueError, match="one device per stage"):
-        Pipeline([nn.Linear(3, 3)], ["cpu", "cpu"])
+        Pipeline(nn.Sequential(nn.Linear(3, 3)), [], ["cpu", "cpu"])
 
 
 def test_profile_counts_bytes_exactly_and_leaves_the_model_untouched() -> None:
@@ -274,28 +279,10 @@ def test_retain_freed_memory_applies_on_glibc() -> None:
     assert retain_freed_memory() is True
 
 
-def test_hook_and_batchnorm_checks_see_what_torch_keeps() -> None:
-    """The private names behind ``_compat.torch``'s module-hook and BatchNorm checks still mean what we read."""
-    layer = nn.Linear(2, 2)
-    assert not module_has_hooks(layer) and not global_module_hooks_registered()
-    for register in (
-        layer.register_forward_hook,
-        layer.register_forward_pre_hook,
-        layer.register_full_backward_hook,
-        layer.register_full_backward_pre_hook,
-    ):
-        handle = register(lambda *args: None)
-        assert module_has_hooks(layer), register.__name__
-        handle.remove()
-        assert not module_has_hooks(layer), register.__name__
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
-    try:
-        assert global_module_hooks_registered()
-    finally:
-        handle.remove()
-    assert not global_module_hooks_registered()
+def test_batchnorm_check_sees_what_torch_keeps() -> None:
+    """The private name behind ``_compat.torch``'s BatchNorm check still means what we read."""
     norms = [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2), nn.LazyBatchNorm1d()]
-    assert all(is_batchnorm(m) for m in norms) and not any(is_batchnorm(m) for m in (layer, nn.LayerNorm(2)))
+    assert all(is_batchnorm(m) for m in norms) and not any(is_batchnorm(m) for m in (nn.Linear(2, 2), nn.LayerNorm(2)))
     # The fallback for a torch without _BatchNorm classifies the same way.
     assert all(isinstance(m, PUBLIC_BATCHNORM_TYPES) for m in norms)
     assert not isinstance(nn.LayerNorm(2), PUBLIC_BATCHNORM_TYPES)
@@ -304,7 +291,7 @@ def test_hook_and_batchnorm_checks_see_what_torch_keeps() -> None:
 def test_fill_drain_is_each_stage_s_list_of_actions() -> None:
     import doctest
 
-    from lightning_mgpu.placement import schedule as schedule_module
+    from lightning_mgpu.placement.planning import schedule as schedule_module
 
     schedule = fill_drain(3, 4)
     assert len(schedule) == 3
@@ -339,18 +326,14 @@ def test_one_executor_runs_any_order_of_actions() -> None:
         workers.close()
 
 
-def _two_stage(first: nn.Module, second: nn.Module, **kwargs) -> Pipeline:
-    return Pipeline([first, second], ["cpu", "cpu"], **kwargs)
-
-
 def test_in_place_layers_at_a_stage_start_and_on_the_output_work() -> None:
     torch.manual_seed(0)
     body = nn.Sequential(nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 6))
     reference = copy.deepcopy(body)
     x = torch.randn(8, 6)
-    pipe = _two_stage(body[:1], body[1:], microbatches=2)
+    pipe = _pipeline(body, ["1"], microbatches=2)
     try:
-        out = pipe.forward(x)
+        out = pipe.forward(body, x)
         out.mul_(2)  # in place on the output
         out.sum().backward()
         pipe.backward()
@@ -374,9 +357,9 @@ def test_a_gradient_shared_by_input_and_parameter_is_not_corrupted() -> None:
     body = nn.Sequential(nn.Linear(4, 4), AddBias(), nn.Tanh())
     reference = copy.deepcopy(body)
     x = torch.randn(3, 4)
-    pipe = _two_stage(body[:1], body[1:], microbatches=3)
+    pipe = _pipeline(body, ["1"], microbatches=3)
     try:
-        pipe.forward(x).square().sum().backward()
+        pipe.forward(body, x).square().sum().backward()
         pipe.backward()
     finally:
         pipe.close()
@@ -390,9 +373,9 @@ def test_a_second_output_waits_for_its_own_backward() -> None:
     body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     reference = copy.deepcopy(body)
     a, b = torch.randn(5, 4), torch.randn(5, 4)
-    pipe = _two_stage(body[:2], body[2:], microbatches=2)
+    pipe = _pipeline(body, ["2"], microbatches=2)
     try:
-        out_a, out_b = pipe.forward(a), pipe.forward(b)
+        out_a, out_b = pipe.forward(body, a), pipe.forward(body, b)
         out_a.sum().backward()
         pipe.backward()  # only A's stages; B's output has no gradient yet
         assert pipe.has_pending_backward
@@ -409,10 +392,10 @@ def test_a_second_output_waits_for_its_own_backward() -> None:
 
 def test_a_skip_connection_around_the_pipeline_gets_a_clear_error() -> None:
     embed, body = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    pipe = _two_stage(body[:1], body[1:])
+    pipe = _pipeline(body, ["1"])
     try:
         h = embed(torch.randn(2, 4))
-        (pipe.forward(h) + h).sum().backward()
+        (pipe.forward(body, h) + h).sum().backward()
         with pytest.raises(RuntimeError, match="input is also used elsewhere in the loss"):
             pipe.backward()
     finally:
@@ -420,27 +403,29 @@ def test_a_skip_connection_around_the_pipeline_gets_a_clear_error() -> None:
 
 
 def test_recomputing_dropout_over_several_cpu_stages_is_refused() -> None:
-    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), nn.Linear(4, 4)]
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), nn.Linear(4, 4))
     with pytest.raises(ValueError, match="recomputed dropout masks would differ"):
-        Pipeline(stages, ["cpu", "cpu"], checkpoint="except_last")
-    Pipeline(stages, ["cpu", "cpu"], checkpoint="never").close()
-    Pipeline(stages[:1], ["cpu"], checkpoint="always").close()  # one stage: no interleaving
+        _pipeline(model, ["1"], checkpoint="except_last")
+    _pipeline(model, ["1"], checkpoint="never").close()
+    _pipeline(model, [], checkpoint="always").close()  # one stage: no interleaving
+    _pipeline(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)), ["1"], checkpoint="always").close()  # draws nothing
 
 
 def _stage_grad_fns(pipe: Pipeline) -> set[str]:
-    """Names of every backward node in the pending stages' graphs."""
+    """Names of every backward node in the pending stages' graphs (from each stage's output: the last stage's result,
+    the tensors the others handed over)."""
     names: set[str] = set()
     seen: set[int] = set()
     for record in pipe._pending:
-        for stage_outputs in record.outputs:
-            todo = [out.grad_fn for out in stage_outputs if out is not None]
-            while todo:
-                node = todo.pop()
-                if node is None or id(node) in seen:
-                    continue
-                seen.add(id(node))
-                names.add(node.name())
-                todo.extend(fn for fn, _ in node.next_functions)
+        todo = [micro.result.grad_fn for micro in record.micros]
+        todo += [edge.node for micro in record.micros for _, edge in micro.sources.values()]
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            names.add(node.name())
+            todo.extend(fn for fn, _ in node.next_functions)
     return names
 
 
@@ -452,11 +437,10 @@ def _pipelined_vs_reference(build, x, *, microbatches=4, checkpoint="never", aut
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.enable_grad()
     with context:
         reference(x).float().square().mean().backward()
-    half = len(model) // 2
-    pipe = Pipeline([model[:half], model[half:]], ["cpu", "cpu"], microbatches=microbatches, checkpoint=checkpoint)
+    pipe = _pipeline(model, [str(len(model) // 2)], microbatches=microbatches, checkpoint=checkpoint)
     try:
         with context:
-            out = pipe.forward(x)
+            out = pipe.forward(model, x)
         names = _stage_grad_fns(pipe)
         out.float().square().mean().backward()
         pipe.backward()
@@ -474,7 +458,7 @@ def test_plain_linear_layers_accumulate_their_weight_gradient_in_place(checkpoin
 
     got, want, names = _pipelined_vs_reference(build, torch.randn(3, 10, 6), checkpoint=checkpoint)  # 3-D input
     if checkpoint == "never":
-        assert "_AccumulatingLinearBackward" in names and "AddmmBackward0" not in names
+        assert "_LinearFunctionBackward" in names and "AddmmBackward0" not in names
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
@@ -502,7 +486,7 @@ def test_frozen_tied_or_hooked_linears_and_autocast_still_give_the_full_batch_gr
         )
 
     got, want, names = _pipelined_vs_reference(build, torch.randn(12, 5))
-    assert "_AccumulatingLinearBackward" in names
+    assert "_LinearFunctionBackward" in names
     for name, grad in want.items():
         if grad is None:
             assert got[name] is None, name
@@ -511,7 +495,77 @@ def test_frozen_tied_or_hooked_linears_and_autocast_still_give_the_full_batch_gr
 
     # Under autocast the layers run as themselves (their bf16 matmuls), and the result still matches.
     got, want, names = _pipelined_vs_reference(build, torch.randn(12, 5), autocast=True)
-    assert "_AccumulatingLinearBackward" not in names
+    assert "_LinearFunctionBackward" not in names
     for name, grad in want.items():
         if grad is not None:
             torch.testing.assert_close(got[name], grad, rtol=0.05, atol=0.05, msg=name)
+
+
+def test_copies_to_a_gpu_run_on_a_copy_stream_per_destination_that_the_consumer_waits_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path of the hand-over, with torch.cuda's streams mocked (no GPU here): one copy stream per destination
+    device, made once; the copy issued on it after it waited for the source's stream; the consumer's stream waits for
+    it; both tensors recorded on the streams that use them. A copy to the CPU stays a plain ``.to``."""
+    from lightning_mgpu.placement.running.handover import CopyStreams
+
+    log: list[tuple[str, ...]] = []
+    on_stream: list[str] = ["default"]
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            log.append(("wait", self.name, other.name))
+
+    class Tensor:  # what the hand-over reads of a tensor
+        def __init__(self, device: str) -> None:
+            self.device = torch.device(device)
+            self.is_cuda = self.device.type == "cuda"
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> Tensor:
+            log.append(("copy", str(device), on_stream[-1], str(non_blocking)))
+            return Tensor(str(device))
+
+        def record_stream(self, stream: Stream) -> None:
+            log.append(("record", str(self.device), stream.name))
+
+    class StreamContext:
+        def __init__(self, stream: Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            on_stream.append(self.stream.name)
+
+        def __exit__(self, *exc: object) -> None:
+            on_stream.pop()
+
+    made: list[str] = []
+
+    def new_stream(device: torch.device) -> Stream:
+        made.append(str(device))
+        return Stream(f"copy@{device}")
+
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(f"current@{device}"))
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: StreamContext(Stream(on_stream[-1])))
+    copies = CopyStreams()
+    moved = copies.move(Tensor("cuda:0"), torch.device("cuda:1"))  # type: ignore[arg-type]
+    assert moved.device == torch.device("cuda:1")
+    assert log == [
+        ("wait", "copy@cuda:1", "current@cuda:0"),  # the copy waits for what made the source
+        ("copy", "cuda:1", "copy@cuda:1", "True"),  # issued on the copy stream, asynchronously
+        ("wait", "current@cuda:1", "copy@cuda:1"),  # the consumer waits for the copy
+        ("record", "cuda:0", "copy@cuda:1"),  # neither tensor's memory is reused too early
+        ("record", "cuda:1", "current@cuda:1"),
+    ]
+    log.clear()
+    copies.move(Tensor("cpu"), torch.device("cuda:1"))  # type: ignore[arg-type]  # host to device: nothing to wait for
+    copies.move(Tensor("cuda:1"), torch.device("cuda:0"))  # type: ignore[arg-type]
+    assert made == ["cuda:1", "cuda:0"]  # one stream per destination, made once
+    assert ("copy", "cuda:1", "copy@cuda:1", "True") in log and ("copy", "cuda:0", "copy@cuda:0", "True") in log
+    log.clear()
+    copies.move(Tensor("cuda:0"), torch.device("cpu"))  # type: ignore[arg-type]
+    assert log == [("copy", "cpu", "default", "False")]  # to the host: a plain, synchronous copy

@@ -334,7 +334,7 @@ class Ran(Exception):
 def stubbed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No subcommand can run anything: the runners raise ``Ran``. A factory module to point at."""
     from lightning_mgpu.comm import allreduce_run as sweep
-    from lightning_mgpu.placement import profile
+    from lightning_mgpu.placement.planning import profile
 
     def ran(*args: Any, **kwargs: Any) -> Any:
         raise Ran()

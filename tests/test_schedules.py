@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from lightning_mgpu.placement import schedule as schedule_module
-from lightning_mgpu.placement.schedule import (
+from lightning_mgpu.placement.planning import schedule as schedule_module
+from lightning_mgpu.placement.planning.schedule import (
     BACKWARD,
     FORWARD,
     SCHEDULES,

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mgpu.placement.shared_params import foreign_uses
-from lightning_mgpu.placement.staged import StagedStep
-from lightning_mgpu.placement.staged_fit import check_staged_model, place_modules
+from lightning_mgpu.placement.running.shared_params import foreign_uses
+from lightning_mgpu.placement.running.engine import Pipeline
+from lightning_mgpu.placement.runner import PipelineOptions, check_model, place_modules
 from tests.scripts.split_models import tiny_gpt2
 
 SCHEDULES = ["gpipe", "1f1b", "zero_bubble"]
@@ -61,7 +61,7 @@ def _run_copied(
 ) -> tuple[torch.Tensor, list[str]]:
     """Run one step with copies forced; return the loss and, for each call of module ``watch``, what torch calls
     inside the call get for its parameters, joined by '+': a copy (``ToCopyBackward0``) or not (``AccumulateGrad``)."""
-    engine = StagedStep(
+    engine = Pipeline(
         model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=microbatches, copy_shared=True
     )
     seen: list[str] = []
@@ -75,7 +75,7 @@ def _run_copied(
     try:
         loss = engine.run(step, model, *batch)
         loss.backward()
-        assert engine.accumulate()
+        assert engine.backward()
     finally:
         for handle in handles:
             handle.remove()
@@ -154,4 +154,4 @@ def test_which_uses_need_a_copy_and_where_a_tied_parameter_lives() -> None:
     assert model.emb.weight.device.type == "cpu" and model.head.weight is model.emb.weight
     assert model.blocks[0].weight.device.type == "cpu" and model.blocks[1].weight.device.type == "meta"
     # no longer refused on GPUs (it was: "not supported yet on GPUs")
-    check_staged_model(TiedLM(), ["blocks.1"], TWO_GPUS, checkpoint="never")
+    check_model(TiedLM(), PipelineOptions(devices_per_replica=2, split_points=["blocks.1"]), TWO_GPUS)

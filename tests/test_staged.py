@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mgpu.placement import staged as staged_module
-from lightning_mgpu.placement.staged import StagedStep, StagedStepError, split_batch
-from lightning_mgpu.placement.worker import PipelineError
+from lightning_mgpu.placement.running import gradients as gradients_module
+from lightning_mgpu.placement.running.engine import Pipeline, PipelineModelError
+from lightning_mgpu.placement.running.microbatch import split_batch
+from lightning_mgpu.placement.running.worker import PipelineError
 from tests.scripts.split_models import ResidualCNN, tiny_gpt2
 
 SCHEDULES = ["gpipe", "1f1b", "zero_bubble"]
@@ -23,11 +24,11 @@ SCHEDULES = ["gpipe", "1f1b", "zero_bubble"]
 def _run(
     model: nn.Module, points: list[str], step: Callable[..., torch.Tensor], *batch: Any, **options: Any
 ) -> torch.Tensor:
-    engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), **options)
+    engine = Pipeline(model, points, ["cpu"] * (len(points) + 1), **options)
     try:
         loss = engine.run(step, model, *batch)
         loss.backward()
-        assert engine.accumulate()
+        assert engine.backward()
     finally:
         engine.close()
     return loss
@@ -117,7 +118,7 @@ class _Dense(nn.Linear):
 
 def test_zero_bubble_defers_weight_gradients_to_w() -> None:
     calls: list[tuple[int, int]] = []
-    original = staged_module.split_backward
+    original = gradients_module.split_backward
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         leaf_grads, now, deferred = original(*args, **kwargs)
@@ -129,11 +130,11 @@ def test_zero_bubble_defers_weight_gradients_to_w() -> None:
     reference = copy.deepcopy(model)
     x = torch.randn(6, 8)
     reference(x).square().mean().backward()
-    staged_module.split_backward = spy
+    gradients_module.split_backward = spy
     try:
         _run(model, ["4"], lambda net, x: net(x).square().mean(), x, schedule="zero_bubble", microbatches=3)
     finally:
-        staged_module.split_backward = original
+        gradients_module.split_backward = original
     # the last stage: both Linears' weight and bias wait for W, nothing is computed in B; the first stage sends nothing
     assert (0, 4) in calls
     _assert_same_grads(model, reference)
@@ -146,22 +147,22 @@ def test_linear_weight_gradients_are_added_in_place_and_wait_for_w_in_zero_bubbl
     reference = copy.deepcopy(model)
     x = torch.randn(6, 8)
     reference(x).square().mean().backward()
-    engine = StagedStep(model, ["4"], ["cpu", "cpu"], schedule=schedule, microbatches=3)
+    engine = Pipeline(model, ["4"], ["cpu", "cpu"], schedule=schedule, microbatches=3)
     assert all(type(m) is not nn.Linear for m in model if isinstance(m, nn.Linear))  # swapped while the engine lives
     after_b: list[tuple[int, int, int]] = []  # (stage, sums its B added, records waiting for W) for each B
-    backward = engine._backward
+    backward = engine.gradients.backward
 
     def spy(j: int, micro: Any, *args: Any) -> Any:
-        before = {n: g.clone() for n, g in engine._sums[j].items()}
+        before = {n: g.clone() for n, g in engine.gradients.sums[j].items()}
         out = backward(j, micro, *args)
-        changed = sum(n not in before or not torch.equal(g, before[n]) for n, g in engine._sums[j].items())
+        changed = sum(n not in before or not torch.equal(g, before[n]) for n, g in engine.gradients.sums[j].items())
         after_b.append((j, changed, len(micro.linear_deferred.get(j, []))))
         return out
 
-    engine._backward = spy  # type: ignore[method-assign]
+    engine.gradients.backward = spy  # type: ignore[method-assign]
     try:
         engine.run(lambda net, x: net(x).square().mean(), model, x).backward()
-        assert engine.accumulate()
+        assert engine.backward()
     finally:
         engine.close()
     assert all(type(m) is nn.Linear for m in model if isinstance(m, nn.Linear))  # given back
@@ -177,8 +178,8 @@ def test_linear_weight_gradients_are_added_in_place_and_wait_for_w_in_zero_bubbl
 
 def test_two_engines_on_one_model_both_take_the_linear_fast_path_and_give_the_class_back_last() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
-    first = StagedStep(model, ["2"], ["cpu", "cpu"])
-    second = StagedStep(model, ["2"], ["cpu", "cpu"], schedule="zero_bubble")
+    first = Pipeline(model, ["2"], ["cpu", "cpu"])
+    second = Pipeline(model, ["2"], ["cpu", "cpu"], schedule="zero_bubble")
     assert len(first.linear_grads.slots) == len(second.linear_grads.slots) == 2
     first.close()
     assert type(model[0]) is not nn.Linear  # the second engine still uses it
@@ -199,7 +200,7 @@ def test_the_last_stage_holds_the_schedules_bound_of_micro_batches_not_all_of_th
         )
         x = torch.randn(48, 32)
         meter = ActivationMeter(2, [*model.parameters(), x])
-        engine = StagedStep(model, ["6"], ["cpu", "cpu"], schedule=schedule, microbatches=6)
+        engine = Pipeline(model, ["6"], ["cpu", "cpu"], schedule=schedule, microbatches=6)
         handle = model[6].register_forward_pre_hook(lambda *_: meter.set_stage(1))
 
         def step(net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -208,7 +209,7 @@ def test_the_last_stage_holds_the_schedules_bound_of_micro_batches_not_all_of_th
 
         try:
             engine.run(step, model, x).backward()
-            assert engine.accumulate()
+            assert engine.backward()
         finally:
             handle.remove()
             engine.close()
@@ -224,9 +225,9 @@ def test_split_batch_cuts_every_tensor_and_keeps_the_rest() -> None:
     pieces, sizes = split_batch(batch, 2)
     assert sizes == [3, 2] and pieces[1][1] == 7
     assert pieces[1][0]["ids"].tolist() == [[6, 7], [8, 9]] and pieces[0][2][0].shape == (3, 1)
-    with pytest.raises(StagedStepError, match=r"different first dimensions \[3, 5\]"):
+    with pytest.raises(ValueError, match=r"different first dimensions \[3, 5\]"):
         split_batch((torch.zeros(5), torch.zeros(3)), 2)
-    with pytest.raises(StagedStepError, match="no tensor"):
+    with pytest.raises(ValueError, match="no tensor"):
         split_batch((1, "a"), 2)
 
 
@@ -267,19 +268,19 @@ def test_what_cannot_be_staged_is_refused_before_any_gradient_lands(schedule: st
     for model, points, match in cases:
         if schedule == "zero_bubble" and match.startswith("skip"):
             match = "backward also reached.*" + match  # found from the graphs, not left to a freed buffer's timing
-        engine = StagedStep(model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=2)
+        engine = Pipeline(model, points, ["cpu"] * (len(points) + 1), schedule=schedule, microbatches=2)
         try:
-            with pytest.raises((StagedStepError, PipelineError), match=match):
+            with pytest.raises((PipelineModelError, PipelineError), match=match):
                 engine.run(loss_of, model, x)
             assert all(p.grad is None for p in model.parameters())
         finally:
             engine.close()
     with pytest.raises(ValueError, match=r"split point 'nope' is not a submodule of Sequential"):
-        StagedStep(nn.Sequential(nn.Linear(2, 2)), ["nope"], ["cpu", "cpu"])
+        Pipeline(nn.Sequential(nn.Linear(2, 2)), ["nope"], ["cpu", "cpu"])
     with pytest.raises(ValueError, match=r"1 split point\(s\) make 2 stages, but 3 device"):
-        StagedStep(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"], ["cpu"] * 3)
+        Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"], ["cpu"] * 3)
     with pytest.raises(ValueError, match="schedule must be one of"):
-        StagedStep(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"], ["cpu"] * 2, schedule="dualpipe")
+        Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"], ["cpu"] * 2, schedule="dualpipe")
 
 
 def test_a_failing_stage_is_named_nothing_hangs_and_the_engine_goes_on() -> None:
@@ -290,12 +291,111 @@ def test_a_failing_stage_is_named_nothing_hangs_and_the_engine_goes_on() -> None
             return x
 
     model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 4))
-    engine = StagedStep(model, ["1"], ["cpu", "cpu"], schedule="1f1b", microbatches=3)
+    engine = Pipeline(model, ["1"], ["cpu", "cpu"], schedule="1f1b", microbatches=3)
     try:
         with pytest.raises(PipelineError, match=r"stage 1 on cpu failed in forward: RuntimeError: bad micro-batch"):
             engine.run(lambda net, x: net(x).sum(), model, torch.randn(5, 4))  # 2, 2, 1 samples
         loss = engine.run(lambda net, x: net(x).sum(), model, torch.randn(6, 4))
         loss.backward()
-        assert engine.accumulate()
+        assert engine.backward()
     finally:
         engine.close()
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+def _blocks(first: Callable[[], nn.Module] = lambda: nn.Linear(16, 64)) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(first(), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)) for _ in range(4)))
+
+
+def _mean_square(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x).square().mean()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_activation_checkpointing_recomputes_the_blocks_and_gives_the_same_gradients(
+    schedule: str, checkpoint: str
+) -> None:
+    reference, model = _blocks(), _blocks()
+    x = torch.randn(12, 16)
+    _mean_square(reference, x).backward()
+    calls = [0]
+    model[3][0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    _run(model, ["2"], _mean_square, x, schedule=schedule, microbatches=4, checkpoint=checkpoint)
+    _assert_same_grads(model, reference, atol=1e-6)
+    recomputed = 4 if checkpoint == "always" else 3  # "except_last": the last micro-batch keeps its activations
+    # zero-bubble's W (LayerNorm's weights) is a second backward through the block: it recomputes again
+    assert calls[0] == 4 + recomputed * (2 if schedule == "zero_bubble" else 1)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # the blocks' forward given back at close
+
+
+def test_activation_checkpointing_keeps_a_fraction_of_the_activations() -> None:
+    """Each stage's peak of saved activations (measured, bench/pipeline_memory.py), GPipe, 4 micro-batches."""
+    from bench.pipeline_memory import ActivationMeter
+
+    def peaks(checkpoint: str) -> list[int]:
+        model, x = _blocks(), torch.randn(32, 16)
+        meter = ActivationMeter(2, [*model.parameters(), x])
+        model[2].register_forward_pre_hook(lambda *_: meter.set_stage(1))
+
+        def step(net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            with meter.recording(0):
+                return _mean_square(net, batch)
+
+        _run(model, ["2"], step, x, microbatches=4, checkpoint=checkpoint)
+        return meter.peak
+
+    never, except_last, always = peaks("never"), peaks("except_last"), peaks("always")
+    for stage in (0, 1):
+        # kept: each block's input (16 wide) instead of everything inside it (64-wide activations and more)
+        assert 0 < always[stage] < except_last[stage] < never[stage]
+        assert always[stage] <= 0.25 * never[stage]
+
+
+def test_a_block_starting_in_place_is_recomputed_from_its_input_as_it_was() -> None:
+    reference = _blocks(lambda: nn.Sequential(nn.LeakyReLU(0.1, inplace=True), nn.Linear(16, 64)))
+    model = copy.deepcopy(reference)
+    x = torch.randn(8, 16)
+    _mean_square(reference, x.clone()).backward()  # the first layer writes the batch itself
+    _run(model, ["2"], _mean_square, x.clone(), microbatches=2, checkpoint="always")
+    _assert_same_grads(model, reference, atol=1e-6)
+
+
+def test_what_cannot_be_recomputed_is_refused() -> None:
+    class Doubles(nn.Module):  # writes its input in place: recomputing it would start from the doubled input
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.mul_(2))
+
+    model = nn.Sequential(nn.Linear(4, 4), Doubles(), Doubles(), Doubles())
+    engine = Pipeline(model, ["2"], ["cpu", "cpu"], microbatches=2, checkpoint="always")
+    try:
+        with pytest.raises(PipelineError, match=r"'1' changes its input in place"):
+            engine.run(lambda net, x: net(x).sum(), model, torch.randn(4, 4))
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="recomputed dropout masks would differ"):
+        Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), ["1"], ["cpu", "cpu"], checkpoint="except_last")
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        Pipeline(model, ["2"], ["cpu", "cpu"], checkpoint="sometimes")
+
+
+def test_what_crosses_a_split_point_goes_through_the_copy_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut leaves on their way forward and the gradients on their way back: on CUDA, each on a copy stream."""
+    from lightning_mgpu.placement.running.handover import CopyStreams
+
+    moved: list[tuple[tuple[int, ...], bool]] = []
+    original = CopyStreams.move
+
+    def spy(self: CopyStreams, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moved.append((tuple(tensor.shape), tensor.requires_grad))
+        return original(self, tensor, device)
+
+    monkeypatch.setattr(CopyStreams, "move", spy)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    _run(model, ["2"], lambda net, x: net(x).sum(), torch.randn(4, 4), microbatches=2)
+    assert moved.count(((2, 6), False)) >= 4  # per micro-batch: the cut leaf forward, its gradient back

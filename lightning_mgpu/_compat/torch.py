@@ -167,57 +167,9 @@ from typing import Any, Callable  # noqa: E402  (annotations above are strings)
 
 
 # ---------------------------------------------------------------------------------------
-# Module hooks and BatchNorm's base class: placement/ (the pipeline's nn.Linear fast path
-# calls layers through their functional form, which hooks would miss) and strategies/hybrid.py
+# BatchNorm's base class: placement/ (the pipeline's model checks, profiling) and the doctor's probes
 # ---------------------------------------------------------------------------------------
-from torch import nn as _nn_for_hooks  # noqa: E402
 from torch.nn.modules import batchnorm as _batchnorm_impl  # noqa: E402
-from torch.nn.modules import module as _module_impl  # noqa: E402
-
-_GLOBAL_MODULE_HOOKS = tuple(
-    guarded(
-        "torch.nn.modules.module",
-        name,
-        required=False,
-        why="global nn.Module hooks (register_module_forward_hook & co.) that running a layer through its "
-        "functional form would skip; fallback: assume some are registered (layers then run as themselves)",
-    )
-    for name in (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
-    )
-)
-
-_OWN_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-"""The hook dicts an ``nn.Module`` instance keeps for hooks registered on itself (a subset of
-MODULE_HOOK_DICTS above: the ``*_with_kwargs``/``always_called`` dicts only flag entries of these)."""
-# Instance attributes, so not resolvable on the class: tests/test_pipeline.py checks that
-# module_has_hooks sees each kind of hook and reports none on a fresh module.
-
-_HOOKS_UNKNOWN = object()
-
-
-def module_has_hooks(module: _nn_for_hooks.Module) -> bool:
-    """Whether forward/backward (pre-)hooks are registered on ``module`` itself (not its children).
-
-    Also True where this torch keeps them elsewhere (we cannot tell): callers ask before
-    bypassing ``module.__call__``, and "it has hooks" is the answer that keeps them correct.
-    """
-    return any(
-        found is _HOOKS_UNKNOWN or bool(found)
-        for found in (getattr(module, name, _HOOKS_UNKNOWN) for name in _OWN_MODULE_HOOKS)
-    )
-
-
-def global_module_hooks_registered() -> bool:
-    """Whether any global module forward/backward (pre-)hook is registered (True where torch does not say)."""
-    return any(
-        found is _HOOKS_UNKNOWN or bool(found)
-        for found in (getattr(_module_impl, entry.attribute, _HOOKS_UNKNOWN) for entry in _GLOBAL_MODULE_HOOKS)
-    )
-
 
 _BATCHNORM_BASE = guarded(
     "torch.nn.modules.batchnorm",
@@ -227,18 +179,18 @@ _BATCHNORM_BASE = guarded(
     "fallback: PUBLIC_BATCHNORM_TYPES, the public classes",
 )
 
-PUBLIC_BATCHNORM_TYPES: "tuple[type[_nn_for_hooks.Module], ...]" = (
-    _nn_for_hooks.BatchNorm1d,
-    _nn_for_hooks.BatchNorm2d,
-    _nn_for_hooks.BatchNorm3d,
-    _nn_for_hooks.LazyBatchNorm1d,
-    _nn_for_hooks.LazyBatchNorm2d,
-    _nn_for_hooks.LazyBatchNorm3d,
-    _nn_for_hooks.SyncBatchNorm,
+PUBLIC_BATCHNORM_TYPES: "tuple[type[_torch.nn.Module], ...]" = (
+    _torch.nn.BatchNorm1d,
+    _torch.nn.BatchNorm2d,
+    _torch.nn.BatchNorm3d,
+    _torch.nn.LazyBatchNorm1d,
+    _torch.nn.LazyBatchNorm2d,
+    _torch.nn.LazyBatchNorm3d,
+    _torch.nn.SyncBatchNorm,
 )
 """torch's public BatchNorm classes (what a torch without ``_BatchNorm`` is checked against)."""
 
-BATCHNORM_TYPES: "tuple[type[_nn_for_hooks.Module], ...]" = (
+BATCHNORM_TYPES: "tuple[type[_torch.nn.Module], ...]" = (
     (getattr(_batchnorm_impl, _BATCHNORM_BASE.attribute),)
     if hasattr(_batchnorm_impl, _BATCHNORM_BASE.attribute)
     else PUBLIC_BATCHNORM_TYPES
@@ -298,3 +250,21 @@ def is_reentrant_checkpoint_node(node: object) -> bool:
         return isinstance(node, _CHECKPOINT_NODE_TYPE)
     name = getattr(node, "name", None)
     return callable(name) and name() == "CheckpointFunctionBackward"
+
+
+# ---------------------------------------------------------------------------------------
+# A tensor's version counter: placement/running/recompute.py (activation checkpointing) tells
+# whether an input it will recompute from was changed in place since
+# ---------------------------------------------------------------------------------------
+_TENSOR_VERSION = guarded(
+    "torch",
+    "Tensor._version",
+    required=True,
+    why="the version counter of a recomputed unit's inputs: changed in place after its forward, recomputing from "
+    "them would silently give other gradients",
+)
+
+
+def tensor_version(tensor: _torch.Tensor) -> int:
+    """How many times ``tensor``'s data was changed in place (shared by its views)."""
+    return int(tensor._version)

@@ -145,7 +145,7 @@ def _pipeline_against_one_device(devices: list[str]) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from lightning_mgpu.placement.pipeline import Pipeline
+    from lightning_mgpu.placement.running.engine import Pipeline
 
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)).double()
@@ -159,9 +159,10 @@ def _pipeline_against_one_device(devices: list[str]) -> dict[str, Any]:
         for param, original in zip(stage.parameters(), source.parameters()):
             param.data.copy_(original.data)
             param.grad = None
-    pipeline = Pipeline(split, devices, microbatches=4, output_device=devices[0])
+    model = nn.Sequential(*split)
+    pipeline = Pipeline(model, ["1"], devices, microbatches=4)
     try:
-        output = pipeline.forward(x.to(devices[0]))
+        output = pipeline.forward(model, x.to(devices[0]))  # on the input's device
         nn.functional.mse_loss(output, target.to(devices[0]), reduction="mean").backward()  # type: ignore[no-untyped-call]
         pipeline.backward()  # the stages' backward, micro-batch by micro-batch, gradients accumulated once
     finally:

@@ -1,8 +1,10 @@
 """``lightning-mgpu plan``: how a model would be split over K devices, under each balance mode.
 
 Parses the flags, builds the model from the target, measures each layer on one micro-batch
-(:func:`lightning_mgpu.placement.profile.profile_layers`), plans it with every balance mode
-(:func:`lightning_mgpu.placement.plan.plan_stages`) and prints the plans side by side.
+with the package's one profiler (:mod:`lightning_mgpu.placement.planning.profile`), plans it with
+every balance mode (:func:`lightning_mgpu.placement.planning.plan.plan_stages`) and prints the
+plans side by side. With ``--split-points`` (any model), each stage between them is measured
+instead, the model running its own forward on one micro-batch of ``--shape``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from lightning_mgpu._target import SYNTAX
 from lightning_mgpu.cli._args import bounded_int, existing_parent, positive_size, target
 
 if TYPE_CHECKING:  # torch underneath: imported when the command runs, not for --help
-    from lightning_mgpu.placement.plan import PlacementPlan
+    from lightning_mgpu.placement.planning.plan import PlacementPlan
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "long", "int")
 # Beyond these a value is a mistake: refused before anything is built or measured.
@@ -123,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lightning_mgpu._target import TargetError, load_target
-    from lightning_mgpu.placement.plan import BALANCE_MODES, plan_stages
-    from lightning_mgpu.placement.profile import profile_batch_size, profile_layers
+    from lightning_mgpu.placement.planning.plan import BALANCE_MODES, plan_stages
+    from lightning_mgpu.placement.planning.profile import profile_batch_size, profile_blocks, profile_layers
+    from lightning_mgpu.placement.planning.split_points import check_split_points
 
     try:
         device = torch.device(args.device)
@@ -141,13 +144,17 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # the user's own code: one line, as for an import that fails
         parser.error(f"calling {args.factory}() failed: {type(exc).__name__}: {exc}")
     threads = args.threads or max(1, torch.get_num_threads() // args.devices)
-    if args.split_points is not None:
-        from lightning_mgpu.cli._plan_points import plan_split_points
-
-        return plan_split_points(parser, args, model, shape, device, threads)
-    seq = _find_sequential(parser, model, args.split_module)
-    if len(seq) < args.devices:
-        parser.error(f"the nn.Sequential has {len(seq)} layers, fewer than --devices {args.devices}")
+    points = None if args.split_points is None else [p.strip() for p in args.split_points.split(",") if p.strip()]
+    if points is not None:
+        try:
+            check_split_points(model, points, len(points) + 1)
+        except ValueError as exc:
+            parser.error(f"argument --split-points: {exc}")
+        seq = model
+    else:
+        seq = _find_sequential(parser, model, args.split_module)
+        if len(seq) < args.devices:
+            parser.error(f"the nn.Sequential has {len(seq)} layers, fewer than --devices {args.devices}")
     micro_batch = profile_batch_size(shape[0], args.microbatches, seq)
     dtype = {"long": torch.long, "int": torch.int}.get(args.dtype) or getattr(torch, args.dtype)
     sample_shape = (micro_batch, *shape[1:])
@@ -159,9 +166,18 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, MemoryError, OverflowError) as exc:
         parser.error(f"argument --shape: cannot make a sample of shape {list(sample_shape)} ({args.dtype}): {exc}")
     try:
-        layers = profile_layers(seq, sample, device=device, repeats=args.repeats, threads=threads)
+        if points is None:
+            layers = profile_layers(seq, sample, device=device, repeats=args.repeats, threads=threads)
+        else:  # the stages themselves: the model's start, then each split point to the next
+            model.to(device).train()
+            given = sample.to(device)
+            layers = profile_blocks(
+                model, points, lambda: model(given), repeats=args.repeats, threads=threads, lead=True
+            )
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
         parser.error(f"running the model on a sample of shape {list(sample_shape)} ({args.dtype}) failed: {exc}")
+    if points is not None:
+        return _print_stages(args, points, layers, sample_shape, threads)
 
     from rich.console import Console
     from rich.table import Table
@@ -201,6 +217,33 @@ def run(args: argparse.Namespace) -> int:
             "factory": args.factory,
             "sample_shape": list(sample_shape),
             "plans": {k: p.as_dict() for k, p in plans.items()},
+        }
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _print_stages(
+    args: argparse.Namespace, points: list[str], stages: list[Any], sample_shape: Any, threads: int
+) -> int:
+    """``--split-points``: one row per stage as the split points make them (measured, no planning)."""
+    from rich.console import Console
+
+    from lightning_mgpu.placement.planning.plan import PlacementPlan
+
+    k = len(points) + 1
+    plan = PlacementPlan([f"from {stage.name}" for stage in stages], [1] * k, "split_points", args.microbatches, stages)
+    title = f"{args.factory}: split points {points}, micro-batch {list(sample_shape)}, {threads} thread(s)"
+    Console().print(plan.table(title=title))
+    if args.json:
+        payload = {
+            "factory": args.factory,
+            "split_points": points,
+            "stage_time_ms": plan.stage_time_ms,
+            "stage_param_bytes": [stage.param_bytes for stage in stages],
+            "sample_shape": list(sample_shape),
+            "plan": plan.as_dict(),
         }
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(payload, handle, indent=2)

@@ -8,60 +8,34 @@ runs 4 processes (replicas), process ``r`` on devices ``2r`` and ``2r + 1``. On 
 in their own threads, so pipelining is real there too. K = 1 with ``microbatches=1`` is
 plain ``ddp_tuned``.
 
-Two pipelines, both accumulating each parameter's gradient once per step after
-``loss.backward()``, so DDP's reducer works unchanged (no ``device_ids``: the module spans
-devices), and both exact against one process with the full batch:
-
-* **Staged** (``split_points``, or ``schedule="1f1b"``/``"zero_bubble"``, or no single
-  ``nn.Sequential`` child): any ``nn.Module`` as it is, cut where the named submodules
-  begin; ``training_step`` runs once per micro-batch inside the pipeline, loss included
-  (:class:`~lightning_mgpu.placement.staged.StagedStep`; setup in
-  :mod:`~lightning_mgpu.placement.staged_fit`).
-* **Sequential** (an ``nn.Sequential``, ``schedule="gpipe"``): its layers are split by
-  :func:`~lightning_mgpu.placement.plan.plan_stages` (``balance``) from per-layer costs
-  measured on one micro-batch (:mod:`~lightning_mgpu.placement.sequential_fit`); the rest
-  of the model and the loss stay on the replica's first device.
+One pipeline engine, run through one facade
+(:class:`~lightning_mgpu.placement.runner.PipelineRunner`): it accumulates each parameter's
+gradient once per step after ``loss.backward()``, so DDP's reducer works unchanged (no
+``device_ids``: the module spans devices), exact against one process with the full batch.
+With ``split_points``, ``schedule="1f1b"``/``"zero_bubble"`` or no single ``nn.Sequential``
+child, ``training_step`` runs once per micro-batch inside the pipeline, loss included
+(:meth:`training_step` reaches it through DDP's forward, as Lightning's own redirection does);
+an ``nn.Sequential`` split with ``schedule="gpipe"`` is pipelined as a module, its loss outside.
 
 Rank 0 plans and broadcasts, so every replica has the same layout. ``state_dict`` keys
 never change, and checkpoints are written with every tensor on the CPU, so they load into
 ``ddp_tuned``, a single device or another placement. Refused with a clear error:
 ``find_unused_parameters=True`` and ``static_graph=True`` (the stages' gradients come from
-the pipeline's own backward), ``SyncBatchNorm``, and what each pipeline cannot run (see its
-module).
+the pipeline's own backward), ``SyncBatchNorm``, and what the pipeline cannot run (see
+:mod:`~lightning_mgpu.placement.runner`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 
-from lightning_mgpu.placement.pipeline import Pipeline
-from lightning_mgpu.placement.plan import PlacementPlan, plan_stages
-from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.sequential_fit import (
-    capture_input,
-    check_sequential,
-    device_capacity,
-    find_split_module,
-    install_pipeline,
-    measure_layers,
-    remove_pipeline,
-)
-from lightning_mgpu.placement.split_points import candidate_blocks, check_split_points
-from lightning_mgpu.placement.staged import StagedStep
-from lightning_mgpu.placement.staged_fit import (
-    block_profiler,
-    check_staged_model,
-    choose_split_points,
-    place_modules,
-    run_logged,
-)
+from lightning_mgpu.placement.runner import PipelineRunner, PlacementPlan, check_model
 from lightning_mgpu._compat.lightning import StrategyRegistryType
-from lightning_mgpu._compat.torch import apply_to_own_tensors, copy_state_dict_metadata
+from lightning_mgpu._compat.torch import copy_state_dict_metadata
 from lightning_mgpu.strategies.parts.hybrid_options import check_hybrid_options
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
 
@@ -102,7 +76,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
     """
 
     strategy_name = "hybrid"
-    accepts_static_graph = False  # refused (hybrid_options.py): not a fix this strategy can offer
+    accepts_static_graph = False  # refused (parts/hybrid_options.py): not a fix this strategy can offer
 
     def __init__(
         self,
@@ -118,7 +92,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
         threads_per_stage: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
-        balance = check_hybrid_options(
+        self._options = check_hybrid_options(
             devices_per_replica=devices_per_replica,
             balance=balance,
             microbatches=microbatches,
@@ -132,20 +106,10 @@ class HybridParallelStrategy(TunedDDPStrategy):
         )
         super().__init__(**kwargs)
         self._devices_per_replica = devices_per_replica
-        self._balance = balance
         self._microbatches = microbatches
-        self._checkpoint = checkpoint
-        self._split_module = split_module
-        self._split_points = None if split_points is None else list(split_points)
-        self._schedule = schedule
-        self._staged: Optional[StagedStep] = None
-        self._split_points_used: Optional[list[str]] = None
-        self._sample_input = sample_input
-        self._threads_per_stage = threads_per_stage
-        self._pipeline: Optional[Pipeline] = None
-        self._plan: Optional[PlacementPlan] = None
-        self._split: Optional[nn.Sequential] = None
-        self._split_class: Optional[type] = None
+        self._runner: Optional[PipelineRunner] = None
+        self._plan: Optional[PlacementPlan] = None  # kept after teardown, as the split points
+        self._split_points: Optional[list[str]] = None
 
     # ------------------------------------------------------------------ devices
     @property
@@ -201,203 +165,68 @@ class HybridParallelStrategy(TunedDDPStrategy):
         return None  # the module spans several devices: DDP must not be given device_ids
 
     # ------------------------------------------------------------------ placement
+    def _pipelined(self) -> bool:
+        return self._devices_per_replica > 1 or self._microbatches > 1  # else plain ddp_tuned
+
     def model_to_device(self) -> None:
         self._check_device_count()
         module = self.lightning_module
         assert module is not None
-        if self._devices_per_replica == 1 and self._microbatches == 1:
+        if not self._pipelined():
             module.to(self.root_device)
-            return  # plain ddp_tuned
-        if self._uses_staged(module):
-            self._setup_staged(module)
             return
-        name, seq = find_split_module(module, self._split_module)
-        self._check_sequential(module, name, seq, warn=True)
-        # Everything but the split module goes to the replica's first device; the split module
-        # stays where it is (the CPU, usually: it may not fit one device) until each stage
-        # moves to its own device. Profiling moves one layer at a time.
-        inside = {id(m) for m in seq.modules()}
-        for sub in module.modules():
-            if id(sub) not in inside:
-                apply_to_own_tensors(sub, lambda t: t.to(self.root_device))
-        plan = self._make_plan(module, name, seq)
-        self._plan = plan
-        stages, start = [], 0
-        for size, device in zip(plan.sizes, self.replica_devices):
-            stage = seq[start : start + size]
-            stage.to(device)
-            stages.append(stage)
-            start += size
-        self._pipeline = Pipeline(
-            stages,
+        name = type(self).__name__
+        self._runner = PipelineRunner.setup(
+            module,
+            self._options,
             self.replica_devices,
-            microbatches=self._microbatches,
-            checkpoint=self._checkpoint,
-            threads_per_stage=self._threads_per_stage,
-        )
-        self._split, self._split_class = seq, install_pipeline(seq, self._pipeline)
-        rank_zero_info(f"{type(self).__name__}: split `{name}` as {plan.summary_line()}\n{plan}")
-
-    def _uses_staged(self, module: nn.Module) -> bool:
-        """The staged pipeline (any module, loss inside, every schedule) unless an nn.Sequential is split with GPipe."""
-        if self._split_points is not None or self._schedule != "gpipe":
-            return True
-        if self._split_module is not None:
-            return False
-        return sum(isinstance(child, nn.Sequential) for child in module.children()) != 1
-
-    def _candidates(self, module: nn.Module) -> list[str]:
-        if self._split_module is not None:
-            name, seq = find_split_module(module, self._split_module)
-            return [f"{name}.{child}" for child, _ in seq.named_children()]
-        return candidate_blocks(module)
-
-    def _setup_staged(self, module: nn.Module) -> None:
-        devices = self.replica_devices
-        points, self._plan = choose_split_points(
-            module,
-            split_points=self._split_points,
-            candidates=lambda: self._candidates(module),
-            balance=self._balance,
-            devices=devices,
-            microbatches=self._microbatches,
             rank_zero=self.global_rank == 0,
-            broadcast=lambda sizes: self.broadcast(sizes, src=0),
+            broadcast=lambda value: self.broadcast(value, src=0),
             warn=rank_zero_warn,
-            measure=block_profiler(module, self._microbatches),
+            info=lambda text: rank_zero_info(f"{name}: {text}"),
         )
-        check_staged_model(module, points, devices, checkpoint=self._checkpoint)
-        place_modules(module, points, devices)
-        self._split_points_used = points
-        self._staged = StagedStep(
-            module,
-            points,
-            devices,
-            schedule=self._schedule,
-            microbatches=self._microbatches,
-            threads_per_stage=self._threads_per_stage,
-        )
-        measured = any(layer.time_ms > 0 for layer in self._plan.layers)
-        rank_zero_info(
-            f"{type(self).__name__}: {len(devices)} stages beginning at {points}, schedule={self._schedule!r}, "
-            f"microbatches={self._microbatches}" + (f"\n{self._plan}" if measured else "")
-        )
+        self._plan, self._split_points = self._runner.plan, self._runner.split_points
 
     @property
     def split_points(self) -> Optional[list[str]]:
-        """The submodules where stages 1.. begin, when the staged pipeline runs (after setup)."""
-        return self._split_points_used
+        """The submodules where stages 1.. begin (after setup)."""
+        return self._split_points
 
     def check_model(self, model: Any) -> None:
         super().check_model(model)
-        if self._devices_per_replica == 1 and self._microbatches == 1:
-            return  # plain ddp_tuned
-        if self._uses_staged(model):
-            points = self._split_points
-            if points is not None:
-                check_split_points(model, points, self._devices_per_replica)
-            elif len(self._candidates(model)) < self._devices_per_replica:
-                raise ValueError(
-                    f"{type(model).__name__} has fewer candidate split points than devices_per_replica="
-                    f"{self._devices_per_replica}: pass split_points=[...] naming where each stage begins"
-                )
+        if self._pipelined():
             k = self._devices_per_replica
             devices = self.replica_devices if self.parallel_devices else [torch.device("cpu")] * k
-            check_staged_model(model, points or [], devices, checkpoint=self._checkpoint)
-            return
-        name, seq = find_split_module(model, self._split_module)
-        self._check_sequential(model, name, seq, warn=False)
-
-    def _check_sequential(self, module: nn.Module, name: str, seq: nn.Sequential, *, warn: bool) -> None:
-        warning = check_sequential(
-            module,
-            name,
-            seq,
-            num_stages=self._devices_per_replica,
-            balance=self._balance,
-            microbatches=self._microbatches,
-            checkpoint=self._checkpoint,
-            devices=self.replica_devices if self.parallel_devices else None,
-        )
-        if warn and warning is not None:
-            rank_zero_warn(warning)
-
-    def _make_plan(self, module: nn.Module, name: str, seq: nn.Sequential) -> PlacementPlan:
-        devices = self.replica_devices
-        balance: Union[str, list[int]] = self._balance
-        layers: list[LayerCost] = []
-        sizes: Optional[list[int]] = None
-        if self.global_rank == 0:
-            sample: Optional[torch.Tensor] = None
-            if balance in ("time", "memory"):
-                sample = (
-                    self._sample_input.to(self.root_device)
-                    if self._sample_input is not None
-                    else capture_input(module, seq, self.root_device)
-                )
-                if sample is None:
-                    rank_zero_warn(
-                        f"HybridParallelStrategy(balance={balance!r}) needs a sample to measure `{name}`: set "
-                        "`example_input_array` on the LightningModule or pass sample_input=. Balancing by parameter "
-                        "count instead."
-                    )
-                    balance = "params"
-            threads = self._threads_per_stage or max(1, torch.get_num_threads() // len(devices))
-            layers = measure_layers(
-                seq, sample, microbatches=self._microbatches, device=self.root_device, threads=threads
-            )
-            capacity = [device_capacity(device) for device in devices]
-            sizes = plan_stages(layers, devices, balance, microbatches=self._microbatches, capacity=capacity).sizes
-        payload = self.broadcast({"sizes": sizes, "balance": balance, "layers": [c.as_dict() for c in layers]}, src=0)
-        return PlacementPlan(
-            devices=[str(d) for d in devices],
-            sizes=list(payload["sizes"]),  # type: ignore[arg-type]  # broadcast: plain data from rank 0
-            balance=payload["balance"],  # type: ignore[arg-type]
-            microbatches=self._microbatches,
-            layers=[LayerCost.from_dict(c) for c in payload["layers"]],  # type: ignore[union-attr, arg-type]
-        )
+            check_model(model, self._options, devices)  # its warning comes at setup, on rank 0
 
     # ------------------------------------------------------------------ training hooks
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._pipeline is not None:
-            self._pipeline.discard_pending()
-        if self._staged is not None:
-            self._staged.discard()
+        if self._runner is not None:
+            self._runner.discard()
         super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """With the staged pipeline, the LightningModule's ``training_step`` runs once per micro-batch inside the
-        pipeline (the loss too, so 1F1B can start backwards early), still called through DDP's forward."""
-        staged, module = self._staged, self.lightning_module
-        if staged is None or module is None:
+        """Where the training step runs inside the pipeline, the LightningModule's ``training_step`` runs once per
+        micro-batch, loss included (so 1F1B can start backwards early), still reached through DDP's forward."""
+        runner, module = self._runner, self.lightning_module
+        if runner is None or not runner.steps_inside or module is None or self.model is None:
             return super().training_step(*args, **kwargs)
-        step = module.training_step
-
-        def pipelined(*step_args: Any, **step_kwargs: Any) -> Any:
-            module.__dict__.pop("training_step", None)
-            return run_logged(staged, module, step, step_args, step_kwargs)
-
-        module.training_step = pipelined  # type: ignore[method-assign]  # read by Lightning's forward redirection
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            module.__dict__.pop("training_step", None)
+        with self.precision_plugin.train_step_context():
+            return runner.step(self.model, module, args, kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Lightning's ``Strategy.backward`` with the stages' backward right after ``loss.backward()``,
         so that ``on_after_backward`` (called by the precision plugin's ``post_backward``) sees every gradient."""
-        runner: Optional[Callable[[], object]] = self._pipeline.backward if self._pipeline is not None else None
-        if self._staged is not None:
-            runner = self._staged.accumulate
+        runner = self._runner
         if runner is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with (
             self.backward_errors_explained()
-        ):  # DDP's error for reentrant checkpointing: its fix (parts/reliability.py)
-            return self._pipelined_backward(closure_loss, optimizer, runner, *args, **kwargs)
+        ):  # DDP's error for reentrant checkpointing: its fixes (parts/reliability.py)
+            return self._pipelined_backward(runner, closure_loss, optimizer, *args, **kwargs)
 
     def _pipelined_backward(
-        self, closure_loss: torch.Tensor, optimizer: Any, runner: Callable[[], object], *args: Any, **kwargs: Any
+        self, runner: PipelineRunner, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         module = self.lightning_module
         assert module is not None
@@ -409,9 +238,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
         prescaler = self.prescaler
         if prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad:
             with prescaler.prescaled_backward():
-                runner()
+                runner.backward()
         else:
-            runner()
+            runner.backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -428,30 +257,24 @@ class HybridParallelStrategy(TunedDDPStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._pipeline is not None and self._pipeline.has_pending_backward:
-            pending = self._pipeline.pending_with_grad()
-            self._pipeline.discard_pending()
-            if pending:
-                raise RuntimeError(
-                    "the split module's backward did not run: loss.backward() was called directly. With the hybrid "
-                    "strategy call self.manual_backward(loss) (manual optimization), which runs the pipeline's backward."
-                )
+        if self._runner is not None:
+            self._runner.check_backward_ran()
         return result
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
         # Only rank 0 writes the checkpoint: the other ranks skip the copy.
-        split = self._pipeline is not None or self._staged is not None
+        split = self._runner is not None
         return _to_device(state, torch.device("cpu")) if split and self.is_global_zero else state
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        split = self._pipeline is not None or self._staged is not None
+        split = self._runner is not None
         return _to_device(state, torch.device("cpu")) if split and self.is_global_zero else state
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._pipeline is None and self._staged is None:
+        if self._runner is None:
             return super().load_optimizer_state_dict(checkpoint)
         # torch moves each state tensor to its parameter's device; don't move it all to the root device after.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -464,7 +287,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
                 "devices_per_replica": self._devices_per_replica,
                 "sizes": list(self._plan.sizes),
                 "microbatches": self._microbatches,
-                "schedule": self._schedule,
+                "schedule": self._options.schedule,
                 "split_points": self.split_points,
             }
         return state
@@ -480,14 +303,9 @@ class HybridParallelStrategy(TunedDDPStrategy):
         )
 
     def teardown(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.close()
-        if self._staged is not None:
-            self._staged.close()
-            self._staged = None
-        if self._split is not None and self._split_class is not None:
-            remove_pipeline(self._split, self._split_class)
-        self._pipeline, self._split, self._split_class = None, None, None
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
         super().teardown()
 
 

@@ -5,7 +5,7 @@ What changes against the plain loop:
 * no ``.to(device0)`` / ``.to(device1)`` and no hand-placed cut: the layers of both parts
   go into one ``nn.Sequential`` (``self.layers``), and the strategy measures each layer
   on a sample (``example_input_array``) and cuts where the two stages take the same time
-  (exactly: :func:`lightning_mgpu.placement.partition`);
+  (exactly: :func:`lightning_mgpu.placement.planning.partition`);
 * the batch runs as ``--microbatches`` micro-batches in a fill-drain pipeline, so both
   devices compute at once (the plain loop keeps one of them idle at any moment);
 * ``--devices`` counts all devices; every ``--devices-per-replica`` of them form one

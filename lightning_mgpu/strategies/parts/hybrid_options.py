@@ -8,9 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_mgpu.placement.pipeline import CHECKPOINT_MODES
-from lightning_mgpu.placement.plan import BALANCE_MODES, check_sizes
-from lightning_mgpu.placement.schedule import SCHEDULES
+from lightning_mgpu.placement.runner import BALANCE_MODES, CHECKPOINT_MODES, SCHEDULES, PipelineOptions, check_sizes
 
 __all__ = ["check_hybrid_options"]
 
@@ -27,8 +25,8 @@ def check_hybrid_options(
     sample_input: object,
     threads_per_stage: object,
     ddp_kwargs: dict[str, Any],
-) -> Union[str, list[int]]:
-    """Raise ``ValueError`` for the first argument that is wrong; return ``balance`` checked (a mode or sizes)."""
+) -> PipelineOptions:
+    """Raise ``ValueError`` for the first argument that is wrong; return them checked."""
     if isinstance(devices_per_replica, bool) or not isinstance(devices_per_replica, int) or devices_per_replica < 1:
         raise ValueError(f"devices_per_replica must be an integer >= 1, got {devices_per_replica!r}")
     if isinstance(balance, str):
@@ -67,7 +65,17 @@ def check_hybrid_options(
             "find_unused_parameters=True is not supported by the hybrid strategy: the split module's parameters "
             "get their gradients from the pipeline's own backward, which DDP's search from the loss cannot see."
         )
-    return checked
+    return PipelineOptions(
+        devices_per_replica=devices_per_replica,
+        balance=checked,
+        microbatches=microbatches,
+        checkpoint=str(checkpoint),
+        split_module=split_module,
+        split_points=None if split_points is None else list(split_points),
+        schedule=str(schedule),
+        sample_input=sample_input,
+        threads_per_stage=threads_per_stage,
+    )
 
 
 def _check_split_points(split_points: Sequence[str], split_module: object, devices_per_replica: int) -> None:

@@ -1,7 +1,7 @@
 """One worker thread per pipeline stage, running a schedule's actions and handing tensors to the neighbouring stages.
 
 :meth:`StageWorkers.run` is the one executor: given a
-:data:`~lightning_mgpu.placement.schedule.Schedule` and a stage program, it runs every
+:data:`~lightning_mgpu.placement.planning.schedule.Schedule` and a stage program, it runs every
 stage's action list in that stage's thread. For each action the program calls
 ``receive(action)`` (a forward's input from the previous stage, a backward's output
 gradient from the next one; the first stage of the flow reads ``feed`` instead) and
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.placement.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from lightning_mgpu.placement.planning.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
 __all__ = ["PipelineError", "StageAborted", "StageWorkers", "autocast_on", "stage_context", "thread_modes"]
 
@@ -33,7 +33,7 @@ Receive = Callable[[Action], Any]
 Send = Callable[[Action, Any], None]
 StageProgram = Callable[[int, list[Action], Receive, Send], None]
 """``program(stage, actions, receive, send)``: runs one stage's actions (in that stage's thread)."""
-Move = Callable[[Optional[torch.Tensor], torch.device], Optional[torch.Tensor]]
+Move = Callable[[Any, torch.device], Any]
 
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight backward"}
 

@@ -3,7 +3,7 @@
 GPT-2's output layer is its token embedding (``lm_head.weight is transformer.wte.weight``):
 with the embedding in the first stage and the output layer in the last, the parameter lives
 on the first stage's device (where its module is defined first,
-:func:`~lightning_mgpu.placement.split_points.stage_of_modules`) and the output layer runs on
+:func:`~lightning_mgpu.placement.planning.split_points.stage_of_modules`) and the output layer runs on
 another device. :class:`SharedParameterCopies` runs every such module with a
 **differentiable copy** of the parameter on its own stage's device (``param.to(device,
 copy=True)``, made in a forward pre-hook). The module is not changed: the copy is put in the
@@ -12,7 +12,7 @@ entered in the pre-hook and left in a forward hook that runs even when the forwa
 mode is the calling thread's alone, so a block that two stages call at the same time (two
 micro-batch threads) sees the copy in one and the parameter in the other; replacing the
 module's attribute instead would show one thread's copy to the other. The copy's backward sends its gradient to the one parameter,
-so the staged pipeline sums both stages' parts as it does on one device; the optimizer and
+so the pipeline sums both stages' parts as it does on one device; the optimizer and
 DDP see one parameter, the ``state_dict`` is unchanged. A forward that reads the parameter
 outside the module that holds it (``F.linear(x, self.wte.weight)``) is not covered: give the
 sharing module its own attribute (``self.lm_head.weight = self.wte.weight``), as GPT-2 does.
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu.placement.handover import current_run
-from lightning_mgpu.placement.split_points import stage_of_modules
+from lightning_mgpu.placement.running.handover import current_run, current_stage
+from lightning_mgpu.placement.planning.split_points import stage_of_modules
 
 __all__ = ["SharedParameterCopies", "foreign_uses", "holders"]
 
@@ -101,7 +101,7 @@ class SharedParameterCopies:
     stage's device.
 
     The calling stage is the one the calling micro-batch runs, so a block called by two stages gets the right
-    device each time; outside a staged step (validation) a module runs on its own stage. With stages on one
+    device each time; outside a pipelined step (validation) a module runs on its own stage. With stages on one
     device and no ``always`` nothing is hooked. Otherwise every module that registers parameters gets a pair
     of hooks (a module called from another stage than its own cannot be told in advance), which return at once
     when the call comes from the stage that holds its parameters."""
@@ -134,8 +134,8 @@ class SharedParameterCopies:
 
     def _enter(self, own: list[tuple[str, int]], home: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            run = current_run()
-            stage = run.granted if run is not None and 0 <= run.granted < len(self.devices) else home
+            stage = current_stage() if current_run() is not None else home
+            stage = stage if 0 <= stage < len(self.devices) else home
             device = self.devices[stage]
             copies = {}
             for name, held in own:

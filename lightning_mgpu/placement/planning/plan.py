@@ -1,7 +1,8 @@
-"""``PlacementPlan``: which layers run on which device, and what that is expected to cost.
+"""``PlacementPlan``: which layers run on which device, and what that is expected to cost; and the planner that
+every rank of a fit agrees on.
 
-:func:`plan_stages` turns per-layer costs (from :func:`~lightning_mgpu.placement.profile.profile_layers`)
-into a plan with :func:`~lightning_mgpu.placement.partition.partition`:
+:func:`plan_stages` turns per-layer costs (from :func:`~lightning_mgpu.placement.planning.profile.profile_layers`)
+into a plan with :func:`~lightning_mgpu.placement.planning.partition.partition`:
 
 * ``balance="time"``: minimise the slowest stage's forward+backward time (the pipeline's pace);
 * ``balance="memory"``: minimise the largest stage memory (parameters, gradients, optimizer
@@ -11,6 +12,12 @@ into a plan with :func:`~lightning_mgpu.placement.partition.partition`:
 * a list of stage sizes: taken as given (checked).
 
 With ``capacity`` (bytes per device) every mode only considers splits whose stages fit.
+
+:func:`choose_split_points` is the planner of a fit: given split points are checked and used as
+they are; else rank 0 measures the candidate blocks (``measure``, e.g. the one profiler,
+:mod:`~lightning_mgpu.placement.planning.profile`; parameter counts where there is nothing to
+measure on, with a warning), plans them with :func:`plan_stages`, and hands the plan to every
+rank (DDP needs the same layout everywhere).
 
 Pipeline efficiency: a GPipe (fill-drain) schedule of ``M`` micro-batches over ``K``
 stages takes ``(M + K - 1)`` slots of the slowest stage's time, while one device would need
@@ -28,14 +35,15 @@ import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_mgpu._checks import check_int
-from lightning_mgpu.placement.partition import partition
-from lightning_mgpu.placement.profile import LayerCost
-from lightning_mgpu.placement.schedule import make_schedule, peak_in_flight
+from lightning_mgpu.placement.planning.partition import partition
+from lightning_mgpu.placement.planning.profile import LayerCost, block_costs
+from lightning_mgpu.placement.planning.schedule import make_schedule, peak_in_flight
+from lightning_mgpu.placement.planning.split_points import check_split_points, points_from_sizes
 
-__all__ = ["BALANCE_MODES", "PlacementPlan", "check_sizes", "make_plan", "plan_stages"]
+__all__ = ["BALANCE_MODES", "PlacementPlan", "check_sizes", "choose_split_points", "make_plan", "plan_stages"]
 
 BALANCE_MODES = ("time", "memory", "params")
 
@@ -108,7 +116,7 @@ class PlacementPlan:
     def peak_activation_bytes(self, schedule: str = "gpipe") -> Optional[list[int]]:
         """Per stage, the saved activations it holds at its peak under ``schedule``: one micro-batch's
         (the layers' profiled ``activation_bytes``) times the most micro-batches the schedule keeps in flight
-        on that stage (:func:`~lightning_mgpu.placement.schedule.peak_in_flight`). None without a profile."""
+        on that stage (:func:`~lightning_mgpu.placement.planning.schedule.peak_in_flight`). None without a profile."""
         per_microbatch = self._stage_sum("activation_bytes")
         if per_microbatch is None:
             return None
@@ -277,6 +285,77 @@ def plan_stages(
         sizes = check_sizes(balance, len(layers), len(device_names))
         chosen = list(sizes)
     return PlacementPlan(devices=device_names, sizes=sizes, balance=chosen, microbatches=microbatches, layers=layers)
+
+
+def choose_split_points(
+    root: Any,
+    *,
+    split_points: Optional[Sequence[str]],
+    candidates: Callable[[], list[str]],
+    balance: Union[str, Sequence[int]],
+    devices: Sequence[Any],
+    microbatches: int,
+    rank_zero: bool,
+    broadcast: Callable[[Any], Any],
+    warn: Callable[[str], None],
+    measure: Optional[Callable[[list[str]], list[LayerCost]]] = None,
+    capacity: Optional[Sequence[Optional[float]]] = None,
+    what: str = "the candidate blocks",
+) -> tuple[list[str], PlacementPlan]:
+    """The split points in force (names of ``root``'s submodules where stages 1.. begin) and their plan; see the module
+    docstring. ``candidates()``: the blocks to cut among; ``measure(candidates)``: their costs, for
+    ``balance="time"``/``"memory"`` (without it, or if it fails, parameter counts decide, with a warning naming
+    ``what`` was to be measured); ``broadcast(value)``: rank 0's value on every rank."""
+    k = len(devices)
+    names_of_devices = [str(device) for device in devices]
+    if split_points is not None:
+        points = check_split_points(root, split_points, k)
+        return points, PlacementPlan(names_of_devices, [1] * k, "split_points", microbatches)
+    names = candidates()
+    if len(names) < k:
+        raise ValueError(
+            f"{type(root).__name__} has {len(names)} candidate split point(s) ({names}) but "
+            f"devices_per_replica={k}: pass split_points=[...] naming where each stage begins"
+        )
+    if not isinstance(balance, str):
+        check_sizes(balance, len(names), k)
+    payload: Any = None
+    if rank_zero:
+        by: Union[str, list[int]] = balance if isinstance(balance, str) else list(balance)
+        layers = block_costs(root, names)
+        if by in ("time", "memory"):
+            if measure is None:
+                warn(
+                    f"HybridParallelStrategy(balance={balance!r}) needs a sample to measure {what}: set "
+                    "`example_input_array` on the LightningModule (one batch of its forward's input). Balancing by "
+                    "parameter count instead."
+                )
+                by = "params"
+            else:
+                try:
+                    layers = measure(names)
+                except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+                    warn(
+                        f"HybridParallelStrategy(balance={balance!r}): measuring {what} on `example_input_array` "
+                        f"failed ({type(exc).__name__}: {exc}); balancing by parameter count instead."
+                    )
+                    by = "params"
+        try:
+            sizes = plan_stages(layers, devices, by, microbatches=microbatches, capacity=capacity).sizes
+            payload = {"sizes": sizes, "balance": by, "layers": [layer.as_dict() for layer in layers]}
+        except ValueError as exc:  # every rank raises it, none waits for a plan that will not come
+            payload = {"error": str(exc)}
+    payload = broadcast(payload)
+    if "error" in payload:
+        raise ValueError(payload["error"])
+    plan = PlacementPlan(
+        devices=names_of_devices,
+        sizes=list(payload["sizes"]),
+        balance=payload["balance"],
+        microbatches=microbatches,
+        layers=[LayerCost.from_dict(layer) for layer in payload["layers"]],
+    )
+    return points_from_sizes(names, plan.sizes), plan
 
 
 def make_plan(*args: Any, **kwargs: Any) -> PlacementPlan:

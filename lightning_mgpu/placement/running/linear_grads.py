@@ -1,10 +1,10 @@
-"""The staged pipeline's ``nn.Linear`` fast path: weight gradients added in place into the step's sums, or deferred.
+"""The pipeline's ``nn.Linear`` fast path: weight gradients added in place into the step's sums, or deferred.
 
 Through autograd, every micro-batch's backward of an ``nn.Linear`` allocates a fresh
 weight-sized gradient that the stage then adds into its running sum: one more pass over
 the weight per micro-batch. With zero-bubble's split backward it is worse: the weight
 pass is a second ``torch.autograd.grad`` call from the layer's node. Here, while a
-:class:`~lightning_mgpu.placement.staged.StagedStep` runs, a plain ``nn.Linear`` of the
+:class:`~lightning_mgpu.placement.running.engine.Pipeline` runs, a plain ``nn.Linear`` of the
 model computes in its backward only the gradient of its input (what the previous layer
 waits for) and hands the weight's part to the engine: ``grad_out^T @ input`` goes
 straight into the stage's running sum with ``addmm_`` (the arithmetic an ``nn.Linear``
@@ -16,7 +16,7 @@ Which layers: exactly ``nn.Linear`` (not a subclass), trainable weight, each of 
 parameters registered by that one module only (a tied or shared weight, e.g. GPT-2's output
 layer, goes through autograd as before), and not run with a copy of a parameter held by
 another stage. During the engine's life those modules' class is ``_StagedLinear``, an
-``nn.Linear`` subclass whose forward is ``nn.Linear``'s except inside a staged step's
+``nn.Linear`` subclass whose forward is ``nn.Linear``'s except inside a pipelined step's
 training forward, with grad enabled, no autocast, and input and weight of one dtype and
 device; :meth:`LinearWeightGrads.close` gives them their class back. Their
 ``state_dict``, hooks and ``isinstance`` checks are unchanged.
@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from lightning_mgpu.placement.handover import MicroRun, current_run
+from lightning_mgpu.placement.running.handover import MicroRun, current_run, current_stage
 
 __all__ = ["LinearWeightGrads"]
 
@@ -57,7 +57,7 @@ class _Target(NamedTuple):
 
 
 class LinearWeightGrads:
-    """The fast path of a :class:`~lightning_mgpu.placement.staged.StagedStep` (module docstring).
+    """The fast path of a :class:`~lightning_mgpu.placement.running.engine.Pipeline` (module docstring).
 
     ``params``: the engine's trainable parameters (indices are positions here); ``sums[j]``:
     stage ``j``'s running sums by parameter index (the engine's own dicts); ``exclude``: ids of
@@ -105,7 +105,7 @@ class LinearWeightGrads:
             or torch.is_autocast_enabled(x.device.type)
         ):
             return None
-        return _Target(self, micro, micro.reached, slot)
+        return _Target(self, micro, current_stage(), slot)
 
     def add(self, target: _Target, grad_out: torch.Tensor, x: torch.Tensor) -> None:
         """One micro-batch's weight (and bias) gradient of one layer, into its stage's sums: now, or at that stage's ``W``
@@ -154,7 +154,7 @@ class LinearWeightGrads:
 
 
 class _StagedLinear(nn.Linear):
-    """``nn.Linear`` whose forward, inside a staged step that owns it, takes the fast path (module docstring)."""
+    """``nn.Linear`` whose forward, inside a pipelined step that owns it, takes the fast path (module docstring)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         micro = current_run()

@@ -4,7 +4,7 @@ An :class:`Action` is one piece of a stage's work on one micro-batch: ``F`` (its
 ``B`` (its backward; with :func:`zero_bubble`, only the gradient with respect to the
 stage's inputs) or ``W`` (the gradient with respect to the stage's weights, split off
 ``B`` so that it can wait). A schedule is a list with one action list per stage;
-:class:`~lightning_mgpu.placement.worker.StageWorkers` runs any such lists, each stage in its
+:class:`~lightning_mgpu.placement.running.worker.StageWorkers` runs any such lists, each stage in its
 own thread, a forward's output going to the next stage and a backward's input gradient
 to the previous one. A new schedule is a new generator here, not a new executor.
 

@@ -6,8 +6,8 @@
 * :func:`check_split_points`: given names exist, are distinct, and none contains another.
 * :func:`points_from_sizes`: a plan's stage sizes over the candidates, as split points (the
   candidate where each stage after the first begins).
-* :func:`block_costs`: per-candidate costs for the planner (parameters only, no run), the
-  code before the first candidate counted with it and the code after the last with it.
+* :func:`recompute_units`: the modules whose forwards activation checkpointing runs again: the
+  split points, and the candidate blocks that hold none.
 * :func:`stage_of_modules`: the stage each module belongs to, in definition order (the
   module where a split point begins and everything defined after it, up to the next).
 """
@@ -19,9 +19,7 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_mgpu.placement.profile import LayerCost
-
-__all__ = ["block_costs", "candidate_blocks", "check_split_points", "points_from_sizes", "stage_of_modules"]
+__all__ = ["candidate_blocks", "check_split_points", "points_from_sizes", "recompute_units", "stage_of_modules"]
 
 
 def candidate_blocks(root: nn.Module, *, minimum: int = 2) -> list[str]:
@@ -84,43 +82,17 @@ def points_from_sizes(candidates: Sequence[str], sizes: Sequence[int]) -> list[s
     return points
 
 
-def block_costs(root: nn.Module, candidates: Sequence[str]) -> list[LayerCost]:
-    """One :class:`LayerCost` per candidate with parameter counts only; the parameters outside every candidate go to
-    the first candidate if defined before it, else to the last (what ``balance="params"`` needs, no run)."""
-    modules = dict(root.named_modules())
-    inside: set[int] = set()
-    costs = []
-    for index, name in enumerate(candidates):
-        block = modules[name]
-        params = [p for p in block.parameters() if id(p) not in inside]
-        inside.update(id(p) for p in params)
-        costs.append(LayerCost.from_parameters(index, name, type(block).__name__, params))
-    stages = stage_of_modules(root, list(candidates[1:]))
-    extra = [0, 0]
-    seen: set[int] = set()
-    for name, module in root.named_modules():
-        for p in module.parameters(recurse=False):
-            if id(p) in inside or id(p) in seen:
-                continue
-            seen.add(id(p))
-            extra[0 if stages.get(name, 0) == 0 else 1] += p.numel()
-    for position, count in ((0, extra[0]), (len(costs) - 1, extra[1])):
-        cost = costs[position]
-        nbytes = count * 4
-        costs[position] = LayerCost(
-            index=cost.index,
-            name=cost.name,
-            kind=cost.kind,
-            forward_ms=cost.forward_ms,
-            backward_ms=cost.backward_ms,
-            param_count=cost.param_count + count,
-            param_bytes=cost.param_bytes + nbytes,
-            grad_bytes=cost.grad_bytes + nbytes,
-            optimizer_bytes=cost.optimizer_bytes + 2 * nbytes,
-            activation_bytes=cost.activation_bytes,
-            output_bytes=cost.output_bytes,
-        )
-    return costs
+def recompute_units(root: nn.Module, split_points: Sequence[str]) -> list[str]:
+    """The split points and the candidate blocks (:func:`candidate_blocks`) that contain none, outermost only, in
+    definition order: what activation checkpointing recomputes (only their inputs are kept)."""
+    names = [*split_points, *candidate_blocks(root)]
+
+    def inside(name: str, other: str) -> bool:
+        return name.startswith(other + ".")
+
+    units = {name for name in names if not any(inside(point, name) for point in split_points)}
+    units = {name for name in units if not any(inside(name, other) for other in units)}
+    return [name for name, _ in root.named_modules() if name in units]
 
 
 def stage_of_modules(root: nn.Module, split_points: Sequence[str]) -> dict[str, int]:

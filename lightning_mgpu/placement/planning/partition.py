@@ -80,7 +80,7 @@ import numbers
 from collections import deque
 from typing import Optional, Sequence
 
-from lightning_mgpu.placement.partition_input import (
+from lightning_mgpu.placement.planning.partition_input import (
     INFINITE,
     Capacity,
     Number,

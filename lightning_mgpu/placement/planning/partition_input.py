@@ -1,4 +1,4 @@
-"""What :func:`~lightning_mgpu.placement.partition.partition` accepts: its input checked, then made exact.
+"""What :func:`~lightning_mgpu.placement.planning.partition.partition` accepts: its input checked, then made exact.
 
 Pure Python, no torch import (like ``partition.py``). Every check raises ``ValueError``
 naming the argument, the value given, what is allowed and the fix. The conversion turns

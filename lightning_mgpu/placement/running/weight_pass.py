@@ -80,7 +80,7 @@ def split_backward(
     gradients; ``graph``: :func:`reached_graph` of ``roots`` where the caller already has it.
 
     ``accumulated``: indices of parameters whose node computes their gradient itself and hands autograd None
-    (:mod:`~lightning_mgpu.placement.linear_grads`; it defers its own part while ``B`` runs). They are asked for in
+    (:mod:`~lightning_mgpu.placement.running.linear_grads`; it defers its own part while ``B`` runs). They are asked for in
     the one pass that runs their node exactly once: ``B`` where their node is on no deferred weight side, else the
     ``W`` of the region holding it, so that no node runs both in ``B`` and in ``W``."""
     deferred = DeferredWeights()
