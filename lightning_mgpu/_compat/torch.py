@@ -23,6 +23,7 @@ _DEFAULT_BUCKET_CAP = guarded(
     "_DEFAULT_BUCKET_CAP_MB",
     required=False,
     why="DDP's default bucket size (fallback: 25 MiB, torch's value since 1.x)",
+    since="2.13",  # torch 2.11 writes the 25 inline
 )
 _DEFAULT_FIRST_BUCKET = guarded(
     "torch.distributed",
