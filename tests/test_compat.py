@@ -184,7 +184,8 @@ def test_installed_torch_and_lightning_are_inside_the_tested_bounds() -> None:
         assert spec.contains(installed), f"installed {name} {installed} is outside pyproject's {spec}"
 
 
-def _pyproject_bounds(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _pyproject_bounds(name: str) -> tuple[tuple[int, ...], tuple[int, ...], set[tuple[int, ...]]]:
+    """(from, to, excluded minors) of pyproject's ``name>=A,!=B.*,<C``."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -194,14 +195,19 @@ def _pyproject_bounds(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     (spec,) = [Requirement(r).specifier for r in pyproject["project"]["dependencies"] if Requirement(r).name == name]
     (low,) = [Version(s.version).release for s in spec if s.operator == ">="]
     (high,) = [Version(s.version).release for s in spec if s.operator == "<"]
-    return low, high
+    excluded = {Version(s.version.removesuffix(".*")).release for s in spec if s.operator == "!="}
+    assert all(s.version.endswith(".*") for s in spec if s.operator == "!="), "exclude whole minors: !=2.12.*"
+    assert {s.operator for s in spec} <= {">=", "<", "!="}, f"{name}: unexpected specifier in {spec}"
+    return low, high, excluded
 
 
 def test_the_doctors_tested_range_is_pyprojects() -> None:
-    from lightning_mgpu.envcheck.checks import SUPPORTED
+    from lightning_mgpu.envcheck.checks import EXCLUDED, SUPPORTED
 
     for name in ("torch", "lightning"):
-        assert SUPPORTED[name] == _pyproject_bounds(name), f"envcheck.checks.SUPPORTED[{name!r}] != pyproject.toml's"
+        low, high, excluded = _pyproject_bounds(name)
+        assert SUPPORTED[name] == (low, high), f"envcheck.checks.SUPPORTED[{name!r}] != pyproject.toml's"
+        assert set(EXCLUDED.get(name, {})) == excluded, f"envcheck.checks.EXCLUDED[{name!r}] != pyproject.toml's"
 
 
 def test_the_doctor_warns_about_a_torch_or_lightning_outside_the_tested_range(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,11 +224,17 @@ def test_the_doctor_warns_about_a_torch_or_lightning_outside_the_tested_range(mo
     checks = {c.name: c for c in check_versions()}
     assert checks["torch"].status == "warn" and checks["torch"].value.startswith("2.4.1+cu121")
     assert checks["torch"].fix == (
-        "pip install 'torch>=2.11,<2.16' (lightning_mgpu is tested on torch 2.11 to 2.15; 2.4.1+cu121 was not run)"
+        "pip install 'torch>=2.11,!=2.12.*,<2.16' (lightning_mgpu is tested on torch 2.11 to 2.15 except 2.12; "
+        "2.4.1+cu121 was not run)"
     )
     assert checks["lightning"].status == "warn"
     assert checks["lightning"].fix == (
         "pip install 'lightning>=2.6,<2.7' (lightning_mgpu is tested on lightning 2.6; 2.5.6 was not run)"
     )
-    monkeypatch.setattr(torch, "__version__", "2.16.0")
-    assert {c.name: c for c in check_versions()}["torch"].status == "warn"
+    for outside in ("2.16.0", "2.12.1+cpu"):
+        monkeypatch.setattr(torch, "__version__", outside)
+        assert {c.name: c for c in check_versions()}["torch"].status == "warn", outside
+    fix = {c.name: c for c in check_versions()}["torch"].fix
+    assert fix is not None and "2.12.1+cpu: a thread that ran a backward aborts the process" in fix
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert {c.name: c for c in check_versions()}["torch"].status == "ok"

@@ -48,17 +48,34 @@ SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 """pyproject.toml's bounds (from, inclusive; to, exclusive): the releases the suite ran on
 (docs/development.md, "Versions tested"); ``tests/test_compat.py`` keeps the two equal."""
 
+EXCLUDED: dict[str, dict[tuple[int, int], str]] = {
+    "torch": {
+        (2, 12): "a thread that ran a backward aborts the process when it ends during interpreter "
+        "shutdown (torch keeps a Python object in its thread-local storage; fixed in 2.13), and the "
+        "pipeline's stage threads run backwards",
+    },
+}
+"""Minors inside :data:`SUPPORTED` that pyproject.toml excludes (``!=2.12.*``), and why."""
+
 
 def _outside_tested(name: str, version: str) -> Optional[str]:
-    """The fix for a ``name`` release outside :data:`SUPPORTED`, or None inside it."""
+    """The fix for a ``name`` release outside :data:`SUPPORTED` or in :data:`EXCLUDED`, or None."""
     (low, high) = SUPPORTED[name]
-    major_minor = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
-    if low <= major_minor < high:
+    excluded = EXCLUDED.get(name, {})
+    major, minor = (int(p) for p in re.findall(r"\d+", version)[:2])
+    major_minor = (major, minor)
+    if low <= major_minor < high and major_minor not in excluded:
         return None
-    spec = f"{name}>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    spec = ",".join(
+        [f"{name}>={low[0]}.{low[1]}"] + [f"!={a}.{b}.*" for a, b in sorted(excluded)] + [f"<{high[0]}.{high[1]}"]
+    )
     first, last = f"{low[0]}.{low[1]}", f"{high[0]}.{high[1] - 1}"
     tested = first if first == last else f"{first} to {last}"
-    return f"pip install '{spec}' (lightning_mgpu is tested on {name} {tested}; {version} was not run)"
+    if excluded:
+        tested += " except " + ", ".join(f"{a}.{b}" for a, b in sorted(excluded))
+    why = excluded.get(major_minor)
+    reason = f"{version}: {why}" if why else f"{version} was not run"
+    return f"pip install '{spec}' (lightning_mgpu is tested on {name} {tested}; {reason})"
 
 
 def check_versions() -> list[Check]:
