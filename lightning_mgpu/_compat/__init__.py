@@ -26,13 +26,18 @@ class GuardedName:
     required: bool
     """True when the package cannot work without it (no fallback); False when a fallback exists."""
     why: str
+    since: str | None = None
+    """The oldest release of ``module``'s distribution (torch or lightning) known to have it, when an
+    older one inside pyproject's bounds lacks it and runs the fallback there; None: every one has it."""
 
 
 GUARDED: list[GuardedName] = []
 
 
-def guarded(module: str, attribute: str, *, required: bool, why: str) -> GuardedName:
+def guarded(module: str, attribute: str, *, required: bool, why: str, since: str | None = None) -> GuardedName:
     """Declare a private name used by ``_compat`` (see :data:`GUARDED`)."""
-    entry = GuardedName(module, attribute, required, why)
+    if since is not None and required:
+        raise ValueError(f"{module}.{attribute}: a name without a fallback cannot be missing before {since}")
+    entry = GuardedName(module, attribute, required, why, since)
     GUARDED.append(entry)
     return entry

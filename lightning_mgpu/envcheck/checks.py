@@ -41,30 +41,55 @@ class Check:
             raise ValueError(f"check {self.name!r}: a {self.status} needs a fix sentence")
 
 
+SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "torch": ((2, 11), (2, 16)),
+    "lightning": ((2, 6), (2, 7)),
+}
+"""pyproject.toml's bounds (from, inclusive; to, exclusive): the releases the suite ran on
+(docs/development.md, "Versions tested"); ``tests/test_compat.py`` keeps the two equal."""
+
+EXCLUDED: dict[str, dict[tuple[int, int], str]] = {
+    "torch": {
+        (2, 12): "a thread that ran a backward aborts the process when it ends during interpreter "
+        "shutdown (torch keeps a Python object in its thread-local storage; fixed in 2.13), and the "
+        "pipeline's stage threads run backwards",
+    },
+}
+"""Minors inside :data:`SUPPORTED` that pyproject.toml excludes (``!=2.12.*``), and why."""
+
+
+def _outside_tested(name: str, version: str) -> Optional[str]:
+    """The fix for a ``name`` release outside :data:`SUPPORTED` or in :data:`EXCLUDED`, or None."""
+    (low, high) = SUPPORTED[name]
+    excluded = EXCLUDED.get(name, {})
+    major, minor = (int(p) for p in re.findall(r"\d+", version)[:2])
+    major_minor = (major, minor)
+    if low <= major_minor < high and major_minor not in excluded:
+        return None
+    spec = ",".join(
+        [f"{name}>={low[0]}.{low[1]}"] + [f"!={a}.{b}.*" for a, b in sorted(excluded)] + [f"<{high[0]}.{high[1]}"]
+    )
+    first, last = f"{low[0]}.{low[1]}", f"{high[0]}.{high[1] - 1}"
+    tested = first if first == last else f"{first} to {last}"
+    if excluded:
+        tested += " except " + ", ".join(f"{a}.{b}" for a, b in sorted(excluded))
+    why = excluded.get(major_minor)
+    reason = f"{version}: {why}" if why else f"{version} was not run"
+    return f"pip install '{spec}' (lightning_mgpu is tested on {name} {tested}; {reason})"
+
+
 def check_versions() -> list[Check]:
     import lightning
     import torch
 
-    checks = [
-        Check("python", "ok", f"{sys.version.split()[0]} ({sys.executable})"),
-        Check(
-            "torch",
-            "ok",
-            f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})",
-        ),
-    ]
-    major_minor = tuple(int(p) for p in re.findall(r"\d+", lightning.__version__)[:2])
-    if major_minor < (2, 4):
-        checks.append(
-            Check(
-                "lightning",
-                "warn",
-                lightning.__version__,
-                fix="pip install 'lightning>=2.4' (this package needs Lightning 2.4 or newer)",
-            )
-        )
-    else:
-        checks.append(Check("lightning", "ok", lightning.__version__))
+    checks = [Check("python", "ok", f"{sys.version.split()[0]} ({sys.executable})")]
+    torch_value = f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})"
+    for name, value, version in (
+        ("torch", torch_value, torch.__version__),
+        ("lightning", lightning.__version__, lightning.__version__),
+    ):
+        fix = _outside_tested(name, version)
+        checks.append(Check(name, "ok", value) if fix is None else Check(name, "warn", value, fix=fix))
     return checks
 
 
