@@ -245,3 +245,32 @@ def test_destroying_the_group_right_after_a_hook_ran_does_not_abort_the_process(
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(": 300 rounds") == 3 and done.stdout.count(": 60 rounds") == 2, done.stdout
     assert done.stdout.rstrip().endswith("retired groups freed"), done.stdout
+
+
+def test_buckets_numbered_alike_keep_their_own_scales(one_rank_group: None) -> None:
+    """In a static graph's first backward DDP launches every bucket at its end and torch numbers them all 0: a
+    scale kept per bucket number was overwritten by whichever bucket finished last (differently on each rank: a
+    collective mismatch on the next step, issue 28). Kept per bucket (its parameters), each bucket carries its own."""
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(4)]
+    first = Bucket(torch.linspace(-3.0, 5.0, 64), index=0, parameters=params[:2])
+    second = Bucket(torch.linspace(-0.01, 0.02, 64), index=0, parameters=params[2:])  # same size, other members
+    hook = ScaledFp16Allreduce()
+
+    def backward_launching(buckets: list[Bucket]) -> None:  # the hooks run inside a backward, as DDP runs them
+        class Launch(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+                for bucket in buckets:
+                    hook(None, bucket.fresh()).wait()  # type: ignore[arg-type]
+                return grad
+
+        Launch.apply(torch.ones(1, requires_grad=True)).sum().backward()
+
+    backward_launching([first, second])
+    assert hook.stats["exchanged_buckets"] == 2  # the first step exchanges each scale
+    backward_launching([first, second])
+    assert hook.stats["exchanged_buckets"] == 2  # then each bucket carries its own: no exchange

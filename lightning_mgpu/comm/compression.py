@@ -139,7 +139,12 @@ class ScaledFp16Allreduce:
         self._peaks: list[torch.Tensor] = []
         self._lost: list[torch.Tensor] = []
         self._nonzero: list[torch.Tensor] = []
-        self._exponents: dict[int, tuple[int, float]] = {}  # bucket index -> (its size, next step's exponent)
+        # A bucket (its size and its parameters' ids, in any order: DDP re-orders them when it rebuilds its buckets) -> next
+        # step's exponent. Not keyed by the bucket's index:
+        # in a static graph's first backward (DDP delays every bucket to its end) torch gives every bucket index 0,
+        # and the buckets' completions, in whatever order gloo ran them, would overwrite one another differently on
+        # each rank: one rank would then carry a scale where another exchanges one (a collective mismatch).
+        self._exponents: dict[tuple[int, tuple[int, ...]], float] = {}
         self._redo: list[tuple[list[torch.Tensor], float]] = []  # (parameters, this rank's divisor)
         # The group of the backward that may redo buckets: set and cleared on the backward's thread. Never captured by
         # a bucket's callback: gloo frees the callback on its own worker thread, and were it the group's last
@@ -208,14 +213,19 @@ class ScaledFp16Allreduce:
     def _carried(self, group: Any, world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """CPU: the scale carried over from the bucket's last step when it can be, checked by the all-reduce itself."""
         buffer = bucket.buffer()
-        index, numel = bucket.index(), buffer.numel()
+        numel = buffer.numel()
+        members = bucket.parameters()
+        key = (
+            numel,
+            tuple(sorted(id(p) for p in members)),
+        )  # ints only: the callback must hold no tensor of the bucket
         low, high = torch.aminmax(buffer.detach())
         local_peak = max(abs(float(low)), abs(float(high)))  # a CPU tensor: nothing to wait for (NaN stays NaN)
-        known = self._exponents.pop(index, None)
-        carried = known is not None and known[0] == numel and self._queue_fallback()
+        known = self._exponents.pop(key, None)
+        carried = known is not None and self._queue_fallback()
         exact_peak = math.nan
         if carried:
-            exponent: Optional[float] = known[1]  # type: ignore[index]  # carried implies known
+            exponent: Optional[float] = known
         else:
             peak = torch.tensor([local_peak], dtype=torch.float32)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # gloo: waits for the transfers queued before it
@@ -238,7 +248,7 @@ class ScaledFp16Allreduce:
         share = local_peak * scale / 2**FP16_PEAK_EXPONENT if in_place else math.inf
         compressed[numel] = 0.0 if local_peak == 0 else max(share, _FP16_TINY) if math.isfinite(share) else share
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-        parameters = bucket.parameters() if carried else []
+        parameters = members if carried else []
         if carried:
             self._redo_group = group  # for _finish_backward, queued above: it runs on this thread and clears it
         divisor = scale if in_place else float(world_size)  # what turns this rank's bucket back into g / n
@@ -248,7 +258,7 @@ class ScaledFp16Allreduce:
             result = fut.value()[0]
             total = float(result[numel])  # sum over ranks of peak * scale / 2**15: the same on every rank
             if total == 0.0:  # every gradient 0 on every rank: exact, and the scale is kept
-                self._exponents[index] = (numel, min(0.0 if exponent is None else exponent, FP16_PEAK_EXPONENT))
+                self._exponents[key] = min(0.0 if exponent is None else exponent, FP16_PEAK_EXPONENT)
                 self._peaks.append(torch.zeros(1))
                 return out.zero_()
             largest = total * 2**FP16_PEAK_EXPONENT  # bounds every rank's largest scaled gradient, and their sum
@@ -261,7 +271,7 @@ class ScaledFp16Allreduce:
             bound = largest / scale  # >= the largest gradient magnitude of any rank
             self._peaks.append(torch.tensor([bound if carried else exact_peak]))
             if math.isfinite(bound) and bound > 0:
-                self._exponents[index] = (numel, float(_exponent_for(bound, FP16_PEAK_EXPONENT - FP16_HEADROOM_BITS)))
+                self._exponents[key] = float(_exponent_for(bound, FP16_PEAK_EXPONENT - FP16_HEADROOM_BITS))
             return out
 
         result: torch.futures.Future[torch.Tensor] = future.then(decompress)

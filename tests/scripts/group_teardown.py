@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,17 +27,26 @@ from lightning_mgpu.comm.compression import PrescaledAllreduce, ScaledFp16Allred
 class Bucket:
     """What a communication hook reads from DDP's GradBucket (tests/test_fp16_safety.py uses it too)."""
 
-    def __init__(self, values: torch.Tensor) -> None:
+    def __init__(
+        self, values: torch.Tensor, *, index: int = 0, parameters: Optional[list[torch.Tensor]] = None
+    ) -> None:
+        self._values = values
         self._buffer = values.clone()  # a hook scales its bucket in place: the caller's tensor stays as it was
+        self._index = index
+        self._parameters = list(parameters or [])
+
+    def fresh(self) -> "Bucket":
+        """The same bucket with its original values again (the next step's gradients)."""
+        return Bucket(self._values, index=self._index, parameters=self._parameters)
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
     def index(self) -> int:
-        return 0
+        return self._index
 
     def parameters(self) -> list[torch.Tensor]:
-        return []
+        return list(self._parameters)
 
 
 def _outside_backward(hook: Callable[..., Any]) -> None:
