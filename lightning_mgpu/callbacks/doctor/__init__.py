@@ -1,8 +1,7 @@
-"""``DistributedDoctor``: the callback that catches the classic multi-GPU mistakes while a run trains.
+"""``DistributedDoctor``, the callback: catches the classic multi-GPU mistakes while a run trains.
+(The machine check before a run is ``lightning-mgpu doctor``: :mod:`lightning_mgpu.envcheck`.)
 
-Not to be confused with ``lightning-mgpu doctor``, the command that checks the machine before a
-run (:mod:`lightning_mgpu.envcheck`, :mod:`lightning_mgpu.cli.doctor`); its ``--rules`` lists this
-callback's rules.
+``lightning-mgpu doctor --rules`` lists this callback's rules.
 
 One job per module; imports go downwards in this list:
 
