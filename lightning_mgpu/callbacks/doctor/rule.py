@@ -121,7 +121,7 @@ class Watch:
         """Every backward."""
 
     def on_exception(self, trainer: L.Trainer, exception: BaseException) -> None:
-        """The fit failed (not in a check of ours)."""
+        """The fit failed with ``exception`` (a ``DistributedDoctorError`` of ours included)."""
 
     def finish(self) -> None:
         """The fit ended (or failed): undo whatever was hooked in."""
@@ -129,7 +129,7 @@ class Watch:
     # ------------------------------------------------------------------ checks
 
     def may_check(self, epoch: int, batch_idx: Optional[int] = None, *, during: bool = False) -> bool:
-        """Whether every rank is certain to reach a check made now (see :meth:`DistributedDoctor._check`)."""
+        """Whether every rank is certain to reach a check made now (see :meth:`DistributedDoctor._may_check`)."""
         return True
 
     def out_of_step(self) -> Optional[str]:
