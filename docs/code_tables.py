@@ -36,7 +36,7 @@ def strategies() -> str:
 def doctor_rules() -> str:
     """``DistributedDoctor``'s rule catalogue (``RULES``), with the meaning of each severity."""
     from lightning_mgpu.callbacks.doctor import RULES
-    from lightning_mgpu.callbacks.doctor.rules import SEVERITIES
+    from lightning_mgpu.callbacks.doctor.rule import SEVERITIES
 
     rows = [(code(r.id), r.severity, r.catches, r.detection, r.cost, r.fix) for r in RULES.values()]
     header = ("rule", "severity", "what it catches", "how it is detected", "cost", "usual fix")

@@ -23,7 +23,20 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from lightning_mgpu.callbacks.doctor import checks, findings, parameters, probes, rules
+from lightning_mgpu.callbacks.doctor import findings, probes, rules
+from lightning_mgpu.callbacks.doctor.rules import (
+    batchnorm,
+    data_wait,
+    dataparallel,
+    first_batches,
+    parameter_use,
+    params_diverged,
+    random_state,
+    reentrant_checkpoint,
+    uneven_batches,
+    unsynced_logging,
+    unused_devices,
+)
 from lightning_mgpu.callbacks.doctor import (
     RULE_IDS,
     RULES,
@@ -179,19 +192,19 @@ def test_fingerprint_tells_batches_apart_and_gives_no_verdict_on_opaque_objects(
 
 
 def test_data_not_sharded_names_the_ranks_and_the_rank_zero_sampler() -> None:
-    assert checks.check_data_not_sharded(["a", "b"], [], 0) is None
-    assert checks.check_data_not_sharded([None, None], [], 0) is None
-    finding = checks.check_data_not_sharded(["a", "b", "a", "c"], [], 3)
+    assert first_batches.check_data_not_sharded(["a", "b"], [], 0) is None
+    assert first_batches.check_data_not_sharded([None, None], [], 0) is None
+    finding = first_batches.check_data_not_sharded(["a", "b", "a", "c"], [], 3)
     assert finding is not None and "ranks 0, 2 read identical first batches in epoch 3" in finding.seen
     rank0 = {
         "description": "DistributedSampler(shuffle=True)",
         "distributed": {"path": "loader.sampler", "rank": 0, "num_replicas": 2},
     }
-    finding = checks.check_data_not_sharded(["a", "a"], [rank0, rank0], 0)
+    finding = first_batches.check_data_not_sharded(["a", "a"], [rank0, rank0], 0)
     assert finding is not None and "DistributedSampler(num_replicas=2, rank=0)" in finding.seen
     assert "rank=trainer.global_rank" in finding.fix
     plain = {"description": "SequentialSampler", "distributed": None, "lightning_sampler": False}
-    finding = checks.check_data_not_sharded(["a", "a"], [plain, plain], 0)
+    finding = first_batches.check_data_not_sharded(["a", "a"], [plain, plain], 0)
     assert finding is not None and "use_distributed_sampler=False" in finding.seen
 
 
@@ -201,38 +214,38 @@ def test_epoch_order_fires_for_a_shuffling_sampler_only() -> None:
         "fixed_order": False,
         "distributed": {"path": "loader.sampler.base", "shuffle": True, "epoch": 0},
     }
-    finding = checks.check_epoch_order(["a", "b"], ["a", "b"], [shuffling] * 2, 1)
+    finding = first_batches.check_epoch_order(["a", "b"], ["a", "b"], [shuffling] * 2, 1)
     assert finding is not None and finding.rule == "sampler-epoch-not-set"
     assert "loader.sampler.base" in finding.fix and "set_epoch(self.current_epoch)" in finding.fix
-    assert checks.check_epoch_order(["a", "b"], ["c", "d"], [shuffling] * 2, 1) is None
+    assert first_batches.check_epoch_order(["a", "b"], ["c", "d"], [shuffling] * 2, 1) is None
     fixed = {"description": "SequentialSampler", "fixed_order": True}
-    assert checks.check_epoch_order(["a", "b"], ["a", "b"], [fixed] * 2, 1) is None
+    assert first_batches.check_epoch_order(["a", "b"], ["a", "b"], [fixed] * 2, 1) is None
 
 
 def test_uneven_batches_predicts_the_hang_and_suggests_the_limit() -> None:
-    finding = checks.check_batch_counts([8.0, 9.0], 0)
+    finding = uneven_batches.check_batch_counts([8.0, 9.0], 0)
     assert finding is not None and "rank 0: 8, rank 1: 9" in finding.seen
     assert "limit_train_batches=8" in finding.fix and "hangs" in finding.why
-    assert checks.check_batch_counts([8.0, 8.0], 0) is None
-    assert checks.check_batch_counts([math.inf, 8.0], 0) is None  # an iterable of unknown length: no verdict
+    assert uneven_batches.check_batch_counts([8.0, 8.0], 0) is None
+    assert uneven_batches.check_batch_counts([math.inf, 8.0], 0) is None  # an iterable of unknown length: no verdict
     assert finding.severity is None  # the rule's: fatal
     # A fit that ends (max_steps) before the shortest rank runs out does not hang: a warning for longer runs.
-    short_fit = checks.check_batch_counts([8.0, 9.0], 0, batches_left=8)
+    short_fit = uneven_batches.check_batch_counts([8.0, 9.0], 0, batches_left=8)
     assert short_fit is not None and short_fit.severity == "wrong" and "after 8 more batch(es)" in short_fit.seen
-    assert checks.check_batch_counts([8.0, 9.0], 0, batches_left=9).severity is None  # type: ignore[union-attr]
+    assert uneven_batches.check_batch_counts([8.0, 9.0], 0, batches_left=9).severity is None  # type: ignore[union-attr]
 
 
 def _bitsums(tensors: list[torch.Tensor]) -> list[int]:
-    return [int(parameters.bitsum(t)) for t in tensors]
+    return [int(probes.bitsum(t)) for t in tensors]
 
 
 def test_divergence_from_a_bucket_ddp_never_reduced_is_put_down_to_the_unused_parameters() -> None:
     """Issue 28 (5): a BERT whose pooler gets no gradient under find_unused_parameters=False diverges in every
     tensor of the pooler's bucket; the finding must say why, with the fix that works."""
     sums, names = [[1, 2, 3], [1, 5, 7]], ["encoder.w", "encoder.b", "pooler.dense.weight"]
-    plain = checks.check_params(sums, names, buffers_checked=False)
+    plain = params_diverged.check_params(sums, names, buffers_checked=False)
     assert plain is not None and plain.fix == RULES["params-diverged"].fix
-    explained = checks.check_params(sums, names, False, unreduced=["pooler.dense.weight", "pooler.dense.bias"])
+    explained = params_diverged.check_params(sums, names, False, unreduced=["pooler.dense.weight", "pooler.dense.bias"])
     assert explained is not None and explained.rule == "params-diverged"
     assert "2 tensor(s) differ" in explained.seen
     assert "follow from unused-parameters" in explained.seen and "pooler.dense.weight, pooler.dense.bias" in (
@@ -243,10 +256,10 @@ def test_divergence_from_a_bucket_ddp_never_reduced_is_put_down_to_the_unused_pa
 
 
 def test_unused_parameters_under_find_unused_true_is_not_fatal() -> None:
-    never = checks.check_param_usage([[4, 0], [4, 0]], [4, 4], ["w", "extra.w"], find_unused=True)
+    never = parameter_use.check_param_usage([[4, 0], [4, 0]], [4, 4], ["w", "extra.w"], find_unused=True)
     assert never is not None and never.rule == "unused-parameters" and never.severity == "wrong"
     assert RULES["unused-parameters"].severity == "fatal"  # the find_unused_parameters=False kind
-    assert checks.unused_needed_finding(["w"]).severity is None
+    assert parameter_use.unused_needed_finding(["w"]).severity is None
 
 
 def test_reentrant_checkpoints_are_found_in_the_graph_however_checkpoint_was_called() -> None:
@@ -259,20 +272,23 @@ def test_reentrant_checkpoints_are_found_in_the_graph_however_checkpoint_was_cal
     x = torch.randn(2, 4)
     wrapped = partial(checkpoint, use_reentrant=True)  # e.g. Hugging Face's _gradient_checkpointing_func
     two = c(wrapped(b, wrapped(a, x.requires_grad_())))
-    assert probes.reentrant_checkpoints(two.sum()) == 2
-    assert probes.reentrant_checkpoints({"loss": two.sum(), "aux": [two]}) == 2
+    assert reentrant_checkpoint.reentrant_checkpoints(two.sum()) == 2
+    assert reentrant_checkpoint.reentrant_checkpoints({"loss": two.sum(), "aux": [two]}) == 2
     seq = checkpoint_sequential(nn.Sequential(a, nn.Tanh(), b), 2, x, use_reentrant=True)
-    assert probes.reentrant_checkpoints(seq) >= 1
-    assert probes.reentrant_checkpoints(c(checkpoint(b, a(x), use_reentrant=False)).sum()) == 0
-    assert probes.reentrant_checkpoints(c(b(a(x))).sum()) == 0
-    assert probes.reentrant_checkpoints(torch.ones(1)) == 0  # no graph
+    assert reentrant_checkpoint.reentrant_checkpoints(seq) >= 1
+    assert reentrant_checkpoint.reentrant_checkpoints(c(checkpoint(b, a(x), use_reentrant=False)).sum()) == 0
+    assert reentrant_checkpoint.reentrant_checkpoints(c(b(a(x))).sum()) == 0
+    assert reentrant_checkpoint.reentrant_checkpoints(torch.ones(1)) == 0  # no graph
 
 
 def test_param_checksums_are_exact_and_independent_of_the_reduction_order() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(1000, 1000) * 0.02, torch.randn(10).bfloat16(), torch.randn(3, dtype=torch.float64)]
     assert (
-        checks.check_params([_bitsums([w.clone() for w in weights]), _bitsums(weights)], ["w", "b", "d"], False) is None
+        params_diverged.check_params(
+            [_bitsums([w.clone() for w in weights]), _bitsums(weights)], ["w", "b", "d"], False
+        )
+        is None
     )
     # a non-contiguous view of the same values: same checksum
     assert _bitsums([weights[0].t().contiguous().t()]) == _bitsums([weights[0]])
@@ -280,68 +296,70 @@ def test_param_checksums_are_exact_and_independent_of_the_reduction_order() -> N
         edited = [w.clone() for w in weights]
         flat = edited[index].view(-1)
         flat[len(flat) // 2] = torch.nextafter(flat[len(flat) // 2], torch.tensor(10.0, dtype=flat.dtype))
-        finding = checks.check_params([_bitsums(weights), _bitsums(edited)], ["w", "b", "d"], False)
+        finding = params_diverged.check_params([_bitsums(weights), _bitsums(edited)], ["w", "b", "d"], False)
         assert finding is not None and f"differ between rank 0 and rank(s) 1: {'wbd'[index]}" in finding.seen
     assert _bitsums([torch.empty(0)]) == [0]
 
 
 def test_unsynced_metrics_compare_only_keys_every_rank_logged() -> None:
-    finding = checks.check_unsynced_metrics([{"training_step.loss": 1.0, "x.acc": 0.5}, {"training_step.loss": 2.0}])
+    finding = unsynced_logging.check_unsynced_metrics(
+        [{"training_step.loss": 1.0, "x.acc": 0.5}, {"training_step.loss": 2.0}]
+    )
     assert finding is not None and "loss (1, 2 on ranks 0..1)" in finding.seen and "sync_dist=True" in finding.fix
-    assert checks.check_unsynced_metrics([{"a.loss": 1.0}, {"a.loss": 1.0}]) is None
-    assert checks.check_unsynced_metrics([{"a.loss": 1.0}]) is None
+    assert unsynced_logging.check_unsynced_metrics([{"a.loss": 1.0}, {"a.loss": 1.0}]) is None
+    assert unsynced_logging.check_unsynced_metrics([{"a.loss": 1.0}]) is None
 
 
 def test_random_state_needs_augmentation_and_identical_states() -> None:
     aug = {"augments": True, "how": "dataset[0] changes with the global random seed", "workers": 0}
-    finding = checks.check_random_state([aug, aug], ["s", "s"])
+    finding = random_state.check_random_state([aug, aug], ["s", "s"])
     assert finding is not None and "global random states" in finding.seen and "global_rank" in finding.fix
-    assert checks.check_random_state([aug, aug], ["s", "t"]) is None
-    assert checks.check_random_state([{"augments": False}] * 2, ["s", "s"]) is None
+    assert random_state.check_random_state([aug, aug], ["s", "t"]) is None
+    assert random_state.check_random_state([{"augments": False}] * 2, ["s", "s"]) is None
     workers = {"augments": True, "how": "the dataset has .transform", "workers": 4, "rank_aware_workers": False}
-    finding = checks.check_random_state([workers] * 2, ["base-seed:1", "base-seed:1"])
+    finding = random_state.check_random_state([workers] * 2, ["base-seed:1", "base-seed:1"])
     assert finding is not None and "workers=True" in finding.fix
-    assert checks.check_random_state([{**workers, "rank_aware_workers": True}] * 2, ["b", "b"]) is None
+    assert random_state.check_random_state([{**workers, "rank_aware_workers": True}] * 2, ["b", "b"]) is None
 
 
 def test_data_wait_share_and_the_num_workers_hint() -> None:
     slow = {"fetch_s": 0.8, "iteration_s": 1.0, "batches": 10}
     fast = {"fetch_s": 0.01, "iteration_s": 1.0, "batches": 10}
     loader = {"num_workers": 0, "cpus": 16, "local_world_size": 2, "cuda": True}
-    finding = checks.check_data_wait([fast, slow], 0.25, [loader, loader])
+    finding = data_wait.check_data_wait([fast, slow], 0.25, [loader, loader])
     assert finding is not None and "rank 1 spent 80%" in finding.seen
     assert "num_workers=7" in finding.fix and "pin_memory=True" in finding.fix
-    assert checks.check_data_wait([fast, fast], 0.25, [loader] * 2) is None
-    assert checks.check_data_wait([{**slow, "batches": 2}] * 2, 0.25, [loader] * 2) is None  # too few to judge
+    assert data_wait.check_data_wait([fast, fast], 0.25, [loader] * 2) is None
+    assert data_wait.check_data_wait([{**slow, "batches": 2}] * 2, 0.25, [loader] * 2) is None  # too few to judge
     workers = {**loader, "num_workers": 4}
-    finding = checks.check_data_wait([slow], 0.25, [workers])
+    finding = data_wait.check_data_wait([slow], 0.25, [workers])
     assert finding is not None and "the 4 workers per rank do not keep up" in finding.fix
 
 
 def test_parameter_use_never_always_or_dynamic() -> None:
     names = ["a", "b"]
-    never = checks.check_param_usage([[5, 0], [5, 0]], [5, 5], names, True)
+    never = parameter_use.check_param_usage([[5, 0], [5, 0]], [5, 5], names, True)
     assert never is not None and never.rule == "unused-parameters" and "b" in never.seen
-    wasted = checks.check_param_usage([[5, 5], [5, 5]], [5, 5], names, True)
+    wasted = parameter_use.check_param_usage([[5, 5], [5, 5]], [5, 5], names, True)
     assert wasted is not None and wasted.rule == "find-unused-wasted"
-    assert checks.check_param_usage([[5, 2], [5, 5]], [5, 5], names, True) is None  # a dynamic graph needs it
-    assert checks.check_param_usage([[3, 0]], [3], names, True) is None  # too few batches to judge
-    needed = checks.unused_needed_finding(["head.weight"])
+    assert parameter_use.check_param_usage([[5, 2], [5, 5]], [5, 5], names, True) is None  # a dynamic graph needs it
+    assert parameter_use.check_param_usage([[3, 0]], [3], names, True) is None  # too few batches to judge
+    needed = parameter_use.unused_needed_finding(["head.weight"])
     assert "head.weight" in needed.seen and "find_unused_parameters=True" in needed.fix
     # Lightning rewrites any exception message that contains DDP's own error text: keep clear of it.
     assert "Expected to have finished reduction" not in needed.format()
 
 
 def test_batchnorm_and_devices_and_dataparallel() -> None:
-    small = checks.check_batchnorm(["bn"], 8, 16)
+    small = batchnorm.check_batchnorm(["bn"], 8, 16)
     assert small is not None and small.rule == "batchnorm-without-sync" and "batch of 8 (< 16)" in small.seen
-    assert checks.check_batchnorm(["bn"], 16, 16) is None and checks.check_batchnorm([], 2, 16) is None
+    assert batchnorm.check_batchnorm(["bn"], 16, 16) is None and batchnorm.check_batchnorm([], 2, 16) is None
     node = {"node": "n1", "type": "cuda", "used": 4, "cuda_visible": 8}
-    finding = checks.check_unused_devices([node] * 4 + [{**node, "node": "n2", "used": 8}] * 8)
+    finding = unused_devices.check_unused_devices([node] * 4 + [{**node, "node": "n2", "used": 8}] * 8)
     assert finding is not None and finding.seen == "n1: 8 GPUs visible, the run uses 4"
-    assert checks.check_unused_devices([{"node": "n", "type": "cpu", "used": 2, "cuda_visible": 0}] * 2) is None
-    assert checks.check_dataparallel([]) is None
-    wrapped = checks.check_dataparallel(["DataParallel at 'net'"])
+    assert unused_devices.check_unused_devices([{"node": "n", "type": "cpu", "used": 2, "cuda_visible": 0}] * 2) is None
+    assert dataparallel.check_dataparallel([]) is None
+    wrapped = dataparallel.check_dataparallel(["DataParallel at 'net'"])
     assert wrapped is not None and wrapped.rule == "dataparallel-wrapped" and "DataParallel at 'net'" in wrapped.seen
 
 
@@ -353,7 +371,7 @@ def test_sampler_description_finds_the_order_and_the_distributed_sampler() -> No
     trainer: Any = type("T", (), {"_accelerator_connector": type("C", (), {"use_distributed_sampler": False})()})()
 
     def describe(loader: DataLoader) -> dict[str, Any]:
-        return probes.describe_sampler(loader, trainer)
+        return first_batches.describe_sampler(loader, trainer)
 
     assert describe(DataLoader(data, batch_size=4))["fixed_order"] is True
     assert describe(DataLoader(data, batch_size=4, shuffle=True))["fixed_order"] is False
@@ -393,16 +411,16 @@ class _Noisy(Dataset):
 def test_augmentation_probe_restores_the_random_state() -> None:
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    info = probes.probe_augmentation(DataLoader(_Noisy()))
+    info = random_state.probe_augmentation(DataLoader(_Noisy()))
     assert info["augments"] is True and torch.equal(torch.get_rng_state(), before)
-    assert probes.probe_augmentation(DataLoader(TensorDataset(torch.zeros(4))))["augments"] is False
+    assert random_state.probe_augmentation(DataLoader(TensorDataset(torch.zeros(4))))["augments"] is False
     # randomness from a private generator: the global seed does not drive it, no verdict
-    assert probes.probe_augmentation(DataLoader(_Noisy(torch.Generator())))["augments"] is False
+    assert random_state.probe_augmentation(DataLoader(_Noisy(torch.Generator())))["augments"] is False
 
     class WithTransform(TensorDataset):
         transform = staticmethod(lambda x: x)
 
-    workers = probes.probe_augmentation(DataLoader(WithTransform(torch.zeros(4)), num_workers=2))
+    workers = random_state.probe_augmentation(DataLoader(WithTransform(torch.zeros(4)), num_workers=2))
     assert workers == {"augments": True, "how": "the dataset has .transform", "workers": 2, "rank_aware_workers": False}
 
 
@@ -411,18 +429,20 @@ def test_augmentation_probe_restores_the_random_state() -> None:
 
 def test_state_survives_a_weights_only_checkpoint_round_trip() -> None:
     doctor = DistributedDoctor()
-    doctor.ledger.batches_seen, doctor.ledger.checks = 37, 9
-    doctor.ledger.reported = {"unsynced-logging"}
+    doctor.batches_seen, doctor.checks = 37, 9
     doctor.findings = [findings.Finding("unsynced-logging", "s", "w", "f", step=3)]
-    doctor.ledger.epoch_digests = {4: ["a", None], 5: ["b", "c"]}
-    doctor.ledger.use_counts, doctor.ledger.use_batches = [[3, 0], [3, 1]], [3, 3]
+    doctor.watch(first_batches.FirstBatches).epoch_digests = {4: ["a", None], 5: ["b", "c"]}
+    use = doctor.watch(parameter_use.ParameterUse)
+    use.use_counts, use.use_batches = [[3, 0], [3, 1]], [3, 3]
     buffer = io.BytesIO()
     torch.save(doctor.state_dict(), buffer)
     buffer.seek(0)
     restored = DistributedDoctor()
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.state_dict() == doctor.state_dict()
-    assert restored.findings == doctor.findings and restored.ledger.epoch_digests == doctor.ledger.epoch_digests
+    digests = [d.watch(first_batches.FirstBatches).epoch_digests for d in (restored, doctor)]
+    assert restored.findings == doctor.findings and digests[0] == digests[1] == {4: ["a", None], 5: ["b", "c"]}
+    assert restored.watch(parameter_use.ParameterUse).use_counts == [[3, 0], [3, 1]]
     with pytest.warns(UserWarning, match="state version"):
         DistributedDoctor().load_state_dict({"version": 99})
 
@@ -470,11 +490,11 @@ def test_one_process_fit_reports_local_rules_and_can_fit_again() -> None:
     assert len(messages) == 1 and "[dataparallel-wrapped]" in messages[0] and "fix:" in messages[0]
     # Everything it hooked into Lightning is gone after the fit.
     assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)
-    assert not doctor.parameter_watch.counting
+    assert not doctor.watch(parameter_use.ParameterUse).hooks
     # The same callback on a second fit starts afresh (and reports again).
     with pytest.warns(DistributedDoctorWarning, match="dataparallel-wrapped"):
         _fit(doctor)
-    assert [f.rule for f in doctor.findings] == ["dataparallel-wrapped"] and doctor.ledger.batches_seen == 6
+    assert [f.rule for f in doctor.findings] == ["dataparallel-wrapped"] and doctor.batches_seen == 6
 
 
 def test_strict_raises_and_disable_silences() -> None:
@@ -552,4 +572,4 @@ def test_reentrant_checkpoint_only_warned_is_followed_by_the_failure_it_predicts
 def test_reentrant_checkpoint_with_the_fix_trains_without_a_finding() -> None:
     doctor = DistributedDoctor(strict=True)
     _fit_checkpointed(doctor, static_graph=True)
-    assert doctor.findings == [] and doctor.ledger.batches_seen == 2
+    assert doctor.findings == [] and doctor.batches_seen == 2

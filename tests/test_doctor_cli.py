@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_mgpu import cli, envcheck
+from lightning_mgpu.cli import _allreduce
 from lightning_mgpu.callbacks.doctor import RULE_IDS
 from lightning_mgpu.envcheck import Check
 from tests.conftest import REPO, cpu_env, run_python
@@ -238,7 +239,7 @@ def test_small_shm_and_low_file_limit_warn(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.multiprocess
 @pytest.mark.timeout(30)  # the ceiling is the check: waiting for the hung ranks would take far longer
 def test_a_hung_allreduce_is_reported_not_waited_for() -> None:
-    result = envcheck.run_allreduce_smoke("gloo", 2, timeout=0.2)
+    result = _allreduce.run_allreduce_smoke("gloo", 2, timeout=0.2)
     assert not result["ok"] and "no result within 0.2 s" in result["reason"]
     check = envcheck.Check("gloo all_reduce", "fail", result["reason"], fix="f")
     assert check.status == "fail"

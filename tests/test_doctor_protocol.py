@@ -1,9 +1,11 @@
-"""DistributedDoctor's typed check protocol without a Trainer: snapshots in, findings out; the ledger that
-merges each check's reports; the renamed check interval; probes that cannot see say "not checked"."""
+"""DistributedDoctor's rules without a Trainer: gathered reports in, findings out; what the ranks agree on
+check by check; the renamed check interval; probes that cannot see say "not checked"."""
 
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import types
 import warnings
 from typing import Any
@@ -17,25 +19,17 @@ from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_mgpu._compat import lightning as compat
-from lightning_mgpu.callbacks.doctor import (
-    RULES,
-    DistributedDoctor,
-    DistributedDoctorWarning,
-    checks,
-    ledger,
-    probes,
-    protocol,
-    rules,
-)
+from lightning_mgpu.callbacks.doctor import RULES, DistributedDoctor, DistributedDoctorWarning
+from lightning_mgpu.callbacks.doctor.callback import STATE_VERSION
 from lightning_mgpu.callbacks.doctor.findings import Finding
-from lightning_mgpu.callbacks.doctor.protocol import (
-    FirstBatches,
-    ParamUsage,
-    RankReport,
-    SetupInfo,
-    Snapshot,
-    UsageReport,
-)
+from lightning_mgpu.callbacks.doctor.probes import DDPOptions
+from lightning_mgpu.callbacks.doctor.rule import SEVERITIES, RankReport, Rule
+from lightning_mgpu.callbacks.doctor.rules import WATCHES, data_wait, first_batches, unsynced_logging
+from lightning_mgpu.callbacks.doctor.rules.first_batches import FirstBatches
+from lightning_mgpu.callbacks.doctor.rules.parameter_use import ParameterUse, UseReport
+from lightning_mgpu.callbacks.doctor.rules.params_diverged import ParamsDiverged
+from lightning_mgpu.callbacks.doctor.rules.uneven_batches import UnevenBatches
+from lightning_mgpu.callbacks.doctor.rules.unused_devices import UnusedDevices
 
 SHUFFLING = {
     "description": "NestedSampler",
@@ -44,71 +38,104 @@ SHUFFLING = {
 }
 
 
-def _setup(node: str = "n", *, augments: bool = False, workers: int = 0) -> SetupInfo:
-    return SetupInfo(
-        devices={"node": node, "type": "cpu", "used": 2, "cuda_visible": 0},
-        wrapped=[],
-        loader={"num_workers": workers, "cpus": 8, "local_world_size": 2, "cuda": False},
-        augment={"augments": augments, "how": "the dataset has .transform", "workers": workers},
-        batchnorm=[],
-    )
+def _setups(node: str = "n", *, augments: bool = False, workers: int = 0) -> dict[str, Any]:
+    """What every watch of one rank saw at fit start, by watch."""
+    return {
+        "UnusedDevices": {"node": node, "type": "cpu", "used": 2, "cuda_visible": 0},
+        "DataParallelWrapped": [],
+        "SameRandomState": {"augments": augments, "how": "the dataset has .transform", "workers": workers},
+        "DataWait": {"num_workers": workers, "cpus": 8, "local_world_size": 2, "cuda": False},
+    }
 
 
-# ----------------------------------------------------------------------------- the catalogue and the checks
+def _gathered(doctor: DistributedDoctor, world: int = 2, **sent: list[Any]) -> list[RankReport]:
+    """Every rank's report at a check: what a fresh rank sends where nothing happened (an epoch end), but
+    for ``sent`` (watch name, or ``local_findings``/``setups`` -> its value on each rank)."""
+    idle = {
+        type(watch).__name__: watch.report(types.SimpleNamespace(world_size=world), "epoch_end")
+        for watch in doctor.watches
+    }
+    assert idle["FirstBatches"] == ({}, None) and idle["ParameterUse"] == UseReport()
+    reports = [RankReport(payloads=dict(idle)) for _ in range(world)]
+    for name, values in sent.items():
+        for report, value in zip(reports, values):
+            if name in ("local_findings", "setups"):
+                setattr(report, name, value)
+            else:
+                report.payloads[name] = value
+    return reports
 
 
-def test_every_rule_has_a_severity_and_is_judged_by_a_check_or_on_each_rank() -> None:
-    for rule in RULES.values():
-        assert rule.severity in rules.SEVERITIES, rule.id
-    covered = {rule_id for check in checks.CHECKS for rule_id in check.rules} | checks.LOCAL_RULES
-    assert covered == set(RULES)
-    for check in checks.CHECKS:
-        assert set(check.rules) <= set(RULES)
-        assert list(check.run(Snapshot(world_size=2, epoch=0))) in ([], [None]), check.rules  # nothing to judge
+def _judge(doctor: DistributedDoctor, epoch: int = 0, world: int = 2, **sent: list[Any]) -> list[str]:
+    return [f.rule for f in doctor.judge(_gathered(doctor, world, **sent), epoch)]
 
 
-def test_an_empty_snapshot_has_no_findings_on_any_number_of_ranks() -> None:
+def _ddp_doctor(*names: str, **kwargs: Any) -> DistributedDoctor:
+    """A doctor whose parameter watch sees parameters ``names`` under DDP(find_unused_parameters=True)."""
+    doctor = DistributedDoctor(**kwargs)
+    doctor.parameter_watch.ddp = DDPOptions(find_unused=True, static_graph=False, broadcast_buffers=True)
+    doctor.parameter_watch.param_names = list(names)
+    return doctor
+
+
+# ----------------------------------------------------------------------------- the rules and their watches
+
+
+def test_each_rule_lives_in_one_module_with_its_watch_and_a_severity() -> None:
+    owners: dict[str, type] = {}
+    for watch in WATCHES:
+        module = sys.modules[watch.__module__]
+        defined = [value for value in vars(module).values() if isinstance(value, Rule)]
+        assert set(watch.rules) == set(defined), watch  # the rule(s) and the watch that judges them, together
+        for rule in watch.rules:
+            assert rule.severity in SEVERITIES and owners.setdefault(rule.id, watch) is watch, rule.id
+    assert set(owners) == set(RULES) and len(WATCHES) == len({w.__module__ for w in WATCHES})
+
+
+def test_a_check_where_nothing_happened_has_no_findings_on_any_number_of_ranks() -> None:
     for world in (1, 2, 8):
-        assert checks.evaluate(Snapshot(world_size=world, epoch=0)) == []
+        doctor = DistributedDoctor()
+        assert _judge(doctor, world=world) == [] and doctor.checks == 1
+        assert _judge(doctor, world=world, setups=[_setups()] * world) == []
 
 
-def test_a_snapshot_of_shared_batches_and_a_repeated_order_fires_both_rules_in_order() -> None:
-    snapshot = Snapshot(
-        world_size=2,
-        epoch=1,
-        samplers=[SHUFFLING, SHUFFLING],  # type: ignore[list-item]
-        first_batches=[FirstBatches(1, ["a", "a"], previous=["a", "a"])],
-    )
-    found = checks.evaluate(snapshot)
+def test_shared_batches_and_a_repeated_order_fire_both_rules_in_order() -> None:
+    def judged(**kwargs: Any) -> list[Finding]:
+        doctor = DistributedDoctor(**kwargs)
+        doctor.watch(FirstBatches).epoch_digests = {0: ["a", "a"]}
+        return doctor.judge(_gathered(doctor, FirstBatches=[({1: "a"}, SHUFFLING)] * 2), 1)
+
+    found = judged()
     assert [f.rule for f in found] == ["data-not-sharded", "sampler-epoch-not-set"]
     assert "all 2 ranks read identical first batches in epoch 1" in found[0].seen
-    assert [f.rule for f in checks.evaluate(snapshot, disabled={"data-not-sharded"})] == ["sampler-epoch-not-set"]
-    assert checks.evaluate(snapshot, disabled={"data-not-sharded", "sampler-epoch-not-set"}) == []
+    assert [f.rule for f in judged(disable=["data-not-sharded"])] == ["sampler-epoch-not-set"]
+    assert judged(disable=["data-not-sharded", "sampler-epoch-not-set"]) == []
 
 
 def test_an_unknown_sampler_order_gives_no_verdict_on_the_epoch_order() -> None:
     unknown = {**SHUFFLING, "order_unknown": True}
-    assert checks.check_epoch_order(["a", "b"], ["a", "b"], [unknown, unknown], 1) is None
-    repeated = checks.check_epoch_order(["a", "b"], ["a", "b"], [SHUFFLING, SHUFFLING], 1)
+    assert first_batches.check_epoch_order(["a", "b"], ["a", "b"], [unknown, unknown], 1) is None
+    repeated = first_batches.check_epoch_order(["a", "b"], ["a", "b"], [SHUFFLING, SHUFFLING], 1)
     assert repeated is not None and repeated.rule == "sampler-epoch-not-set"
     assert repeated.seen.startswith("epoch 1 starts with the same batch as epoch 0 on ranks 0")
 
 
-def test_local_findings_come_first_merged_then_the_checks_in_their_order() -> None:
+def test_local_findings_come_first_merged_then_each_watch_in_its_order() -> None:
     local = Finding("batchnorm-without-sync", "small", "w", "f")
-    snapshot = Snapshot(
-        world_size=2,
-        epoch=0,
-        local_findings=[[local], [local]],
-        setups=[_setup(), _setup()],
-        batch_counts=[8.0, 9.0],
-        param_sums=[[1, 2], [1, 3]],
-        tensor_names=["w", "b"],
-        metrics=[{"step.loss": 1.0}, {"step.loss": 2.0}],
-        timings=[{"fetch_s": 0.9, "iteration_s": 1.0, "batches": 10}] * 2,
-        usage=ParamUsage(counts=[[5, 5], [5, 5]], batches=[5, 5], names=["w", "b"], find_unused=True),
+    doctor = _ddp_doctor("w", "b")
+    found = doctor.judge(
+        _gathered(
+            doctor,
+            local_findings=[[local], [local]],
+            setups=[_setups(), _setups()],
+            UnevenBatches=[(8.0, math.inf), (9.0, math.inf)],
+            ParamsDiverged=[[1, 2], [1, 3]],
+            UnsyncedLogging=[{"step.loss": 1.0}, {"step.loss": 2.0}],
+            DataWait=[{"fetch_s": 0.9, "iteration_s": 1.0, "batches": 10}] * 2,
+            ParameterUse=[UseReport([5, 5], 5, True)] * 2,
+        ),
+        0,
     )
-    found = checks.evaluate(snapshot)
     assert [f.rule for f in found] == [
         "batchnorm-without-sync",
         "uneven-batches",
@@ -121,109 +148,103 @@ def test_local_findings_come_first_merged_then_the_checks_in_their_order() -> No
 
 
 def test_one_rank_judges_only_what_needs_no_comparison() -> None:
-    snapshot = Snapshot(
-        world_size=1,
-        epoch=0,
-        setups=[_setup()],
-        param_sums=[[1]],
-        tensor_names=["w"],
-        metrics=[{"a.loss": 1.0}],
-        random_states=["s"],
-        augment=[{"augments": True, "workers": 0}],
-        timings=[{"fetch_s": 0.9, "iteration_s": 1.0, "batches": 10}],
-        loaders=[_setup().loader],
+    doctor = _ddp_doctor("w")
+    setup = _setups()
+    setup["SameRandomState"] = {"augments": True, "workers": 0}
+    sent = _judge(
+        doctor,
+        world=1,
+        setups=[setup],
+        ParamsDiverged=[[1]],
+        UnsyncedLogging=[{"a.loss": 1.0}],
+        SameRandomState=[("s",)],
+        DataWait=[{"fetch_s": 0.9, "iteration_s": 1.0, "batches": 10}],
     )
-    assert [f.rule for f in checks.evaluate(snapshot)] == ["dataloader-starving"]
+    assert sent == ["dataloader-starving"]
 
 
-# ----------------------------------------------------------------------------- the ledger
+# ----------------------------------------------------------------------------- what the ranks agree on
 
 
-def _reports(**fields: Any) -> list[RankReport]:
-    return [RankReport(**{k: v[rank] for k, v in fields.items()}) for rank in range(2)]
-
-
-def _absorb(book: ledger.Ledger, reports: list[RankReport], epoch: int = 0) -> Snapshot:
-    return book.absorb(
-        reports,
-        epoch=epoch,
-        tensor_names=["w"],
-        buffers_checked=False,
-        param_names=["w"],
-        find_unused=True,
-        data_wait_threshold=0.25,
-    )
-
-
-def test_ledger_keeps_the_setup_samplers_and_the_last_two_epochs_of_first_batches() -> None:
-    book = ledger.Ledger()
-    snapshot = _absorb(book, _reports(setup=[_setup("a"), _setup("b")], sampler=[SHUFFLING, SHUFFLING]))
-    assert (
-        book.setup_sent and snapshot.setups is not None and [s.devices["node"] for s in snapshot.setups] == ["a", "b"]
-    )
-    assert book.checks == 1 and snapshot.samplers == [SHUFFLING, SHUFFLING]
+def test_setups_go_once_and_the_watches_keep_samplers_and_the_last_two_epochs_of_first_batches() -> None:
+    doctor = DistributedDoctor()
+    _judge(doctor, setups=[_setups("a"), _setups("b")], FirstBatches=[({}, SHUFFLING)] * 2)
+    assert doctor._setups_sent and [s["node"] for s in doctor.watch(UnusedDevices).setups] == ["a", "b"]
+    watch = doctor.watch(FirstBatches)
+    assert doctor.checks == 1 and watch.samplers == [SHUFFLING, SHUFFLING]
     for epoch in range(4):
-        snapshot = _absorb(book, _reports(digests=[{epoch: "x"}, {epoch: "y"}]), epoch)
-        assert snapshot.setups is None and snapshot.samplers == [SHUFFLING, SHUFFLING]  # the setup is sent once
-        (arrived,) = snapshot.first_batches
-        assert arrived.epoch == epoch and arrived.previous == (["x", "y"] if epoch else None)
-    assert sorted(book.epoch_digests) == [2, 3]
+        _judge(doctor, epoch, FirstBatches=[({epoch: "x"}, None), ({epoch: "y"}, None)])
+        assert watch.samplers == [SHUFFLING, SHUFFLING]  # as of the latest epoch start
+        assert watch.epoch_digests[epoch] == ["x", "y"] and (epoch - 1 in watch.epoch_digests) == (epoch > 0)
+    assert sorted(watch.epoch_digests) == [2, 3] and doctor.state_dict()["epoch_digests"] == {
+        "2": ["x", "y"],
+        "3": ["x", "y"],
+    }
 
 
-def test_ledger_stops_checks_past_the_shortest_rank_even_with_the_rule_disabled() -> None:
-    book = ledger.Ledger()
-    snapshot = _absorb(book, _reports(batches=[8.0, 9.0]))
-    assert book.epoch_batch_limit == 8.0
-    assert checks.evaluate(snapshot, disabled={"uneven-batches"}) == []
-    _absorb(book, _reports(batches=[9.0, 9.0]))
-    assert book.epoch_batch_limit is None
+def test_checks_stop_past_the_shortest_rank_even_with_the_rule_disabled() -> None:
+    doctor = DistributedDoctor(disable=["uneven-batches"])
+    assert _judge(doctor, UnevenBatches=[(8.0, math.inf), (9.0, math.inf)]) == []
+    assert doctor.watch(UnevenBatches).epoch_batch_limit == 8.0
+    _judge(doctor, UnevenBatches=[(9.0, math.inf), (9.0, math.inf)])
+    assert doctor.watch(UnevenBatches).epoch_batch_limit is None
 
 
 def test_once_batch_counts_differ_checks_are_made_only_within_the_shortest_ranks_batches() -> None:
     """Issue 28 (2): past the shortest rank's last batch, a check would wait for ranks that are elsewhere."""
-    book = ledger.Ledger()
-    assert book.may_check(0) and book.may_check(0, 11)
-    _absorb(book, _reports(batches=[10.0, 9.0]), epoch=1)
-    assert book.out_of_step_epoch == 1 and book.epoch_batch_limit == 9.0
-    assert book.may_check(1, 7) and not book.may_check(1, 8)  # after batch 8, rank 1 has left the epoch
-    assert book.may_check(1, 8, during=True) and not book.may_check(1, 9, during=True)
+    doctor = DistributedDoctor()
+    watch = doctor.watch(UnevenBatches)
+    assert watch.may_check(0) and watch.may_check(0, 11)
+    _judge(doctor, 1, UnevenBatches=[(10.0, math.inf), (9.0, math.inf)])
+    assert watch.out_of_step_epoch == 1 and watch.epoch_batch_limit == 9.0
+    assert watch.may_check(1, 7) and not watch.may_check(1, 8)  # after batch 8, rank 1 has left the epoch
+    assert watch.may_check(1, 8, during=True) and not watch.may_check(1, 9, during=True)
     for epoch in (1, 2):
-        assert not book.may_check(epoch)  # epoch ends, validation ends, epoch starts, the end of training
-    assert not book.may_check(2, 0)
-    book.reset()  # a new fit
-    assert book.may_check(0)
+        assert not watch.may_check(epoch)  # epoch ends, validation ends, epoch starts, the end of training
+    assert not watch.may_check(2, 0)
+    assert watch.out_of_step() == "no check after epoch 1's batch 9: the ranks ran different numbers of batches"
+    watch.reset()  # a new fit
+    assert watch.may_check(0) and watch.out_of_step() is None
     # The fit ends (max_steps) before the shortest rank's last batch: the ranks never fall out of step.
-    ends_first = [RankReport(batches=count, batches_left=9.0) for count in (10.0, 9.0)]
-    snapshot = _absorb(book, ends_first)
-    assert book.may_check(0) and book.may_check(0, 20) and book.out_of_step_epoch is None
-    (finding,) = checks.evaluate(snapshot)
+    found = doctor.judge(_gathered(doctor, UnevenBatches=[(10.0, 9.0), (9.0, 9.0)]), 0)
+    assert watch.may_check(0) and watch.may_check(0, 20) and watch.out_of_step_epoch is None
+    (finding,) = found
     assert finding.rule == "uneven-batches" and finding.severity == "wrong"
 
 
 def test_parameters_without_a_gradient_are_kept_for_the_divergence_they_cause() -> None:
-    book = ledger.Ledger()
-    snapshot = _absorb(book, _reports(missing_grads=[["pooler.w", "pooler.b"], ["pooler.w"]]))
-    assert snapshot.unreduced == ["pooler.w", "pooler.b"]
-    later = _absorb(book, _reports(param_sums=[[1], [2]]))
-    assert later.unreduced == ["pooler.w", "pooler.b"]
-    (finding,) = checks.evaluate(later)
+    doctor = _ddp_doctor("w")
+    missing = [UseReport(missing_grads=["pooler.w", "pooler.b"]), UseReport(missing_grads=["pooler.w"])]
+    assert _judge(doctor, ParameterUse=missing) == []
+    assert doctor.watch(ParamsDiverged).unreduced == ["pooler.w", "pooler.b"]
+    (finding,) = doctor.judge(_gathered(doctor, ParamsDiverged=[[1], [2]]), 0)
+    assert doctor.watch(ParamsDiverged).unreduced == ["pooler.w", "pooler.b"]
     assert finding.rule == "params-diverged" and "follow from unused-parameters" in finding.seen
 
 
-def test_ledger_sums_parameter_use_over_the_window_and_judges_it_when_it_closes() -> None:
-    book = ledger.Ledger()
-    open_window = _absorb(book, _reports(usage=[UsageReport([2], 2, False), UsageReport([1], 2, False)]))
-    assert open_window.usage is None and book.use_counts == [[2], [1]]
-    closed = _absorb(book, _reports(usage=[UsageReport([2], 2, True), UsageReport([2], 2, True)]))
-    assert closed.usage is not None and closed.usage.counts == [[4], [3]] and closed.usage.batches == [4, 4]
+def test_parameter_use_is_summed_over_the_window_and_judged_when_it_closes() -> None:
+    doctor = _ddp_doctor("w", "extra")
+    opened = [UseReport([2, 0], 2, False), UseReport([1, 0], 2, False)]
+    assert _judge(doctor, ParameterUse=opened) == []
+    watch = doctor.watch(ParameterUse)
+    assert watch.use_counts == [[2, 0], [1, 0]]
+    closed = [UseReport([2, 0], 2, True)] * 2
+    assert _judge(doctor, ParameterUse=closed) == ["unused-parameters"]  # "extra" never got a gradient
+    assert watch.use_counts == [[4, 0], [3, 0]] and watch.use_batches == [4, 4]
 
 
-def test_ledger_records_each_rule_once_with_its_step_and_checks_its_state_version() -> None:
-    book = ledger.Ledger()
-    first = book.record([Finding("uneven-batches", "s", "w", "f")], step=3)
-    assert first[0].step == 3 and book.record([Finding("uneven-batches", "s", "w", "f")], step=9) == []
-    assert book.state_dict()["version"] == ledger.STATE_VERSION
-    assert ledger.Ledger().load_state_dict({"version": ledger.STATE_VERSION + 1}) is False
+def test_each_rule_is_recorded_once_with_its_step_and_the_state_carries_its_version() -> None:
+    doctor = DistributedDoctor(stop_on_fatal=False)
+    with pytest.warns(DistributedDoctorWarning, match=r"\[uneven-batches\]"):
+        doctor._report(types.SimpleNamespace(global_step=3), [Finding("uneven-batches", "s", "w", "f")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported already: not again
+        doctor._report(types.SimpleNamespace(global_step=9), [Finding("uneven-batches", "s", "w", "f")])
+    assert [(f.rule, f.step) for f in doctor.findings] == [("uneven-batches", 3)]
+    assert doctor.state_dict()["version"] == STATE_VERSION and doctor.state_dict()["reported"] == ["uneven-batches"]
+    with pytest.warns(UserWarning, match="state version"):
+        doctor.load_state_dict({"version": STATE_VERSION + 1})
+    assert doctor.findings[0].step == 3  # nothing loaded
 
 
 def test_a_rank_report_pickles_for_the_exchange() -> None:
@@ -231,13 +252,11 @@ def test_a_rank_report_pickles_for_the_exchange() -> None:
 
     report = RankReport(
         local_findings=[Finding("a-b", "s", "w", "f")],
-        digests={0: "x"},
-        setup=_setup(),
-        usage=UsageReport([1], 1, True),
-        random_state_sent=True,
+        setups=_setups(),
+        payloads={"FirstBatches": ({0: "x"}, SHUFFLING), "ParameterUse": UseReport([1], 1, True, ["w"])},
     )
     assert pickle.loads(pickle.dumps(report)) == report
-    assert protocol.RankReport().setup is None  # every field optional: not part of this check
+    assert RankReport().setups is None and RankReport().payloads == {}  # nothing but what is part of this check
 
 
 # ----------------------------------------------------------------------------- the check interval's name
@@ -295,7 +314,7 @@ def test_metric_values_and_the_sampler_inside_lightnings_wrapper_say_when_they_c
     vars(wrapper.dataset).pop("_sampler")  # a Lightning that keeps it elsewhere
     with pytest.raises(LookupError):
         compat.sampler_wrapped_for_distribution(wrapper)
-    info = probes.describe_sampler(DataLoader(data, sampler=wrapper), trainer)
+    info = first_batches.describe_sampler(DataLoader(data, sampler=wrapper), trainer)
     assert info["order_unknown"] is True and info["fixed_order"] is False
 
 
@@ -317,8 +336,8 @@ class _Plain(L.LightningModule):
 def test_a_rule_that_cannot_be_checked_is_named_not_passed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(probes, "time_train_fetches", lambda trainer, on_fetch: None)
-    monkeypatch.setattr(probes, "epoch_metrics_logged_without_sync", lambda trainer: None)
+    monkeypatch.setattr(data_wait, "time_train_fetches", lambda trainer, on_fetch: None)
+    monkeypatch.setattr(unsynced_logging, "epoch_metrics_logged_without_sync", lambda trainer: None)
     doctor = DistributedDoctor(check_every_n_batches=2)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -15,7 +15,7 @@ import pytest
 
 from lightning_mgpu import cli
 from lightning_mgpu.cli._selftest import run_selftest
-from lightning_mgpu.cli._selftest_worker import MIN_GPUS, PATHS
+from lightning_mgpu.cli.workers.selftest import MIN_GPUS, PATHS
 from tests.conftest import REPO, cpu_env, run_python
 
 needs_no_gpu = pytest.mark.skipif(
@@ -55,7 +55,7 @@ def test_each_path_is_a_line_with_pass_or_fail_and_its_time() -> None:
     assert "comm_ms=0.1235" in by_name["cuda-profiling"].value
     failed = by_name["amp-fp16"]
     assert failed.status == "fail" and "CUDA error: an illegal memory access" in failed.value
-    assert failed.fix is not None and "_selftest_worker amp-fp16" in failed.fix
+    assert failed.fix is not None and "python -m lightning_mgpu.cli.workers.selftest amp-fp16" in failed.fix
     assert by_name["copy-streams"].status == "fail" and "timed out after 5 s" in by_name["copy-streams"].value
     # more GPUs than there are: skipped, and said
     assert MIN_GPUS["hybrid-gpus"] == 2 and "skipped: needs 2 GPUs (1 visible)" in by_name["hybrid-gpus"].value

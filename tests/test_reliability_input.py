@@ -558,7 +558,7 @@ def test_the_doctors_report_shows_no_secret_from_the_environment() -> None:
         "TORCH_SOME_CREDENTIAL": "abc123def456ghi789jkl012",
     }
     environ = {**{k: v for k, v in os.environ.items() if k not in secrets}, **secrets, "MASTER_ADDR": "127.0.0.1"}
-    checks = doctor_env.collect(environ, smoke=False)
+    checks = doctor_env.collect(environ)
     result = doctor_env.report(checks, 0.1)
     text = io.StringIO()
     with redirect_stdout(text):

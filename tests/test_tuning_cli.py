@@ -45,7 +45,7 @@ def test_bad_input_is_one_clear_error_naming_the_argument(
 
 def test_a_function_returning_no_module_fails_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The worker's own check (run in-process here), then the launcher's output as the command shows it."""
-    from lightning_mgpu.cli import tune_worker as sweep
+    from lightning_mgpu.cli.workers import tune as sweep
 
     target = f"{SCRIPTS / 'tune_target.py'}:not_a_module"
     with pytest.raises(SystemExit) as info:

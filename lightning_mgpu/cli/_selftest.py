@@ -1,7 +1,7 @@
 """``lightning-mgpu doctor --selftest``: every CUDA code path of the package, run for real on the GPUs there are.
 
-Each path of :data:`~lightning_mgpu.cli._selftest_worker.PATHS` runs in a fresh process
-(``python -m lightning_mgpu.cli._selftest_worker PATH OUT.json``), so that one path's CUDA error
+Each path of :data:`~lightning_mgpu.cli.workers.selftest.PATHS` runs in a fresh process
+(``python -m lightning_mgpu.cli.workers.selftest PATH OUT.json``), so that one path's CUDA error
 or hang cannot take the others down; each has its own time limit, after which its whole process
 group is killed. The result is one line per path, pass or fail with its time: the doctor's
 :class:`~lightning_mgpu.envcheck.Check` lines and JSON.
@@ -13,40 +13,25 @@ self-test itself is tested on machines without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lightning_mgpu.cli._selftest_worker import MIN_GPUS, PATHS
+from lightning_mgpu.cli import workers
+from lightning_mgpu.cli.workers.selftest import MIN_GPUS, PATHS
 from lightning_mgpu.envcheck import Check
 
 PATH_TIMEOUT_S = 300.0
 """Default limit for one path, start-up included (a first CUDA start can take a minute)."""
 
+WORKER = "lightning_mgpu.cli.workers.selftest"
+
 Runner = Callable[[list[str], float, dict[str, str]], tuple[int, str]]
-"""``(argv, timeout, env) -> (exit code, output)``; exit code None-like 124 on a timeout."""
-
-
-def run_child(argv: list[str], timeout: float, env: dict[str, str]) -> tuple[int, str]:
-    """Run ``argv`` in its own session; on a timeout kill its whole process group (Lightning's ranks too)."""
-    with subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    ) as child:
-        try:
-            output, _ = child.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            output, _ = child.communicate()
-            return 124, output or ""
-    return child.returncode, output or ""
+"""``(argv, timeout, env) -> (exit code, output)``, :func:`lightning_mgpu.cli.workers.run`'s."""
 
 
 def _facts(facts: dict[str, Any]) -> str:
@@ -67,7 +52,7 @@ def run_selftest(
     device: str = "cuda",
     timeout: float = PATH_TIMEOUT_S,
     gpu_count: Optional[int] = None,
-    runner: Runner = run_child,
+    runner: Runner = workers.run,
 ) -> list[Check]:
     """One :class:`Check` per path (``gpu_count``: the GPUs visible, read from torch if None)."""
     if gpu_count is None:
@@ -97,7 +82,7 @@ def run_selftest(
                 checks.append(Check(path, "ok", f"skipped: needs {needed} GPUs ({gpu_count} visible)"))
                 continue
             out = Path(tmp) / f"{path}.json"
-            argv = [sys.executable, "-m", "lightning_mgpu.cli._selftest_worker", path, str(out), "--device", device]
+            argv = [sys.executable, "-m", WORKER, path, str(out), "--device", device]
             started = time.perf_counter()
             code, output = runner(argv, timeout, env)
             seconds = time.perf_counter() - started
@@ -112,13 +97,17 @@ def run_selftest(
                     )
                 )
                 continue
-            why = f"timed out after {timeout:g} s" if code == 124 else f"exit code {code}: {_last_error(output)}"
+            why = (
+                f"timed out after {timeout:g} s"
+                if code == workers.TIMED_OUT
+                else f"exit code {code}: {_last_error(output)}"
+            )
             checks.append(
                 Check(
                     path,
                     "fail",
                     f"FAIL after {seconds:.1f} s ({what}): {why}",
-                    fix=f"rerun it alone for the whole output: python -m lightning_mgpu.cli._selftest_worker {path} "
+                    fix=f"rerun it alone for the whole output: python -m {WORKER} {path} "
                     "out.json; please report it with that output and `lightning-mgpu doctor --json`",
                     details={"what": what, "seconds": seconds, "output_tail": output[-4000:]},
                 )

@@ -1,8 +1,10 @@
-"""``lightning-mgpu doctor``: is this machine (and this shell) ready for multi-process training?
+"""``lightning-mgpu doctor``, the machine check: is this machine (and this shell) ready for multi-process training?
 
-The checks and the JSON report are :mod:`lightning_mgpu.envcheck`; this module parses the
-flags, prints the report as a table (or JSON) and lists the ``DistributedDoctor`` callback's
-rules with ``--rules``.
+The checks and the JSON report are :mod:`lightning_mgpu.envcheck`; those that start processes are
+:mod:`lightning_mgpu.cli._allreduce` and (``--selftest``) :mod:`lightning_mgpu.cli._selftest`, their
+programs in :mod:`lightning_mgpu.cli.workers`. This module parses the flags and prints the report as
+a table (or JSON). ``--rules`` lists the rules of the ``DistributedDoctor`` callback
+(:mod:`lightning_mgpu.callbacks.doctor`), which watches a run as it trains.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 from typing import Any
 
 from lightning_mgpu import envcheck  # standard library only at import: fine for --help
+from lightning_mgpu.cli._allreduce import SMOKE_TIMEOUT_S, check_smoke
 from lightning_mgpu.cli._args import positive_seconds
-from lightning_mgpu.envcheck import SMOKE_TIMEOUT_S
 
 MAX_TIMEOUT_S = 3600.0  # a health check that may wait longer is a mistake
 
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         timeout = args.timeout if args.timeout != SMOKE_TIMEOUT_S else PATH_TIMEOUT_S
         checks = run_selftest(device=args.selftest_device, timeout=timeout)
     else:
-        checks = envcheck.collect(os.environ, smoke=not args.skip_allreduce, timeout=args.timeout)
+        smoke = None if args.skip_allreduce else lambda backend, world: check_smoke(backend, world, args.timeout)
+        checks = envcheck.collect(os.environ, smoke=smoke)
     result = envcheck.report(checks, time.perf_counter() - started)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -1,6 +1,6 @@
 """``lightning-mgpu tune``: the bucket-size sweep of ``bucket_cap_mb="auto"``, run offline.
 
-Parses the flags, starts the worker (:mod:`lightning_mgpu.cli.tune_worker`) in ``--nproc``
+Parses the flags, starts the sweep (:mod:`lightning_mgpu.cli.workers.tune`) in ``--nproc``
 processes with ``torch.distributed.run``, and prints its table and recommendation.
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning_mgpu._target import SYNTAX
+from lightning_mgpu.cli import workers
 from lightning_mgpu.cli._args import bounded_int, output_dir, positive_seconds, target
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "lightning_mgpu.cli.tune_worker",
+        "lightning_mgpu.cli.workers.tune",
         "--target",
         args.target,
         "--out",
@@ -143,28 +142,22 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tuning {args.target}: {nproc} process(es) on {accelerator}, {args.rounds} rounds x {args.measure} timed steps"
     )
-    # Own session: on timeout the launcher and every rank it started go together.
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        print(_tail(output or ""), file=sys.stderr)
+    # Its own session: at the timeout the launcher and every rank it started go together.
+    code, output = workers.run(command, args.timeout, env)
+    if code == workers.TIMED_OUT:
+        print(_tail(output), file=sys.stderr)
         print(f"{parser.prog}: error: the sweep did not finish within --timeout {args.timeout:g} s", file=sys.stderr)
         return 1
-    if process.returncode != 0 or not out.exists():
+    if code != 0 or not out.exists():
         # A mistake the worker recognised (e.g. the function returned no LightningModule) is
         # one line from each rank: show it alone, without the launcher's traceback.
-        known = sorted({line for line in (output or "").splitlines() if line.startswith(f"{parser.prog}: error:")})
+        known = sorted({line for line in output.splitlines() if line.startswith(f"{parser.prog}: error:")})
         if known:
             print("\n".join(known), file=sys.stderr)
             return 1
-        print(_tail(output or ""), file=sys.stderr)
+        print(_tail(output), file=sys.stderr)
         print(
-            f"{parser.prog}: error: the sweep failed (exit code {process.returncode}); its last lines are above",
+            f"{parser.prog}: error: the sweep failed (exit code {code}); its last lines are above",
             file=sys.stderr,
         )
         return 1

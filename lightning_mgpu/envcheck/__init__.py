@@ -1,6 +1,6 @@
-"""Is this machine (and this shell) ready for multi-process training? The checks behind ``lightning-mgpu doctor``.
+"""The machine check ``lightning-mgpu doctor`` (not the ``DistributedDoctor`` callback): is this machine ready?
 
-:func:`collect` runs every check and returns a list of :class:`Check`; :func:`report` turns it
+Is this machine (and this shell) ready for multi-process training? :func:`collect` runs every check and returns a list of :class:`Check`; :func:`report` turns it
 into the JSON the command prints with ``--json``::
 
     {"version": 1, "status": "ok"|"warn"|"fail", "elapsed_s": float,
@@ -10,26 +10,25 @@ into the JSON the command prints with ``--json``::
 What it checks: versions (Python, torch, Lightning, CUDA, NCCL, driver), whether torchvision (if
 installed) pairs with torch (a mismatched one breaks ``import lightning``), visible devices and
 ``CUDA_VISIBLE_DEVICES``, the distributed backends, a real 2-process gloo all_reduce over
-127.0.0.1 (and an NCCL one across every GPU when there are at least 2), the launcher
+127.0.0.1 (and an NCCL one across every GPU when there are at least 2: the check that starts
+those processes is the command's, :mod:`lightning_mgpu.cli._allreduce`), the launcher
 environment (torchrun, SLURM or none), ``MASTER_ADDR``/``MASTER_PORT``, ``/dev/shm``, the
 open-file limit and the distributed-related environment variables (values that look like
 secrets are masked: API keys, tokens, passwords).
 
 * :mod:`~lightning_mgpu.envcheck.checks`: :class:`Check` and the machine checks;
 * :mod:`~lightning_mgpu.envcheck.packages`: torch and torchvision pairing (versions and builds);
-* :mod:`~lightning_mgpu.envcheck.variables`: the shell's variables (launcher, master, secrets masked);
-* :mod:`~lightning_mgpu.envcheck.smoke`: the multi-process all_reduce check;
-* :mod:`~lightning_mgpu.envcheck.smoke_worker`: one rank of it, run as ``python -m``.
+* :mod:`~lightning_mgpu.envcheck.variables`: the shell's variables (launcher, master, secrets masked).
 
 Only light imports at module level (``lightning-mgpu doctor --help`` imports this package);
-torch and Lightning are imported when the checks run. Not to be confused with the
-``DistributedDoctor`` callback (:mod:`lightning_mgpu.callbacks.doctor`), which watches a run.
+torch and Lightning are imported when the checks run. The ``DistributedDoctor`` callback, which
+watches a run as it trains, is :mod:`lightning_mgpu.callbacks.doctor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from lightning_mgpu.envcheck.checks import (
     STATUSES,
@@ -42,7 +41,6 @@ from lightning_mgpu.envcheck.checks import (
     parse_visible_devices,
 )
 from lightning_mgpu.envcheck.packages import check_torchvision
-from lightning_mgpu.envcheck.smoke import SMOKE_BYTES, SMOKE_TIMEOUT_S, check_smoke, run_allreduce_smoke
 from lightning_mgpu.envcheck.variables import (
     check_environment,
     check_master,
@@ -53,8 +51,9 @@ from lightning_mgpu.envcheck.variables import (
 )
 
 
-def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = SMOKE_TIMEOUT_S) -> list[Check]:
-    """Every check, in the order the table shows them; ``smoke=False`` skips the multi-process ones."""
+def collect(environ: Mapping[str, str], *, smoke: Optional[Callable[[str, int], Check]] = None) -> list[Check]:
+    """Every check, in the order the table shows them; ``smoke(backend, world_size)``: the multi-process all_reduce
+    check (None: skipped)."""
     import torch
 
     vision = check_torchvision()  # before Lightning is imported: a mismatched torchvision breaks that import
@@ -67,10 +66,10 @@ def collect(environ: Mapping[str, str], *, smoke: bool = True, timeout: float = 
     checks += check_devices(environ)
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     checks.append(check_backends(gpu_count))
-    if smoke:
-        checks.append(check_smoke("gloo", 2, timeout))
+    if smoke is not None:
+        checks.append(smoke("gloo", 2))
         if gpu_count >= 2 and torch.distributed.is_nccl_available():
-            checks.append(check_smoke("nccl", gpu_count, timeout))
+            checks.append(smoke("nccl", gpu_count))
         else:
             checks.append(Check("nccl all_reduce", "ok", f"not run: needs 2 or more GPUs ({gpu_count} visible)"))
     else:
@@ -97,8 +96,6 @@ def report(checks: list[Check], elapsed_s: float) -> dict[str, Any]:
 
 
 __all__ = [
-    "SMOKE_BYTES",
-    "SMOKE_TIMEOUT_S",
     "STATUSES",
     "Check",
     "check_backends",
@@ -107,7 +104,6 @@ __all__ = [
     "check_master",
     "check_open_files",
     "check_shm",
-    "check_smoke",
     "check_torchvision",
     "check_versions",
     "collect",
@@ -117,5 +113,4 @@ __all__ = [
     "parse_visible_devices",
     "relevant_environment",
     "report",
-    "run_allreduce_smoke",
 ]

@@ -4,7 +4,7 @@ Versions (Python, torch, Lightning, CUDA, NCCL, driver), visible devices and
 ``CUDA_VISIBLE_DEVICES``, the distributed backends, ``/dev/shm`` and the open-file limit.
 Each says ``ok``, ``warn`` or ``fail``, with one sentence on how to fix every warn and fail.
 The shell's variables are checked in :mod:`lightning_mgpu.envcheck.variables`, the
-multi-process all_reduce in :mod:`lightning_mgpu.envcheck.smoke`.
+multi-process all_reduce by the command (:mod:`lightning_mgpu.cli._allreduce`).
 
 Only light imports at module level; torch and Lightning are imported inside the checks.
 """

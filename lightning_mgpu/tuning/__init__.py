@@ -8,7 +8,7 @@
   with confidence, not faster, or too noisy to decide);
 * :mod:`~lightning_mgpu.tuning.tuner`: the state machine the strategy drives during ``fit``.
 
-The offline sweep behind ``lightning-mgpu tune`` is :mod:`lightning_mgpu.cli.tune_worker` (it drives a
+The offline sweep behind ``lightning-mgpu tune`` is :mod:`lightning_mgpu.cli.workers.tune` (it drives a
 strategy, so it sits above this package).
 """
 

@@ -61,7 +61,7 @@ class Report(L.Callback):
             if name == "CommProfiler":
                 SEEN["profiler_summary"] = callback.summary  # type: ignore[attr-defined]
             if name == "DistributedDoctor":
-                SEEN["doctor_checks"] = callback.ledger.checks  # type: ignore[attr-defined]
+                SEEN["doctor_checks"] = callback.checks  # type: ignore[attr-defined]
                 SEEN["doctor_findings"] = [f.rule for f in callback.findings]  # type: ignore[attr-defined]
         SEEN["logged"] = sorted(trainer.logged_metrics)
 

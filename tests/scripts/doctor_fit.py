@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
-from lightning_mgpu.callbacks.doctor import probes
+from lightning_mgpu.callbacks.doctor.rules import unused_devices
 from lightning_mgpu.callbacks.doctor import DistributedDoctor, DistributedDoctorError
 from lightning_mgpu.strategies import TunedDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy
@@ -252,7 +252,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     if "fake-gpus" in mistakes:
-        probes.cuda_device_count = lambda: 4  # stands in for a machine with 4 GPUs
+        unused_devices.cuda_device_count = lambda: 4  # stands in for a machine with 4 GPUs
     L.seed_everything(0, verbose=False)
     model: L.LightningModule = UnusedPoolerBert(args) if args.model == "bert" else Model(args, mistakes)
     find_unused = bool(mistakes & {"find-unused-wasted", "never-used", "reentrant"}) or args.fixed

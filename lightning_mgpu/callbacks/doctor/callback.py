@@ -1,9 +1,9 @@
 """``DistributedDoctor``: catches the classic multi-GPU mistakes while the run trains.
 
-This module holds the Lightning hooks only: they feed the probes (:mod:`.probes`,
-:mod:`.parameters`), exchange what each rank saw (:class:`~.protocol.RankReport`, through
-:mod:`.exchange`), let the ledger merge it (:mod:`.ledger`) and the checks judge it (:mod:`.checks`),
-then warn or raise.
+This module holds the Lightning hooks only: at each, it calls every rule's watch (:data:`~.rules.WATCHES`);
+at a check it exchanges what each rank's watches report (:class:`~.rule.RankReport`, through
+:mod:`.exchange`), lets every watch judge the gathered reports, records the findings,
+then warns or raises.
 
 Each rule has a stable id (see :data:`~.rules.RULES`); a finding says what was seen, why it
 matters and how to fix it. What stops the run: a *fatal* finding (the run would crash or hang:
@@ -30,8 +30,8 @@ How it stays cheap and hang-free:
   no wait lasts longer than ``check_timeout``; both raise :class:`~.findings.DistributedDoctorOutOfStep`
   naming the missing ranks and where each was last seen.
 
-Checkpoints: ``state_dict`` keeps what the ranks have agreed on (see :mod:`.ledger`). Every check
-exchanges all that is pending, so a checkpoint saved at an epoch end, a validation end
+Checkpoints: ``state_dict`` keeps what the ranks have agreed on (the findings, each watch's agreed
+state). Every check exchanges all that is pending, so a checkpoint saved at an epoch end, a validation end
 (ModelCheckpoint's places) or a check resumes exactly as the uninterrupted run goes on. From
 anywhere else, what the ranks saw since the last check (data-loading times, parameter use) is
 not in the checkpoint.
@@ -39,9 +39,8 @@ not in the checkpoint.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import lightning as L
 import torch
@@ -50,22 +49,26 @@ from typing_extensions import override
 
 from lightning_mgpu._checks import check_bool, check_int, check_real
 from lightning_mgpu._compat.torch import default_group_store
-from lightning_mgpu.callbacks.doctor import checks, probes
 from lightning_mgpu.callbacks.doctor.exchange import Exchange, next_namespace
-from lightning_mgpu.callbacks.doctor.findings import DistributedDoctorError, DistributedDoctorWarning, Finding
-from lightning_mgpu.callbacks.doctor.ledger import Ledger
-from lightning_mgpu.callbacks.doctor.parameters import ParameterWatch
-from lightning_mgpu.callbacks.doctor.probes import DataWaitClock
-from lightning_mgpu.callbacks.doctor.protocol import RankReport, SetupInfo, Snapshot
-from lightning_mgpu.callbacks.doctor.rules import RULES, validate_rule_ids
+from lightning_mgpu.callbacks.doctor.findings import (
+    DistributedDoctorError,
+    DistributedDoctorWarning,
+    Finding,
+    merge_local,
+)
+from lightning_mgpu.callbacks.doctor.probes import ParameterWatch
+from lightning_mgpu.callbacks.doctor.rule import Check, CheckKind, RankReport, Watch
+from lightning_mgpu.callbacks.doctor.rules import RULES, WATCHES, validate_rule_ids
 from lightning_mgpu.comm.distributed import gather_objects
 
 __all__ = ["DistributedDoctor"]
 
 _OWNER = "DistributedDoctor"
 _DEFAULT_CHECK_EVERY = 100
-_MIN_USE_WINDOW = 8  # batches watched for parameter use, at least (a dynamic graph may skip a branch a while)
 _DEFAULT_CHECK_TIMEOUT_S = 600.0
+STATE_VERSION = 1
+"""The version of :meth:`DistributedDoctor.state_dict`'s layout."""
+W = TypeVar("W", bound=Watch)
 
 
 class DistributedDoctor(L.Callback):
@@ -99,6 +102,7 @@ class DistributedDoctor(L.Callback):
 
     Attributes:
         findings: every :class:`Finding` reported so far, in order (the same on every rank).
+        batches_seen, checks: training batches and checks so far (like the findings: checkpointed).
         not_checked: rules this fit could not check (this Lightning offers no way to observe
             them); the end-of-training summary names them.
     """
@@ -155,50 +159,59 @@ class DistributedDoctor(L.Callback):
             what="the share of the iteration time spent waiting for data, a number",
         )
         self.disabled = validate_rule_ids(disable)
-        self.ledger = Ledger()
-        """The state every rank agrees on (checkpointed)."""
         self.parameter_watch = ParameterWatch()
-        self._use_window = max(self.check_every_n_batches, _MIN_USE_WINDOW)
-        self._clock = DataWaitClock()
+        """The model's parameters, which several rules watch."""
+        self.watches = [watch(self) for watch in WATCHES]
+        """One per rule module, in :data:`~.rules.WATCHES` order."""
         self._exchange = Exchange(timeout=self.check_timeout)
-        self._reset_local_state()
+        self._start_afresh()
 
     def enabled(self, rule: str) -> bool:
         return rule not in self.disabled
 
-    @property
-    def findings(self) -> list[Finding]:
-        return self.ledger.findings
+    def watch(self, kind: type[W]) -> W:
+        """This callback's watch of that kind (e.g. ``doctor.watch(FirstBatches).epoch_digests``)."""
+        return next(watch for watch in self.watches if isinstance(watch, kind))
 
-    @findings.setter
-    def findings(self, findings: list[Finding]) -> None:
-        self.ledger.findings = findings
-
-    def _reset_local_state(self) -> None:
-        """This rank's observations since the last check: not checkpointed."""
-        self._fitting = False
-        self._world_size = 1
-        self._setup_info: Optional[SetupInfo] = None
-        self._local_findings: list[Finding] = []
-        self._pending_digests: dict[int, Optional[str]] = {}
-        self._missing_grads: Optional[list[str]] = None
-        self._first_batch_seen = False
-        self._first_backward_seen = False
-        self._batch_idx = 0
-        self._random_state: Optional[str] = None
-        self._window_done = False
+    def _start_afresh(self) -> None:
+        """A new fit (checkpoint state, if any, is loaded afterwards): no checks, every watch afresh."""
+        # What every rank agrees on, checkpointed with every watch's agreed state.
+        self.batches_seen = 0
+        self.checks = 0
+        self.findings: list[Finding] = []
+        # This fit only.
         self.not_checked: set[str] = set()
+        self._setups_sent = False  # every watch's setup went out with the fit's first check
+        self._fitting = self._first_batch_seen = self._first_backward_seen = False
+        self._batch_idx = 0
+        for watch in self.watches:
+            watch.reset()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.ledger.state_dict()
+        # Plain types only: checkpoints load with weights_only=True.
+        state = {
+            "version": STATE_VERSION,
+            "batches_seen": self.batches_seen,
+            "checks": self.checks,
+            "reported": sorted({f.rule for f in self.findings}),
+            "findings": [f.as_dict() for f in self.findings],
+        }
+        for watch in self.watches:
+            state.update(watch.state_dict())
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not self.ledger.load_state_dict(state_dict):
+        if state_dict.get("version") != STATE_VERSION:
             rank_zero_warn(
                 f"{_OWNER}: checkpoint state version {state_dict.get('version')!r} unknown; starting afresh."
             )
+            return
+        self.batches_seen, self.checks = int(state_dict["batches_seen"]), int(state_dict["checks"])
+        self.findings = [Finding.from_dict(f) for f in state_dict["findings"]]
+        for watch in self.watches:
+            watch.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ fit start
 
@@ -209,32 +222,22 @@ class DistributedDoctor(L.Callback):
         # Checkpoint state (if resuming) is loaded after setup: start from a clean slate here.
         self._finish()
         self.parameter_watch.reset()
-        self.ledger.reset()
-        self._reset_local_state()
+        self._start_afresh()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._fitting = True
-        self._world_size = trainer.world_size
-        self._setup_info = probes.observe_setup(trainer, pl_module)
-        if not self._clock.attach(trainer):
-            self._cannot_check("dataloader-starving", "the train loader's fetches cannot be timed")
-        in_window = self.ledger.batches_seen < self._use_window
-        wanted = self.enabled("unused-parameters") or self.enabled("find-unused-wasted")
         model = trainer.strategy.model
         assert model is not None  # fit has wrapped the module by on_train_start
-        self.parameter_watch.attach(model, pl_module, count_use=in_window and wanted)
+        self.parameter_watch.attach(model, pl_module)
         if trainer.world_size > 1 and self.parameter_watch.ddp is None:
             # e.g. FSDP / ModelParallelStrategy: each rank holds a shard, there are no replicas to compare
             # and no DDP reducer to ask; say so rather than "no problems found" without having looked
             why = f"the model is not replicated by DDP under {type(trainer.strategy).__name__} (e.g. sharded by FSDP)"
-            for rule in ("params-diverged", "unused-parameters", "find-unused-wasted"):
-                self._cannot_check(rule, why, version=False)
-        if self._setup_info.augment.get("workers", 0) > 0:
-            # Lightning made the first epoch's iterator (its workers' base seed drawn) before this hook,
-            # and the LightningModule's on_train_start (where a rank may reseed) runs after it.
-            loader = probes.train_loader(trainer)
-            self._random_state = probes.worker_seed_source_digest(loader) if loader is not None else None
+            for rule in (rule for watch in self.watches if watch.needs_replicas for rule in watch.rules):
+                self.cannot_check(rule.id, why, version=False)
+        for watch in self.watches:
+            watch.start(trainer, pl_module)
         # Ranks on this machine, if ranks are numbered node by node (Lightning's and torchrun's way): their
         # processes are watched while this rank waits at a check (a wrong guess is harmless: hosts are compared).
         per_node = max(1, trainer.world_size // max(1, trainer.num_nodes))
@@ -254,34 +257,26 @@ class DistributedDoctor(L.Callback):
         if not self._fitting or self._first_backward_seen:
             return
         self._first_backward_seen = True
-        ddp = self.parameter_watch.ddp
-        if ddp is None or not ddp.find_unused or ddp.static_graph or not self.enabled("reentrant-checkpoint"):
-            return  # (the same on every rank: DDP's options and this callback's)
-        # DDP's first backward fails on a reentrant checkpoint here, before any check: meet now, on this finding
+        wanted = [watch.before_first_backward(loss) for watch in self.watches]
+        # DDP's first backward fails on a reentrant checkpoint here, before any check: meet now, on these findings
         # alone (what else is pending waits for the next check, as in a fit without this meeting: a resumed
         # fit, which meets here once more, then reports everything at the same steps as the fit that went on).
-        if not self.ledger.may_check(trainer.current_epoch, self._batch_idx, during=True):
+        if all(found is None for found in wanted) or not self._may_check(trainer, self._batch_idx, during=True):
             return
-        regions = probes.reentrant_checkpoints(loss)
-        found = [checks.reentrant_checkpoint_finding(regions)] if regions else []
         self._exchange.meet(_where("first_backward", trainer.current_epoch, self._batch_idx))
-        gathered: list[list[Finding]] = gather_objects(found, world_size=trainer.world_size)
-        snapshot = Snapshot(world_size=len(gathered), epoch=trainer.current_epoch, local_findings=gathered)
-        self._report(trainer, checks.evaluate(snapshot, self.disabled))
+        mine = [finding for found in wanted for finding in found or ()]
+        gathered: list[list[Finding]] = gather_objects(mine, world_size=trainer.world_size)
+        self._report(trainer, [f for f in merge_local(gathered) if self.enabled(f.rule)])
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        missing = self.parameter_watch.after_backward(check_grads=self.enabled("unused-parameters"))
-        if missing:
-            self._local_findings.append(checks.unused_needed_finding(missing))
-            self._missing_grads = missing
+        for watch in self.watches:
+            watch.after_backward()
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._fitting:
-            return
-        self._clock.epoch_start()
-        self._check(trainer, "epoch_start")
+        if self._fitting:
+            self._check(trainer, "epoch_start")
 
     @override
     def on_train_batch_start(
@@ -289,26 +284,13 @@ class DistributedDoctor(L.Callback):
     ) -> None:
         if not self._fitting:
             return
-        self._clock.batch_start(batch_idx)
         self._batch_idx = batch_idx
-        epoch = trainer.current_epoch
-        if epoch not in self._pending_digests and epoch not in self.ledger.epoch_digests:
-            wanted = self.enabled("data-not-sharded") or self.enabled("sampler-epoch-not-set")
-            self._pending_digests[epoch] = probes.fingerprint(batch) if wanted else None
         if not self._first_batch_seen:
             self._first_batch_seen = True
-            self._observe_first_batch(batch)
-
-    def _observe_first_batch(self, batch: Any) -> None:
-        setup = self._setup_info
-        assert setup is not None  # set at train start, before any batch
-        if setup.augment.get("workers", 0) == 0:
-            self._random_state = probes.random_state_digest()
-        if self._world_size > 1 and self.enabled("batchnorm-without-sync") and setup.batchnorm:
-            batch_size = probes.batch_size_of(batch)
-            finding = checks.check_batchnorm(setup.batchnorm, batch_size, self.batchnorm_min_batch)
-            if finding is not None:
-                self._local_findings.append(finding)
+            for watch in self.watches:
+                watch.first_batch(batch)
+        for watch in self.watches:
+            watch.batch_start(trainer, batch, batch_idx)
 
     @override
     def on_train_batch_end(
@@ -316,13 +298,9 @@ class DistributedDoctor(L.Callback):
     ) -> None:
         if not self._fitting:
             return
-        self.ledger.batches_seen += 1
-        if self.parameter_watch.counting and self.ledger.batches_seen >= self._use_window:
-            self._window_done = True  # sent (and the hooks removed) at the next check
-        seen = self.ledger.batches_seen
-        periodic = seen == 1 or seen % self.check_every_n_batches == 0
+        self.batches_seen += 1
         self._batch_idx = batch_idx
-        if periodic:
+        if self.batches_seen == 1 or self.batches_seen % self.check_every_n_batches == 0:
             self._check(trainer, "periodic")
         elif batch_idx == 0:
             self._check(trainer, "epoch_first_batch")
@@ -345,8 +323,6 @@ class DistributedDoctor(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._fitting:
             return
-        self._window_done = self.parameter_watch.counting  # a fit shorter than the window: judge what was seen
-        in_step = self.ledger.may_check(trainer.current_epoch)
         try:
             self._check(trainer, "train_end")
         finally:
@@ -355,20 +331,17 @@ class DistributedDoctor(L.Callback):
         verdict = f"{len(reported)} rule(s) fired: {', '.join(reported)}" if reported else "no problems found"
         if self.not_checked:
             verdict += f"; not checked in this run: {', '.join(sorted(self.not_checked))}"
-        if not in_step:
-            verdict += (
-                f"; no check after epoch {self.ledger.out_of_step_epoch}'s batch {int(self.ledger.epoch_batch_limit or 0)}"
-                ": the ranks ran different numbers of batches"
-            )
+        for note in filter(None, (watch.out_of_step() for watch in self.watches)):
+            verdict += f"; {note}"
         rank_zero_info(
-            f"{_OWNER}: {self.ledger.checks} checks over {self.ledger.batches_seen} batches on {trainer.world_size} "
+            f"{_OWNER}: {self.checks} checks over {self.batches_seen} batches on {trainer.world_size} "
             f"rank(s): {verdict}"
         )
 
     def _finish(self) -> None:
         self._fitting = False
-        self.parameter_watch.detach()
-        self._clock.detach()
+        for watch in self.watches:
+            watch.finish()
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -376,85 +349,55 @@ class DistributedDoctor(L.Callback):
         first_line = (str(exception).strip().splitlines() or [""])[0][:200]
         self._exchange.leave(f"{type(exception).__name__}: {first_line}" if first_line else type(exception).__name__)
         self._finish()
-        if isinstance(exception, DistributedDoctorError) or not self.enabled("unused-parameters"):
-            return
-        if "Expected to have finished reduction in the prior iteration" in str(exception):
-            missing = self.parameter_watch.missing_grads()
-            rule = RULES["unused-parameters"]
-            finding = Finding(
-                rule.id,
-                seen=f"DDP stopped: a parameter got no gradient. No gradient now: {', '.join(missing[:5]) or '?'}",
-                why=rule.catches,
-                fix=rule.fix,
-                step=trainer.global_step,
-            )
-            rank_zero_warn(f"{_OWNER} " + finding.format(), category=DistributedDoctorWarning)
+        for watch in self.watches:
+            watch.on_exception(trainer, exception)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._exchange.leave(f"it ended its fit after {self.ledger.batches_seen} batch(es)")
+            self._exchange.leave(f"it ended its fit after {self.batches_seen} batch(es)")
             self._exchange.close()
         self._finish()
 
     # ------------------------------------------------------------------ checks
 
-    def _check(self, trainer: L.Trainer, kind: str) -> None:
-        """One exchange: every rank sends what it saw, all evaluate the same gathered data."""
+    def _may_check(self, trainer: L.Trainer, batch_idx: Optional[int], *, during: bool = False) -> bool:
+        """Whether every rank is certain to reach a check made now: after training batch ``batch_idx``
+        (``during``: within it, e.g. before its backward), or, with ``batch_idx`` None, at an epoch's start
+        or end, a validation's end, the end of training (see :meth:`~.rule.Watch.may_check`)."""
+        return all(w.may_check(trainer.current_epoch, batch_idx, during=during) for w in self.watches)
+
+    def _check(self, trainer: L.Trainer, kind: CheckKind) -> None:
+        """One exchange: every rank sends what it saw, all judge the same gathered data."""
         # After a training batch (periodic and epoch-first-batch checks): the one just ended.
         batch_idx = self._batch_idx if kind in ("periodic", "epoch_first_batch") else None
-        if not self.ledger.may_check(trainer.current_epoch, batch_idx):
-            return  # some ranks would never come: see Ledger.may_check
-        report = RankReport(local_findings=self._local_findings, digests=self._pending_digests)
-        if not self.ledger.setup_sent:
-            report.setup = self._setup_info
-        if kind == "epoch_start":
-            report.batches = float(trainer.num_training_batches)
-            report.batches_left = _batches_left(trainer)
-            loader = probes.train_loader(trainer)  # the sampler as this epoch starts (its epoch, for one)
-            report.sampler = probes.describe_sampler(loader, trainer) if loader is not None else {}
-            if report.sampler.get("order_unknown"):
-                self._cannot_check("sampler-epoch-not-set", "the order of the sampler Lightning wraps is unknown")
-        if self._first_batch_seen and not self.ledger.random_sent:
-            report.random_state_sent, report.random_state = True, self._random_state
-        if kind in ("periodic", "train_end"):
-            report.param_sums = self.parameter_watch.checksums() if self._params_wanted(trainer) else None
-            report.metrics = self._unsynced_metrics(trainer)
-            report.timing = self._clock.take()
-        if kind == "validation_end":
-            report.metrics = self._unsynced_metrics(trainer)
-        report.usage = self.parameter_watch.take_usage(done=self._window_done)  # None unless the window is open
-        report.missing_grads = self._missing_grads
-        self._local_findings = []
-        self._pending_digests = {}
-        self._missing_grads = None
-
+        if not self._may_check(trainer, batch_idx):
+            return  # some ranks would never come
+        report = RankReport(
+            local_findings=[finding for watch in self.watches for finding in watch.local],
+            setups=None if self._setups_sent else {type(w).__name__: w.setup for w in self.watches},
+            payloads={type(w).__name__: w.report(trainer, kind) for w in self.watches},
+        )
+        for watch in self.watches:
+            watch.local = []
         self._exchange.meet(_where(kind, trainer.current_epoch, batch_idx))
         gathered: list[RankReport] = gather_objects(report, world_size=trainer.world_size)
-        snapshot = self.ledger.absorb(
-            gathered,
-            epoch=trainer.current_epoch,
-            tensor_names=self.parameter_watch.tensor_names,
-            buffers_checked=bool(self.parameter_watch.buffer_names),
-            param_names=self.parameter_watch.param_names,
-            find_unused=bool(self.parameter_watch.ddp and self.parameter_watch.ddp.find_unused),
-            data_wait_threshold=self.data_wait_threshold,
-        )
-        self._report(trainer, checks.evaluate(snapshot, self.disabled))
+        self._report(trainer, self.judge(gathered, trainer.current_epoch))
 
-    def _params_wanted(self, trainer: L.Trainer) -> bool:
-        return self.enabled("params-diverged") and trainer.world_size > 1 and self.parameter_watch.ddp is not None
+    def judge(self, gathered: list[RankReport], epoch: int) -> list[Finding]:
+        """Every rank's verdict on one check's reports (by rank), disabled rules left out: the ranks' own
+        findings first (merged, one per rule), then each watch's, in :data:`~.rules.WATCHES` order."""
+        self.checks += 1
+        check = Check(epoch, gathered, first=gathered[0].setups is not None)
+        self._setups_sent = True
+        found = merge_local([report.local_findings for report in gathered])
+        for watch in self.watches:
+            if check.first:
+                watch.setups = [r.setups.get(type(watch).__name__) for r in gathered if r.setups is not None]
+            found += [finding for finding in watch.judge(check.of(type(watch)), check) if finding is not None]
+        return [finding for finding in found if self.enabled(finding.rule)]
 
-    def _unsynced_metrics(self, trainer: L.Trainer) -> dict[str, float]:
-        if not self.enabled("unsynced-logging"):
-            return {}
-        values = probes.unsynced_metric_values(trainer)
-        if values is None:
-            self._cannot_check("unsynced-logging", "the logged metrics' sync_dist options cannot be read")
-            return {}
-        return values
-
-    def _cannot_check(self, rule: str, why: str, *, version: bool = True) -> None:
+    def cannot_check(self, rule: str, why: str, *, version: bool = True) -> None:
         """Note (and say once) that ``rule`` is not checked in this run; ``version``: because of this
         Lightning version (a probe cannot see), else because of the run itself (e.g. the strategy)."""
         if self.enabled(rule) and rule not in self.not_checked:
@@ -463,7 +406,11 @@ class DistributedDoctor(L.Callback):
             rank_zero_warn(f"{_OWNER}: {rule} is not checked in this run: {why}{where}.")
 
     def _report(self, trainer: L.Trainer, found: list[Finding]) -> None:
-        new = self.ledger.record(found, trainer.global_step)
+        reported = {f.rule for f in self.findings}
+        new = [f for f in found if f.rule not in reported]  # a rule reports once per run
+        for finding in new:
+            finding.step = trainer.global_step
+        self.findings += new
         if not new:
             return
         stopping = [f for f in new if self.strict or (self.stop_on_fatal and _severity(f) == "fatal")]
@@ -475,27 +422,19 @@ class DistributedDoctor(L.Callback):
             rank_zero_warn(f"{_OWNER} " + finding.format(), category=DistributedDoctorWarning)
 
 
-def _batches_left(trainer: L.Trainer) -> float:
-    """Training batches until ``max_steps`` ends the fit (inf: no such limit)."""
-    if trainer.max_steps is None or trainer.max_steps < 0:
-        return math.inf
-    return float(max(0, trainer.max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches))
-
-
 def _severity(finding: Finding) -> str:
     return finding.severity or RULES[finding.rule].severity
 
 
+_WHERE = {
+    "epoch_start": "the start of epoch {epoch}",
+    "epoch_end": "the end of epoch {epoch}",
+    "validation_end": "the end of a validation in epoch {epoch}",
+    "train_end": "the end of training",
+    "first_backward": "before the first backward",
+}
+
+
 def _where(kind: str, epoch: int, batch_idx: Optional[int]) -> str:
     """A check, in words (for the message of a rank that waited for another)."""
-    if kind == "epoch_start":
-        return f"the start of epoch {epoch}"
-    if kind == "epoch_end":
-        return f"the end of epoch {epoch}"
-    if kind == "validation_end":
-        return f"the end of a validation in epoch {epoch}"
-    if kind == "train_end":
-        return "the end of training"
-    if kind == "first_backward":
-        return "before the first backward"
-    return f"after batch {batch_idx} of epoch {epoch}"
+    return _WHERE.get(kind, "after batch {batch} of epoch {epoch}").format(epoch=epoch, batch=batch_idx)

@@ -1,9 +1,9 @@
-"""The worker of ``lightning-mgpu tune``: one ``fit`` that only tunes, in every rank.
+"""Every rank of ``lightning-mgpu tune``'s sweep: one ``fit`` that only tunes.
 
-Started by :mod:`lightning_mgpu.cli.tune` through ``torch.distributed.run``::
-
-    python -m torch.distributed.run --standalone --nproc-per-node=2 -m lightning_mgpu.cli.tune_worker \\
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m lightning_mgpu.cli.workers.tune \\
         --target recipes/x.py:make_module --out result.json
+
+Started so by :mod:`lightning_mgpu.cli.tune`.
 
 It builds the user's LightningModule (and data loader) from ``--target``, fits it with
 ``TunedDDPStrategy(bucket_cap_mb="auto")`` and stops as soon as the search is over; rank 0

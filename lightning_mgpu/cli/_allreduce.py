@@ -1,6 +1,6 @@
-"""The doctor's multi-process check: a real all_reduce between processes started on 127.0.0.1.
+"""``lightning-mgpu doctor``'s multi-process check: a real all_reduce between processes started on 127.0.0.1.
 
-:func:`run_allreduce_smoke` starts ``world`` copies of :mod:`lightning_mgpu.envcheck.smoke_worker`,
+:func:`run_allreduce_smoke` starts ``world`` copies of :mod:`lightning_mgpu.cli.workers.allreduce`,
 which meet through a store listening on 127.0.0.1 only, all-reduce a known tensor, check the
 sum and time a few more all-reduces. It never waits longer than its ``timeout``: processes
 still running then are killed and the check fails, saying so.
@@ -20,7 +20,7 @@ from lightning_mgpu.envcheck.variables import LAUNCH_VARS
 
 SMOKE_TIMEOUT_S = 20.0
 SMOKE_BYTES = 4 << 20  # all_reduce 4 MiB of float32
-WORKER = "lightning_mgpu.envcheck.smoke_worker"
+WORKER = "lightning_mgpu.cli.workers.allreduce"
 
 
 def run_allreduce_smoke(backend: str, world: int, timeout: float, nbytes: int = SMOKE_BYTES) -> dict[str, Any]:

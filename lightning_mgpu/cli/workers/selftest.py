@@ -1,6 +1,8 @@
-"""One path of ``lightning-mgpu doctor --selftest``, run as a program (each path in a fresh process).
+"""One path of ``lightning-mgpu doctor --selftest`` (each path in a fresh process).
 
-    python -m lightning_mgpu.cli._selftest_worker PATH OUT.json [--device cuda|cpu]
+    python -m lightning_mgpu.cli.workers.selftest PATH OUT.json [--device cuda|cpu]
+
+Started once per path by :mod:`lightning_mgpu.cli._selftest`.
 
 Paths (:data:`PATHS`): a short ``fit`` or a pipeline step that exercises one CUDA code path of
 the package and checks its result, not only that it ran. Rank 0 writes ``OUT.json``:
@@ -69,16 +71,23 @@ def _module() -> Any:
 
 
 def _fit(
-    device: str, *, strategy: Any, precision: str = "32-true", callbacks: Optional[list[Any]] = None
+    device: str,
+    *,
+    strategy: Any,
+    precision: str = "32-true",
+    callbacks: Optional[list[Any]] = None,
+    devices: Optional[int] = None,
 ) -> tuple[Any, Any]:
+    """A short fit of the self-test's module; ``devices``: every GPU there is (2 CPU processes) unless given."""
     import lightning as L
     import torch
 
     L.seed_everything(0, verbose=False)
-    gpus = torch.cuda.device_count() if device == "cuda" else 2
+    if devices is None:
+        devices = torch.cuda.device_count() if device == "cuda" else 2
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",
-        devices=gpus,
+        devices=devices,
         strategy=strategy,
         precision=precision,  # type: ignore[arg-type]
         max_steps=STEPS,
@@ -198,25 +207,9 @@ def path_copy_streams(device: str) -> dict[str, Any]:
 
 
 def path_hybrid_gpus(device: str) -> dict[str, Any]:
-    import lightning as L
-
     from lightning_mgpu import HybridParallelStrategy
 
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=2,
-        strategy=HybridParallelStrategy(devices_per_replica=2, microbatches=2),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model = _module()
-    trainer.fit(model)
-    if not model.losses or not all(math.isfinite(v) for v in model.losses):
-        raise AssertionError(f"losses not finite: {model.losses}")
+    trainer, model = _fit(device, strategy=HybridParallelStrategy(devices_per_replica=2, microbatches=2), devices=2)
     return {"steps": trainer.global_step, "final_loss": model.losses[-1]}
 
 
@@ -234,7 +227,7 @@ RUNNERS: dict[str, Callable[[str], dict[str, Any]]] = {
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_mgpu.cli._selftest_worker")
+    parser = argparse.ArgumentParser(prog="python -m lightning_mgpu.cli.workers.selftest")
     parser.add_argument("path", choices=sorted(RUNNERS))
     parser.add_argument("out")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

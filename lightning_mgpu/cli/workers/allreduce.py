@@ -1,6 +1,8 @@
-"""One rank of the doctor's all_reduce check, run as a program by :mod:`lightning_mgpu.envcheck.smoke`.
+"""One rank of ``lightning-mgpu doctor``'s all_reduce check.
 
-    python -m lightning_mgpu.envcheck.smoke_worker RANK WORLD PORT BACKEND NBYTES TIMEOUT
+    python -m lightning_mgpu.cli.workers.allreduce RANK WORLD PORT BACKEND NBYTES TIMEOUT
+
+Started ``WORLD`` times by :mod:`lightning_mgpu.cli._allreduce`.
 
 Rank 0 serves the rendezvous store on 127.0.0.1:PORT, listening there only; every rank
 joins a BACKEND process group through it (gloo/NCCL's own sockets kept on the loopback
