@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.common import print_table
+from bench.harness.report import print_table
 
 
 def plot(models: list[dict[str, Any]], path: Path, run_steps: int) -> Path:

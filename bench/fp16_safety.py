@@ -2,7 +2,7 @@
 
 torch's ``fp16_compress_hook`` casts before dividing: gradients above 65504 become inf (NaN
 parameters, silently), below ~6e-8 become 0. Four ways of doing fp16 on the wire train the same
-8M-parameter MLP (``bench/common.py``) with 2 processes, beside plain fp32 all-reduce:
+8M-parameter MLP (``bench/models.py``) with 2 processes, beside plain fp32 all-reduce:
 
     ddp_tuned      float32 all-reduce (DDP's built-in), the reference
     fp16_torch     torch's fp16_compress_hook: unsafe, the baseline the safe ones are compared with
@@ -47,13 +47,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bench import launcher, rounds, training
+from bench import RESULTS, training
+from bench.harness import interleave, launch
+from bench.harness.report import print_table, report_header, write_json
+from bench.harness.worker import backend_for
+from bench.models import MLP_WIDTHS, count_parameters, make_mlp
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce
-from bench.common import MLP_WIDTHS, backend_for, count_parameters, make_mlp, print_table, report_header, write_json
 
 MODULE = "bench.fp16_safety"
 CONFIGS = ("ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fp16_safety.json"
+DEFAULT_OUT = RESULTS / "fp16_safety.json"
 SKIPPED: list[torch.Tensor] = []  # fp16_skip's flags (one per bucket reduced), for its warning
 
 
@@ -135,9 +138,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
     started = time.perf_counter()
-    launches = rounds.run_rounds(MODULE, CONFIGS, args)
-    buckets = rounds.check_same_buckets(launches)
-    summary = rounds.summarize_rounds(launches, CONFIGS)
+    launches = interleave.run_rounds(MODULE, CONFIGS, args)
+    buckets = interleave.check_same_buckets(launches)
+    summary = interleave.summarize_rounds(launches, CONFIGS)
     final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
     elapsed = time.perf_counter() - started
     header = report_header(args, CONFIGS)
@@ -149,7 +152,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "mlp_widths": list(MLP_WIDTHS),
             "parameters": parameters,
             "quick": args.quick,
-            "launcher": launcher.describe(args.nproc),
+            "launcher": launch.describe(args.nproc),
             "timed_span": "forward+loss, zero_grad, backward, optimizer.step (first on_train_batch_start callback to "
             "first on_train_batch_end callback)",
         },
@@ -195,7 +198,7 @@ def print_report(summary: dict[str, dict[str, Any]], buckets: dict[str, Any], el
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    return rounds.parse_args(argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT, workers=CONFIGS)
+    return interleave.parse_args(argv, doc=__doc__, default_out=DEFAULT_OUT, workers=CONFIGS)
 
 
 if __name__ == "__main__":

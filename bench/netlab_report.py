@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import print_table
+from bench.harness.report import print_table
 
 STYLE = {
     "ddp": ("tab:gray", "o", "-"),

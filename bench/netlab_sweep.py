@@ -1,7 +1,7 @@
 """What each option buys where communication costs: ``python -m bench.netlab --sweep`` (this module's driver).
 
-Two nodes of :mod:`bench.netlab_lib`'s lab (one rank each, gloo over a tbf-shaped veth link),
-three models of different shape (``bench.buckets``' 8M MLP, VGG-style CNN and char_lm
+Two nodes of :mod:`bench.labs.network`'s lab (one rank each, gloo over a tbf-shaped veth link),
+three models of different shape (:func:`bench.models.build`'s 8M MLP, VGG-style CNN and char_lm
 transformer), every option a user can pick:
 
     ddp         Lightning's stock ``Trainer(strategy="ddp")``
@@ -32,15 +32,16 @@ link rate, one line per option, one panel per model). Needs root (network namesp
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
-import statistics
 import tempfile
-import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
+
+from bench import RESULTS
+from bench.harness import launch, worker
+from bench.harness.stats import median
+from bench.labs.network import Lab
+from bench.models import BATCH, build
+from lightning_mgpu.tuning.statistics import round_order
 
 OPTIONS = ("ddp", "ddp_tuned", "auto", "fp16", "bf16", "powersgd1", "powersgd4")
 LOSSY = ("fp16", "bf16", "powersgd1", "powersgd4")
@@ -62,7 +63,7 @@ QUICK = {
     "loss_steps": 4,
     "probe_seconds": 0.2,
 }
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "netlab_sweep.json"
+DEFAULT_OUT = RESULTS / "netlab_sweep.json"
 LAUNCH_TIMEOUT_S = 3600
 
 
@@ -86,65 +87,16 @@ def make_strategy(option: str) -> Any:
 
 def fit_option(model_name: str, option: str, steps: int, quick: bool) -> dict[str, Any]:
     """Train ``option`` on ``model_name`` for ``steps`` steps; rank 0's step times, loss and choices."""
-    import lightning as L
     import torch
     from torch.utils.data import DataLoader
 
-    from bench.buckets import BATCH, build
-
     model, data, loss_fn = build(model_name)
     strategy = make_strategy(option)
-    if option == "auto" and quick:  # smoke run: a search that fits a few steps (never for real figures)
-        import dataclasses
-
-        strategy.tuner.settings = dataclasses.replace(
-            strategy.tuner.settings,
-            rounds=1,
-            measure=1,
-            settle=0,
-            initial_warmup=0,
-            min_run_multiple=1.0,
-            extra_steps=0,
-        )
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
-            return loss_fn(self.model(inputs), targets)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    starts: list[int] = []
-    step_ns: list[int] = []
-
-    class Clock(L.Callback):
-        def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
-            starts.append(time.perf_counter_ns())
-
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            step_ns.append(time.perf_counter_ns() - starts[-1])
-
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=local,
-        num_nodes=int(os.environ["WORLD_SIZE"]) // local,
-        strategy=strategy,
-        max_steps=steps,
-        max_epochs=-1,
-        callbacks=[Clock()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    module = Module()
-    trainer.fit(module, DataLoader(data, batch_size=BATCH[model_name]))
+    if option == "auto" and quick:
+        worker.quick_tuning(strategy)
+    timer = worker.StepTimer()
+    trainer = worker.trainer(strategy, max_steps=steps, callbacks=[worker.time_each_step(timer)], max_epochs=-1)
+    trainer.fit(worker.regression(model, loss_fn), DataLoader(data, batch_size=BATCH[model_name]))
     held_out = data[: EVAL_BATCHES * BATCH[model_name]]  # the same fixed samples for every option
     with torch.no_grad():
         eval_loss = float(loss_fn(model(held_out[0]), held_out[1]))
@@ -152,94 +104,65 @@ def fit_option(model_name: str, option: str, steps: int, quick: bool) -> dict[st
         "model": model_name,
         "option": option,
         "steps": trainer.global_step,
-        "step_ms": [ns / 1e6 for ns in step_ns],
+        "step_ms": timer.step_ms(),
         "eval_loss": eval_loss,
     }
-    tuner = getattr(strategy, "tuner", None)
-    if tuner is not None:
+    if getattr(strategy, "tuner", None) is not None:
         record = strategy.tuning or {}
         result["tuning"] = {k: record.get(k) for k in ("status", "outcome", "chosen_mb", "steps", "extra_rounds")}
-    del trainer, module
-    gc.collect()
     return result
 
 
 def run_worker(args: argparse.Namespace) -> None:
     """Every (model, option, steps) of the plan in order; rank 0 writes the results."""
-    warnings.filterwarnings("ignore")
-    import logging
-
-    import torch
-    import torch.distributed as dist
-
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
-    results = []
-    for model_name, option, steps in json.loads(Path(args.worker_plan).read_text()):
-        started = time.perf_counter()
-        results.append(fit_option(model_name, option, steps, args.quick))
-        if int(os.environ["RANK"]) == 0:
-            print(
-                f"  {model_name:<8} {option:<10} {steps:>4} steps  {time.perf_counter() - started:7.1f} s", flush=True
-            )
-    if int(os.environ["RANK"]) == 0:
-        Path(args.worker_out).write_text(json.dumps(results))
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    worker.start(args.threads)
+    worker.run_plan(
+        args.worker_plan,
+        args.worker_out,
+        lambda item: fit_option(*item, args.quick),
+        lambda item, _, seconds: f"  {item[0]:<8} {item[1]:<10} {item[2]:>4} steps  {seconds:7.1f} s",
+    )
 
 
 # ----------------------------------------------------------------------------- driver
-def rotated(items: list[Any], shift: int) -> list[Any]:
-    shift %= max(1, len(items))
-    return items[shift:] + items[:shift]
-
-
 def timing_plan(args: argparse.Namespace, round_index: int) -> list[list[Any]]:
     """(model, option, steps) for one launch: every model, every option, in this round's order."""
     return [
         [model_name, option, args.auto_steps if option == "auto" else args.steps]
-        for model_name in rotated(list(args.models), round_index)
-        for option in rotated(list(args.options), round_index)
+        for model_name in round_order(args.models, round_index, scheme="rotate")
+        for option in round_order(args.options, round_index, scheme="rotate")
     ]
 
 
-def launch(
-    lab: Any, plan: list[list[Any]], args: argparse.Namespace, scratch: Path, label: str
-) -> list[dict[str, Any]]:
-    from bench.netlab_launch import launch_worker
-
-    plan_file = scratch / f"{label}_plan.json"
-    plan_file.write_text(json.dumps(plan))
-    worker = ["--worker-plan", str(plan_file), "--threads", str(args.threads), *(["--quick"] if args.quick else [])]
-    results: list[dict[str, Any]] = launch_worker(
-        lab, "bench.netlab", worker, scratch=scratch, label=label, timeout=args.launch_timeout, threads=args.threads
-    )
-    return results
+def run_plan(lab: Lab, plan: list[list[Any]], args: argparse.Namespace, scratch: Path, label: str) -> list[Any]:
+    worker_args = ["--threads", str(args.threads), *(["--quick"] if args.quick else [])]
+    finished = launch.launch_plan(
+        "bench.netlab", plan, worker_args, scratch=scratch, label=label, nproc=2, threads=args.threads,
+        timeout=args.launch_timeout, lab=lab,
+    )  # fmt: skip
+    print(finished.worker_lines())
+    return list(finished.report)
 
 
-def measure(lab: Any, rate: float, seconds: float) -> dict[str, Any]:
+def measure(lab: Lab, rate: float, seconds: float) -> dict[str, Any]:
     lab.set_rates(rate)
-    there, back = lab.measure_link(0, 1, seconds=seconds), lab.measure_link(1, 0, seconds=seconds)
-    print(f"link {rate:g} Gbit/s: measured {there.gbps:.3f} / {back.gbps:.3f} Gbit/s (0->1 / 1->0)")
-    return {"configured_gbps": rate, "measured_gbps": [there.gbps, back.gbps]}
+    link = lab.measure_both_ways(seconds)
+    print(f"link {rate:g} Gbit/s: measured {link['measured_gbps'][0]:.3f} / {link['measured_gbps'][1]:.3f} Gbit/s")
+    return link
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Build the lab, run the rounds and the loss launch, tear the lab down; every run's raw results."""
-    from bench.netlab_lib import Lab
-
     runs: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
     with Lab(2, max(args.rates)) as lab, tempfile.TemporaryDirectory(prefix="netlab_sweep_") as scratch:
         for round_index in range(args.rounds):
-            for rate in rotated(sorted(args.rates), round_index):
+            for rate in round_order(sorted(args.rates), round_index, scheme="rotate"):
                 print(f"round {round_index + 1}/{args.rounds}, {rate:g} Gbit/s")
                 link = {**measure(lab, rate, args.probe_seconds), "round": round_index}
                 links.append(link)
                 label = f"round{round_index}_{rate:g}gbps"
-                for result in launch(lab, timing_plan(args, round_index), args, Path(scratch), label):
+                for result in run_plan(lab, timing_plan(args, round_index), args, Path(scratch), label):
                     runs.append({**result, "round": round_index, "rate_gbps": rate, "link": link})
         losses: list[dict[str, Any]] = []
         if args.add_to is None:  # adding rates to a sweep: its losses stand (they do not depend on the link)
@@ -247,7 +170,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             print(f"loss after {args.loss_steps} steps ({fastest:g} Gbit/s; the result does not depend on the link)")
             measure(lab, fastest, args.probe_seconds)
             plan = [[m, o, args.loss_steps] for m in args.models for o in args.options]
-            losses = launch(lab, plan, args, Path(scratch), "loss")
+            losses = run_plan(lab, plan, args, Path(scratch), "loss")
     return {"runs": runs, "links": links, "losses": losses}
 
 
@@ -291,8 +214,8 @@ def merge(
     return merged, settings
 
 
-def median(values: list[float]) -> Optional[float]:
-    return float(statistics.median(values)) if values else None
+def median_or_none(values: list[float]) -> Optional[float]:
+    return median(values) if values else None
 
 
 def analyse(raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -309,23 +232,23 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any
                 ]
                 for option in args.options
             }
-            baseline = median([statistics.median(steps) for steps in timed.get("ddp", [])])
+            baseline = median_or_none([median(steps) for steps in timed.get("ddp", [])])
             for option in args.options:
                 mine = [r for r in here if r["option"] == option]
-                per_round = [statistics.median(steps) for steps in timed[option]]
-                whole = [statistics.mean(steps) for steps in timed[option]]
-                step_ms = median(per_round)
+                per_round = [median(steps) for steps in timed[option]]
+                whole = [sum(steps) / len(steps) for steps in timed[option]]
+                step_ms = median_or_none(per_round)
                 loss = next(
                     (r["eval_loss"] for r in raw["losses"] if (r["model"], r["option"]) == (model_name, option)), None
                 )
                 row: dict[str, Any] = {
                     "model": model_name,
                     "rate_gbps": rate,
-                    "measured_gbps": median(measured),
+                    "measured_gbps": median_or_none(measured),
                     "option": option,
                     "step_ms": step_ms,
                     "step_ms_per_round": per_round,
-                    "mean_step_ms": median(whole),
+                    "mean_step_ms": median_or_none(whole),
                     "speedup_vs_ddp": None if not (baseline and step_ms) else baseline / step_ms,
                     "eval_loss": loss,
                     "lossy": option in LOSSY,

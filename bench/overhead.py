@@ -1,6 +1,6 @@
 """What does Lightning, and our ``ddp_tuned`` strategy, cost per training step over plain torch DDP?
 
-Three configurations train the same 8M-parameter MLP (``bench/common.py``) on the same
+Three configurations train the same 8M-parameter MLP (``bench/models.py``) on the same
 synthetic data, batch and bucket layout (DDP's default: a 1 MiB first bucket, then
 25 MiB), with 2 processes:
 
@@ -18,7 +18,7 @@ Run it on a quiet machine (anything else on the cores shows up as noise):
     python -m bench.overhead --accelerator cuda --nproc 2    # 2 GPUs, NCCL, CUDA-event timing
 
 (from the repository root: see ``bench/__init__.py``). The training loops are
-:mod:`bench.training`'s, the rounds of launches :mod:`bench.rounds`'.
+:mod:`bench.training`'s, the rounds of launches :mod:`bench.harness.interleave`'s.
 
 How it is measured, and why that way:
 
@@ -66,24 +66,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench import launcher, rounds, training
-from bench.common import (
-    MLP_WIDTHS,
-    backend_for,
-    count_parameters,
-    make_mlp,
-    print_table,
-    report_header,
-    write_json,
-)
+from bench import RESULTS, training
+from bench.harness import interleave, launch
+from bench.harness.report import print_table, report_header, write_json
+from bench.harness.worker import backend_for
+from bench.models import MLP_WIDTHS, count_parameters, make_mlp
 
-MODULE = "bench.overhead"  # what bench.rounds launches: this script's worker
+MODULE = "bench.overhead"  # what its launches run: this script's worker
 CONFIGS = ("raw", "ddp", "ddp_tuned")
 TARGETS = {  # (numerator, denominator): the largest acceptable ratio of median step times
     ("ddp_tuned", "ddp"): 1.02,
     ("ddp_tuned", "raw"): 1.05,
 }
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+DEFAULT_OUT = RESULTS / "overhead.json"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -101,10 +96,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
 
     started = time.perf_counter()
-    launches = rounds.run_rounds(MODULE, CONFIGS, args)
-    buckets = rounds.check_same_buckets(launches)
-    summary = rounds.summarize_rounds(launches, CONFIGS)
-    targets = rounds.compare(summary, launches, TARGETS)
+    launches = interleave.run_rounds(MODULE, CONFIGS, args)
+    buckets = interleave.check_same_buckets(launches)
+    summary = interleave.summarize_rounds(launches, CONFIGS)
+    targets = interleave.compare(summary, launches, TARGETS)
     # Same model, data, order and arithmetic: every launch should end on the very same loss.
     final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
     elapsed = time.perf_counter() - started
@@ -119,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "mlp_widths": list(MLP_WIDTHS),
             "parameters": parameters,
             "quick": args.quick,
-            "launcher": launcher.describe(args.nproc),
+            "launcher": launch.describe(args.nproc),
             "timed_span": "forward+loss, zero_grad, backward, optimizer.step (Lightning: first on_train_batch_start "
             "callback to first on_train_batch_end callback)",
             "iteration": "one step start to the next (adds data fetch and the loop's work between steps)",
@@ -187,9 +182,7 @@ def print_report(
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    return rounds.parse_args(
-        argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT, workers=training.CONFIGS
-    )
+    return interleave.parse_args(argv, doc=__doc__, default_out=DEFAULT_OUT, workers=training.CONFIGS)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ Pure reporting over the JSON ``bench.whatif`` writes (re-run on a saved result w
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import print_table
+from bench.harness.report import print_table
+from bench.harness.stats import median
 
 MEDIAN_TARGET_PCT = 10.0
 WORST_TARGET_PCT = 20.0
@@ -28,13 +28,13 @@ def summarize_errors(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(r["error_pct"]) for r in rows]
     if not errors:
         return {"n": 0}
-    median, worst = statistics.median(errors), max(errors)
+    middle, worst = median(errors), max(errors)
     return {
         "n": len(errors),
-        "median_abs_error_pct": median,
+        "median_abs_error_pct": middle,
         "worst_abs_error_pct": worst,
         "worst": max(rows, key=lambda r: abs(r["error_pct"]))["config"],
-        "meets_targets": median <= MEDIAN_TARGET_PCT and worst <= WORST_TARGET_PCT,
+        "meets_targets": middle <= MEDIAN_TARGET_PCT and worst <= WORST_TARGET_PCT,
         "targets": {"median_pct": MEDIAN_TARGET_PCT, "worst_pct": WORST_TARGET_PCT},
     }
 
