@@ -56,11 +56,11 @@ from torch.utils.data import DataLoader
 from bench import RESULTS
 from bench.buckets_report import plot, print_report
 from bench.harness import cli, launch, worker
-from bench.harness.report import machine_facts, write_json
+from bench.harness.report import machine_of, write_json
 from bench.harness.stats import against, median
-from lightning_mgpu.tuning.statistics import round_order
-from bench.harness.worker import StepTimer, backend_for
+from bench.harness.worker import StepTimer
 from bench.models import BATCH, MODELS, build, count_parameters
+from lightning_mgpu.tuning.statistics import round_order
 
 MODULE = "bench.buckets"  # what its launches run: this script's worker
 
@@ -188,10 +188,8 @@ def launch_round(
         worker_args,
         scratch=scratch,
         label=label,
-        nproc=args.nproc,
-        threads=args.threads,
-        timeout=args.launch_timeout,
         lab=lab,
+        **launch.options(args),
         # A CPU run sees no GPU at all: nothing in the ranks initialises CUDA.
         env={"CUDA_VISIBLE_DEVICES": ""} if args.accelerator == "cpu" else None,
     )
@@ -327,12 +325,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     elapsed = time.perf_counter() - started
     payload = {
         "benchmark": "buckets",
-        "machine": machine_facts(
-            backend=backend_for(args.accelerator),
-            world_size=args.nproc,
-            device_type=args.accelerator,
-            threads_per_rank=args.threads,
-        ),
+        "machine": machine_of(args),
         "settings": {
             "models": args.models,
             "rounds": args.rounds,

@@ -136,17 +136,8 @@ def launch_fits(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         "--model", args.model,
     ]  # fmt: skip  # each option beside its value
-    finished = launch.launch(
-        MODULE,
-        worker_args,
-        nproc=args.nproc,
-        threads=args.threads,
-        scratch=scratch,
-        label="doctor_overhead",
-        timeout=args.launch_timeout,
-    )
-    fits: list[dict[str, Any]] = finished.report
-    return fits
+    finished = launch.launch(MODULE, worker_args, scratch=scratch, label="doctor_overhead", **launch.options(args))
+    return list(finished.report)
 
 
 def analyse(fits: list[dict[str, Any]]) -> dict[str, Any]:

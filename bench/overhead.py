@@ -62,15 +62,11 @@ launch's per-step times, the summary and whether each target is met.
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from bench import RESULTS, training
-from bench.harness import interleave, launch
-from bench.harness.report import print_table, report_header, write_json
-from bench.harness.worker import backend_for
-from bench.models import MLP_WIDTHS, count_parameters, make_mlp
+from bench.harness import interleave
+from bench.harness.report import write_json
 
 MODULE = "bench.overhead"  # what its launches run: this script's worker
 CONFIGS = ("raw", "ddp", "ddp_tuned")
@@ -86,99 +82,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:
         training.run_worker(args)
         return
-
-    parameters = count_parameters(make_mlp())
-    print(
-        f"8M MLP {' -> '.join(map(str, MLP_WIDTHS))}: {parameters:,} parameters "
-        f"({parameters * 4 / 2**20:.1f} MiB of fp32 gradients); batch {args.batch_size} per rank, "
-        f"{args.nproc} ranks on {args.accelerator} ({backend_for(args.accelerator)}), {args.threads} thread(s) per rank"
-    )
-    print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
-
-    started = time.perf_counter()
-    launches = interleave.run_rounds(MODULE, CONFIGS, args)
-    buckets = interleave.check_same_buckets(launches)
-    summary = interleave.summarize_rounds(launches, CONFIGS)
-    targets = interleave.compare(summary, launches, TARGETS)
-    # Same model, data, order and arithmetic: every launch should end on the very same loss.
-    final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
-    elapsed = time.perf_counter() - started
-
-    header = report_header(args, CONFIGS)
-    payload = {
-        "benchmark": "overhead",
-        "machine": header["machine"],
-        "settings": {
-            **header["settings"],
-            "learning_rate": training.LEARNING_RATE,
-            "mlp_widths": list(MLP_WIDTHS),
-            "parameters": parameters,
-            "quick": args.quick,
-            "launcher": launch.describe(args.nproc),
-            "timed_span": "forward+loss, zero_grad, backward, optimizer.step (Lightning: first on_train_batch_start "
-            "callback to first on_train_batch_end callback)",
-            "iteration": "one step start to the next (adds data fetch and the loop's work between steps)",
-            "clock": "torch.cuda.Event pairs" if args.accelerator == "cuda" else "time.perf_counter_ns on rank 0",
-        },
-        "bucket_layout": buckets,
-        "final_losses": final_losses,
-        "same_final_loss": len(set(final_losses.values())) == 1,
-        "launches": launches,
-        "summary": summary,
-        "targets": targets,
-        "wall_s": elapsed,
-    }
-    out = write_json(args.out, payload)
-    print_report(summary, targets, buckets, final_losses, elapsed, out)
-
-
-def print_report(
-    summary: dict[str, dict[str, Any]],
-    targets: dict[str, dict[str, Any]],
-    buckets: dict[str, Any],
-    final_losses: dict[str, float],
-    elapsed: float,
-    out: Path,
-) -> None:
-    rows = []
-    for config in CONFIGS:
-        entry = summary[config]
-        low, high = entry["step_ms_spread"]
-        rows.append(
-            [
-                config,
-                f"{entry['step_ms_median']:.2f}",
-                f"{entry['step_ms_p90']:.2f}",
-                f"{low:.2f}–{high:.2f} ({entry['relative_spread']:.1%})",
-                f"{entry['iteration_ms_median']:.2f}",
-                f"{entry['step_ms_median'] / summary['raw']['step_ms_median']:.3f}",
-                f"{entry['step_ms_median'] / summary['ddp']['step_ms_median']:.3f}",
-            ]
-        )
-    sizes = ", ".join(f"{size / 2**20:.2f}" for size in buckets["bucket_bytes"])
-    print()
-    print_table(
-        "Step time per configuration (median over rounds of per-launch medians)",
-        ["configuration", "step ms", "p90 ms", "spread ms (min–max, % of median)", "iteration ms", "× raw", "× ddp"],
-        rows,
-        caption=f"DDP buckets in all launches: [{sizes}] MiB",
-    )
-    if len(set(final_losses.values())) == 1:
+    report = training.compare_launches("overhead", MODULE, CONFIGS, args, TARGETS)
+    out = write_json(args.out, report)
+    final_losses = report["final_losses"]
+    if report["same_final_loss"]:
         print(f"Final loss {next(iter(final_losses.values())):.6f} in every launch: the same computation in all three.")
     else:
         print(f"WARNING: final losses differ, the configurations do not compute the same thing: {final_losses}")
-    for name, target in targets.items():
-        verdict = "met" if target["met"] else "NOT met"
-        noise = {
-            None: "  (one launch per configuration: no noise estimate)",
-            True: "  (within noise: a spread is wider than the margin)",
-            False: "",
-        }[target["within_noise"]]
-        print(
-            f"{name}: step {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
-            f"iteration {target['iteration_ratio']:.3f}"
-        )
-    print(f"\n{elapsed:.0f} s in all; wrote {out}")
+    training.print_launches(report, relative_to={"× raw": "raw", "× ddp": "ddp"})
+    print(f"\n{report['wall_s']:.0f} s in all; wrote {out}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -115,7 +115,14 @@ def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """``--launches`` launches of the interleaved worker; the report, and its table printed."""
+    print(
+        f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; {args.launches} "
+        f"launch(es) x {args.rounds} round(s) x {len(configs_of(args))} fits, {args.warmup} warm-up + {args.steps} "
+        "timed steps each\n"
+    )
+    started = time.perf_counter()
     fits: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
         for launch_index in range(args.launches):
@@ -143,7 +150,24 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 print(f"launch {launch_index + 1}/{args.launches} round {round_index + 1}/{args.rounds}  {figures}")
             print(f"  ({report['launch_wall_s']:.0f} s)")
-    return fits
+    summary, targets = summarize_interleaved(fits)
+    parts = breakdown(fits)
+    print_interleaved(summary, targets, parts)
+    header = report_header(args, configs_of(args))
+    final_losses = {fit["label"]: fit["final_loss"] for fit in fits}
+    return {
+        "benchmark": "profiler_overhead",
+        "machine": header["machine"],
+        "settings": {**header["settings"], **settings(args), "launches": args.launches},
+        "bucket_layout": interleave.check_same_buckets(fits),
+        "final_losses": final_losses,
+        "same_final_loss": len(set(final_losses.values())) == 1,
+        "fits": fits,
+        "summary": summary,
+        "targets": targets,
+        "breakdown": parts,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def ratios(
@@ -265,41 +289,6 @@ def print_interleaved(summary: dict[str, Any], targets: dict[str, Any], parts: O
         )
 
 
-def run_launches(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """The former design: every configuration its own launch, as bench.overhead runs them."""
-    launches = interleave.run_rounds(MODULE, CONFIGS, args)
-    interleave.check_same_buckets(launches)
-    summary = interleave.summarize_rounds(launches, CONFIGS)
-    targets = interleave.compare(summary, launches, LIMITS, measure="iteration")
-    rows = []
-    base = summary[CONFIGS[0]]
-    for config in CONFIGS:
-        entry = summary[config]
-        rows.append(
-            [
-                config,
-                f"{entry['iteration_ms_median']:.2f}",
-                f"{entry['step_ms_median']:.2f}",
-                f"{entry['step_ms_spread'][0]:.2f}–{entry['step_ms_spread'][1]:.2f} ({entry['relative_spread']:.1%})",
-                f"{entry['iteration_ms_median'] / base['iteration_ms_median']:.3f}",
-            ]
-        )
-    print()
-    print_table(
-        "CommProfiler cost, separate launches (median over rounds of per-launch medians)",
-        ["configuration", "iteration ms", "step ms", "step spread (min–max)", "× without profiler"],
-        rows,
-    )
-    for name, target in targets.items():
-        verdict = "met" if target["met"] else "NOT met"
-        noise = " (within noise: a spread is wider than the margin)" if target["within_noise"] else ""
-        print(
-            f"{name}: iteration {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
-            f"step {target['step_ratio']:.3f}"
-        )
-    return launches, summary, targets
-
-
 def _extend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
@@ -339,51 +328,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:  # --method launches: one configuration per launch
         training.run_worker(args)
         return
-    started = time.perf_counter()
-    if args.method == "interleaved":
-        print(
-            f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; {args.launches} "
-            f"launch(es) x {args.rounds} round(s) x {len(configs_of(args))} fits, {args.warmup} warm-up + {args.steps} "
-            "timed steps each\n"
+    if args.method == "launches":
+        report = training.compare_launches("profiler_overhead", MODULE, CONFIGS, args, LIMITS, measure="iteration")
+        report["settings"].update(settings(args), launches=args.rounds * len(CONFIGS))
+        report["breakdown"] = None
+        training.print_launches(
+            report,
+            relative_to={"× without profiler": CONFIGS[0]},
+            measure="iteration",
+            title="CommProfiler cost, separate launches (median over rounds of per-launch medians)",
         )
-        runs = run_interleaved(args)
-        summary, targets = summarize_interleaved(runs)
-        parts = breakdown(runs)
-        print_interleaved(summary, targets, parts)
     else:
+        report = run_interleaved(args)
+    out = write_json(args.out, report)
+    if not report["same_final_loss"]:
         print(
-            f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; "
-            f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n"
+            f"WARNING: final losses differ, with and without the profiler do not compute the same: {report['final_losses']}"
         )
-        runs, summary, targets = run_launches(args)
-        parts = None
-    elapsed = time.perf_counter() - started
-    header = report_header(args, configs_of(args) if args.method == "interleaved" else CONFIGS)
-    final_losses = {run["label"]: run["final_loss"] for run in runs}
-    payload: dict[str, Any] = {
-        "benchmark": "profiler_overhead",
-        "machine": header["machine"],
-        "settings": {
-            **header["settings"],
-            "method": args.method,
-            "launches": args.launches if args.method == "interleaved" else args.rounds * len(CONFIGS),
-            "profiler": "CommProfiler(every_n_steps=50): 20 profiled steps of every 200 after 5 warm-up steps",
-            "profiler_all": "CommProfiler(warmup_steps=--warmup, every_n_steps=50, profile_every=None)",
-            "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
-        },
-        "bucket_layout": interleave.check_same_buckets(runs),
-        "final_losses": final_losses,
-        "same_final_loss": len(set(final_losses.values())) == 1,
-        ("fits" if args.method == "interleaved" else "launches"): runs,
-        "summary": summary,
-        "targets": targets,
-        "breakdown": parts,
-        "wall_s": elapsed,
+    print(f"\n{report['wall_s']:.0f} s in all; wrote {out}")
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "method": args.method,
+        "profiler": "CommProfiler(every_n_steps=50): 20 profiled steps of every 200 after 5 warm-up steps",
+        "profiler_all": "CommProfiler(warmup_steps=--warmup, every_n_steps=50, profile_every=None)",
+        "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
     }
-    out = write_json(args.out, payload)
-    if not payload["same_final_loss"]:
-        print(f"WARNING: final losses differ, with and without the profiler do not compute the same: {final_losses}")
-    print(f"\n{elapsed:.0f} s in all; wrote {out}")
 
 
 if __name__ == "__main__":

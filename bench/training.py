@@ -14,22 +14,26 @@ all-reduce, ``optimizer.step()``); in Lightning it runs from the first
 ``on_train_batch_start`` callback to the first ``on_train_batch_end`` callback. Used by
 ``bench.overhead``, ``bench.fp16_safety``, ``bench.profiler_overhead`` and
 ``bench.doctor_overhead`` (which attaches the doctor); their docstrings say why it is measured so.
+:func:`compare_launches` is the driver of ``overhead``, ``fp16_safety`` and ``profiler_overhead
+--method launches``: every configuration its own launch, in rounds, and the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Sequence
+import time
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.harness import worker
+from bench.harness import interleave, launch, worker
+from bench.harness.report import print_table, report_header
 from bench.harness.stats import summarize
 from bench.harness.worker import StepTimer, backend_for, ddp_bucket_layout, worker_device
-from bench.models import MLP_WIDTHS, make_data, make_mlp
+from bench.models import MLP_WIDTHS, count_parameters, make_data, make_mlp
 
 CONFIGS = ("raw", "ddp", "ddp_tuned", "ddp_tuned+profiler", "ddp_tuned+profiler_all", "ddp_tuned+hook")
 LEARNING_RATE = worker.LEARNING_RATE
@@ -148,3 +152,115 @@ def train_lightning(
         "lightning_callbacks": [type(c).__name__ for c in trainer.callbacks],
         "strategy_class": type(trainer.strategy).__name__,
     }
+
+
+# ----------------------------------------------------------------------------- the driver: one launch per configuration
+TIMED_SPAN = (
+    "forward+loss, zero_grad, backward, optimizer.step (Lightning: first on_train_batch_start callback to first "
+    "on_train_batch_end callback)"
+)
+
+
+def compare_launches(
+    benchmark: str,
+    module: str,
+    configs: tuple[str, ...],
+    args: argparse.Namespace,
+    limits: Optional[dict[tuple[str, str], float]] = None,
+    *,
+    measure: str = "step",
+) -> dict[str, Any]:
+    """The 8M MLP under every configuration, each its own launch of ``module``'s worker, in rotated rounds
+    (:func:`bench.harness.interleave.run_rounds`); the report: settings, every launch, the summary and the
+    ratios against ``limits``."""
+    parameters = count_parameters(make_mlp())
+    print(
+        f"8M MLP {' -> '.join(map(str, MLP_WIDTHS))}: {parameters:,} parameters "
+        f"({parameters * 4 / 2**20:.1f} MiB of fp32 gradients); batch {args.batch_size} per rank, "
+        f"{args.nproc} ranks on {args.accelerator} ({backend_for(args.accelerator)}), {args.threads} thread(s) per rank"
+    )
+    print(f"{args.rounds} round(s) x {len(configs)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
+    started = time.perf_counter()
+    launches = interleave.run_rounds(module, configs, args)
+    summary = interleave.summarize_rounds(launches, configs)
+    # Same model, data, order and arithmetic: launches that compute the same end on the very same loss.
+    final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
+    header = report_header(args, configs)
+    return {
+        "benchmark": benchmark,
+        "machine": header["machine"],
+        "settings": {
+            **header["settings"],
+            "learning_rate": LEARNING_RATE,
+            "mlp_widths": list(MLP_WIDTHS),
+            "parameters": parameters,
+            "quick": args.quick,
+            "launcher": launch.describe(args.nproc),
+            "timed_span": TIMED_SPAN,
+            "iteration": "one step start to the next (adds data fetch and the loop's work between steps)",
+            "clock": "torch.cuda.Event pairs" if args.accelerator == "cuda" else "time.perf_counter_ns on rank 0",
+        },
+        "bucket_layout": interleave.check_same_buckets(launches),
+        "final_losses": final_losses,
+        "same_final_loss": len(set(final_losses.values())) == 1,
+        "launches": launches,
+        "summary": summary,
+        "targets": interleave.compare(summary, launches, limits or {}, measure),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def print_launches(
+    report: dict[str, Any],
+    *,
+    relative_to: dict[str, str],
+    iteration: bool = True,
+    measure: str = "step",
+    title: str = "Step time per configuration (median over rounds of per-launch medians)",
+) -> None:
+    """:func:`compare_launches`' report: step median, p90 and spread per configuration (and the iteration
+    time), its ``measure`` as a multiple of the configurations in ``relative_to`` (column -> config); the
+    targets and their verdicts."""
+    summary = report["summary"]
+    rows = []
+    for config, entry in summary.items():
+        low, high = entry["step_ms_spread"]
+        rows.append(
+            [
+                config,
+                f"{entry['step_ms_median']:.2f}",
+                f"{entry['step_ms_p90']:.2f}",
+                f"{low:.2f}–{high:.2f} ({entry['relative_spread']:.1%})",
+                *([f"{entry['iteration_ms_median']:.2f}"] if iteration else []),
+                *(
+                    f"{entry[f'{measure}_ms_median'] / summary[other][f'{measure}_ms_median']:.3f}"
+                    for other in relative_to.values()
+                ),
+            ]
+        )
+    sizes = ", ".join(f"{size / 2**20:.2f}" for size in report["bucket_layout"]["bucket_bytes"])
+    print()
+    print_table(
+        title,
+        [
+            "configuration",
+            "step ms",
+            "p90 ms",
+            "spread ms (min–max, % of median)",
+            *(["iteration ms"] if iteration else []),
+            *relative_to,
+        ],
+        rows,
+        caption=f"DDP buckets in all launches: [{sizes}] MiB",
+    )
+    other = "iteration" if measure == "step" else "step"
+    for name, target in report["targets"].items():
+        noise = {
+            None: "  (one launch per configuration: no noise estimate)",
+            True: "  (within noise: a spread is wider than the margin)",
+            False: "",
+        }[target["within_noise"]]
+        print(
+            f"{name}: {measure} {target['ratio']:.3f} (limit {target['limit']:.2f}) -> "
+            f"{'met' if target['met'] else 'NOT met'}{noise}; {other} {target[f'{other}_ratio']:.3f}"
+        )

@@ -64,15 +64,7 @@ def launch_config(
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         *extra_args,
     ]  # fmt: skip  # each option beside its value
-    finished = launch.launch(
-        module,
-        worker_args,
-        nproc=args.nproc,
-        threads=args.threads,
-        scratch=scratch,
-        label=label,
-        timeout=args.launch_timeout,
-    )
+    finished = launch.launch(module, worker_args, scratch=scratch, label=label, **launch.options(args))
     report: dict[str, Any] = finished.report
     report["launch_wall_s"] = finished.wall_s
     return report

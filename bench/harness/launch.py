@@ -209,6 +209,12 @@ def check(runs: Sequence[NodeRun], label: str, *, timeout: Optional[float] = Non
     raise LaunchFailed(f"{label}: launch {how} ({len(failed)} of {len(runs)} node(s))\n{tails}")
 
 
+def options(args: Any) -> dict[str, Any]:
+    """:func:`launch`'s ``nproc``, ``threads`` and ``timeout`` from a benchmark's launch options
+    (:func:`bench.harness.cli.add_launch_options`)."""
+    return {"nproc": args.nproc, "threads": args.threads, "timeout": args.launch_timeout}
+
+
 def launch(
     module: str,
     worker_args: Sequence[str],

@@ -50,17 +50,22 @@ def machine_facts(*, backend: str, world_size: int, device_type: str, threads_pe
     return facts
 
 
-def report_header(args: Any, configs: Sequence[str], *, rounds: Optional[int] = None) -> dict[str, Any]:
-    """The machine and the settings every launch-based benchmark records (``rounds``: ``args.rounds`` by default)."""
+def machine_of(args: Any) -> dict[str, Any]:
+    """:func:`machine_facts` of a benchmark run with the launch options (:func:`bench.harness.cli.add_launch_options`)."""
     from bench.harness.worker import backend_for
 
+    return machine_facts(
+        backend=backend_for(args.accelerator),
+        world_size=args.nproc,
+        device_type=args.accelerator,
+        threads_per_rank=args.threads,
+    )
+
+
+def report_header(args: Any, configs: Sequence[str], *, rounds: Optional[int] = None) -> dict[str, Any]:
+    """The machine and the settings every launch-based benchmark records (``rounds``: ``args.rounds`` by default)."""
     return {
-        "machine": machine_facts(
-            backend=backend_for(args.accelerator),
-            world_size=args.nproc,
-            device_type=args.accelerator,
-            threads_per_rank=args.threads,
-        ),
+        "machine": machine_of(args),
         "settings": {
             "configs": list(configs),
             "rounds": args.rounds if rounds is None else rounds,
