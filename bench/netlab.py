@@ -177,7 +177,7 @@ def run_buckets(args: argparse.Namespace) -> None:
 
 
 def sweep_and_report(args: argparse.Namespace) -> None:
-    from bench.netlab_report import plot, print_report
+    from bench.netlab_sweep import plot, print_report
 
     started = time.perf_counter()
     existing = None if args.add_to is None else json.loads(args.add_to.read_text())

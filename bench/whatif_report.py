@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.harness.report import print_table
+from bench.harness.report import print_table, save_figure, subplots
 from bench.harness.stats import median
 
 MEDIAN_TARGET_PCT = 10.0
@@ -83,12 +83,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Predicted against measured step time, log-log, the y = x line and the 10% / 20% bands."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 6))
+    fig, ax = subplots(figsize=(6.5, 6))
     markers = {"loopback_profile": "o", "profile_at_1gbps": "s", "one_rank_plus_bench_comm": "^"}
     short = {
         "loopback_profile": "2-rank loopback profile",
@@ -124,11 +119,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     )
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: Sequence[str] = tuple(sys.argv[1:])) -> None:

@@ -4,7 +4,8 @@
   included: a shared machine says so);
 * :func:`report_header`: machine and settings of a launch-based step-time comparison;
 * :func:`write_json`: the report, written whole or not at all;
-* :func:`print_table`: a rich table, numbers right-aligned.
+* :func:`print_table`: a rich table, numbers right-aligned;
+* :func:`subplots` / :func:`save_figure`: a matplotlib figure drawn off-screen, and written.
 """
 
 from __future__ import annotations
@@ -101,3 +102,24 @@ def print_table(
     if not console.is_terminal:
         console.width = max(console.width, 120)  # piped to a file or a log: don't squeeze into 80 columns
     console.print(table)
+
+
+def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``matplotlib.pyplot.subplots`` on the off-screen backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: Path, *, dpi: int = 120) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (parents created) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
