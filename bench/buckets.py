@@ -51,14 +51,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader
-
 from bench import RESULTS
 from bench.harness import cli, launch, worker
 from bench.harness.report import machine_of, print_table, save_figure, subplots, write_json
 from bench.harness.stats import against, median
-from bench.harness.worker import StepTimer
-from bench.models import BATCH, MODELS, build, count_parameters
+from bench.models import BATCH, MODELS, build, count_parameters, fit
 from lightning_mgpu.tuning.statistics import round_order
 
 MODULE = "bench.buckets"  # what its launches run: this script's worker
@@ -97,11 +94,9 @@ def fit_once(model_name: str, bucket_cap_mb: Any, steps: int, args: argparse.Nam
 
     from lightning_mgpu import TunedDDPStrategy
 
-    model, data, loss_fn = build(model_name)
     strategy = TunedDDPStrategy(bucket_cap_mb=bucket_cap_mb)
     if bucket_cap_mb == "auto" and args.quick:
         worker.quick_tuning(strategy)  # smoke run: tune in a few steps, whatever the run length
-    timer = StepTimer()  # the host clock, as CommProfiler's step
     timing: dict[str, Any] = {"status": []}
 
     class Totals(L.Callback):
@@ -116,22 +111,17 @@ def fit_once(model_name: str, bucket_cap_mb: Any, steps: int, args: argparse.Nam
             layout = strategy.bucket_layout
             timing["built_bytes"] = None if layout is None else [b.bytes for b in layout]
 
-    callbacks = [worker.time_each_step(timer), Totals()]
-    trainer = worker.trainer(
-        strategy, max_steps=steps, callbacks=callbacks, accelerator=args.accelerator, max_epochs=-1
-    )
-    module = worker.regression(model, loss_fn)
-    trainer.fit(module, DataLoader(data, batch_size=BATCH[model_name]))
-    step_ms = timer.step_ms()
+    done = fit(model_name, strategy, steps, callbacks=[Totals()], accelerator=args.accelerator)
+    step_ms = done.step_ms
     result: dict[str, Any] = {
         "model": model_name,
         "bucket_cap_mb": bucket_cap_mb,
         "size_in_force": strategy.bucket_cap_mb,
-        "steps": trainer.global_step,
+        "steps": done.trainer.global_step,
         "step_ms": step_ms,
         "fit_s": timing["fit_ns"] / 1e9,
         "built_bytes": timing["built_bytes"],
-        "final_loss": module.losses()[-1],
+        "final_loss": done.module.losses()[-1],
     }
     if bucket_cap_mb == "auto":
         statuses = timing["status"]

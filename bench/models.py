@@ -7,6 +7,7 @@ Two benchmarks that say "the 8M MLP, batch 64" measure the same thing:
 * :func:`build`: the three models of different shape the communication benchmarks
   (``buckets``, ``netlab --sweep``, ``whatif``) train: ``mlp`` (the 8M MLP), ``cnn`` (VGG-style)
   and ``char_lm`` (``recipes/char_lm``'s transformer), each with its data and loss;
+* :func:`fit`: one of them trained by a strategy on a launch's ranks, every step timed;
 * :func:`load_recipe`: a recipe's script as a module, so benchmarks use its classes rather
   than copies.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -112,6 +114,37 @@ def build(model_name: str) -> tuple[nn.Module, TensorDataset, Loss]:
         model = recipe.CharTransformer(len(vocab), block_size=64, width=256, layers=4, heads=4)
         return model, TensorDataset(torch.stack(inputs), torch.stack(targets)), recipe.next_char_loss
     raise ValueError(f"unknown model {model_name!r}; choose from {MODELS}")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A finished :func:`fit`: the Trainer and module, the model with its data and loss, each step's time."""
+
+    trainer: Any
+    module: Any
+    model: nn.Module
+    data: TensorDataset
+    loss_fn: Loss
+    step_ms: list[float]
+
+
+def fit(model_name: str, strategy: Any, steps: int, *, callbacks: Sequence[Any] = (), accelerator: str = "cpu") -> Fit:
+    """Train :func:`build`'s ``model_name`` for ``steps`` steps with ``strategy`` (:data:`BATCH` per rank, SGD) on
+    this launch's ranks; each step timed by the host clock, from the first ``on_train_batch_start`` to the first
+    ``on_train_batch_end`` callback (the span ``CommProfiler`` calls a step); ``callbacks`` attached after the clock."""
+    from torch.utils.data import DataLoader
+
+    from bench.harness import worker
+
+    model, data, loss_fn = build(model_name)
+    timer = worker.StepTimer()
+    clock = worker.time_each_step(timer)
+    trainer = worker.trainer(
+        strategy, max_steps=steps, callbacks=[clock, *callbacks], accelerator=accelerator, max_epochs=-1
+    )
+    module = worker.regression(model, loss_fn)
+    trainer.fit(module, DataLoader(data, batch_size=BATCH[model_name]))
+    return Fit(trainer, module, model, data, loss_fn, timer.step_ms())
 
 
 def load_recipe(name: str, script: str = "train_lightning.py") -> ModuleType:

@@ -45,7 +45,7 @@ from bench.harness import launch, worker
 from bench.harness.report import print_table, save_figure, subplots
 from bench.harness.stats import median
 from bench.labs.network import Lab
-from bench.models import BATCH, build
+from bench.models import BATCH, fit
 from lightning_mgpu.tuning.statistics import round_order
 
 OPTIONS = ("ddp", "ddp_tuned", "auto", "fp16", "bf16", "powersgd1", "powersgd4")
@@ -93,23 +93,19 @@ def make_strategy(option: str) -> Any:
 def fit_option(model_name: str, option: str, steps: int, quick: bool) -> dict[str, Any]:
     """Train ``option`` on ``model_name`` for ``steps`` steps; rank 0's step times, loss and choices."""
     import torch
-    from torch.utils.data import DataLoader
 
-    model, data, loss_fn = build(model_name)
     strategy = make_strategy(option)
     if option == "auto" and quick:
         worker.quick_tuning(strategy)
-    timer = worker.StepTimer()
-    trainer = worker.trainer(strategy, max_steps=steps, callbacks=[worker.time_each_step(timer)], max_epochs=-1)
-    trainer.fit(worker.regression(model, loss_fn), DataLoader(data, batch_size=BATCH[model_name]))
-    held_out = data[: EVAL_BATCHES * BATCH[model_name]]  # the same fixed samples for every option
+    done = fit(model_name, strategy, steps)
+    held_out = done.data[: EVAL_BATCHES * BATCH[model_name]]  # the same fixed samples for every option
     with torch.no_grad():
-        eval_loss = float(loss_fn(model(held_out[0]), held_out[1]))
+        eval_loss = float(done.loss_fn(done.model(held_out[0]), held_out[1]))
     result: dict[str, Any] = {
         "model": model_name,
         "option": option,
-        "steps": trainer.global_step,
-        "step_ms": timer.step_ms(),
+        "steps": done.trainer.global_step,
+        "step_ms": done.step_ms,
         "eval_loss": eval_loss,
     }
     if getattr(strategy, "tuner", None) is not None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from bench.harness import worker
 from bench.harness.stats import median
-from bench.models import BATCH, build
+from bench.models import fit
 
 WHATIF_SEED = 0
 
@@ -46,11 +46,9 @@ WHATIF_SEED = 0
 def fit_once(item: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
 
     from lightning_mgpu import CommProfiler, TunedDDPStrategy
 
-    model, data, loss_fn = build(item["model"])
     options: dict[str, Any] = {"bucket_cap_mb": item.get("bucket_cap_mb"), "compression": item.get("compression")}
     if item.get("compression") == "powersgd":
         options.update(powersgd_rank=int(item.get("powersgd_rank", 1)), powersgd_start_iter=2)
@@ -72,8 +70,7 @@ def fit_once(item: dict[str, Any]) -> dict[str, Any]:
             ]
             record["built_bytes"] = [b.bytes for b in layout]
 
-    timer = worker.StepTimer()
-    callbacks: list[L.Callback] = [worker.time_each_step(timer), Gradients()]
+    callbacks: list[L.Callback] = [Gradients()]
     if item.get("profile_dir"):
         callbacks.append(
             CommProfiler(
@@ -85,21 +82,19 @@ def fit_once(item: dict[str, Any]) -> dict[str, Any]:
                 export_dir=item["profile_dir"],
             )
         )
-    trainer = worker.trainer(strategy, max_steps=warmup + steps, callbacks=callbacks, max_epochs=-1)
-    module = worker.regression(model, loss_fn)
-    trainer.fit(module, DataLoader(data, batch_size=BATCH[item["model"]]))
-    step_ms = timer.step_ms()
+    done = fit(item["model"], strategy, warmup + steps, callbacks=callbacks)
+    timed = done.step_ms[warmup:]
     result = {
         **item,
-        "world_size": trainer.world_size,
-        "step_ms": step_ms,
-        "median_ms": median(step_ms[warmup:]) if step_ms[warmup:] else float("nan"),
-        "losses": module.losses(),
+        "world_size": done.trainer.world_size,
+        "step_ms": done.step_ms,
+        "median_ms": median(timed) if timed else float("nan"),
+        "losses": done.module.losses(),
         "gradients": record["gradients"],
         "built_bytes": record.get("built_bytes"),
         "profile": None,
     }
-    if item.get("profile_dir") and trainer.global_rank == 0:
+    if item.get("profile_dir") and done.trainer.global_rank == 0:
         path = Path(item["profile_dir"]) / "comm_profile.json"
         result["profile"] = json.loads(path.read_text()) if path.is_file() else None
     return result

@@ -294,52 +294,24 @@ class Lab:
         self.created.append(name)
         self._ip(name, "ip", "link", "set", "lo", "up")
 
+    def _veth(self, end: str, namespace: str, peer: str, peer_namespace: str) -> None:
+        """A veth pair: ``end`` inside ``namespace``, ``peer`` inside ``peer_namespace`` (names hold no spaces)."""
+        self.runner(f"ip link add {end} netns {namespace} type veth peer name {peer} netns {peer_namespace}".split())
+
     def _build(self) -> None:
         for node in self.nodes:
             self._namespace(node.namespace)
             self._ip(node.namespace, "sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1")
         if self.switch is None:
             a, b = self.nodes
-            self.runner(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    a.interface,
-                    "netns",
-                    a.namespace,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    b.interface,
-                    "netns",
-                    b.namespace,
-                ]
-            )
+            self._veth(a.interface, a.namespace, b.interface, b.namespace)
         else:
             self._namespace(self.switch)
             self._ip(self.switch, "ip", "link", "add", "br0", "type", "bridge")
             self._ip(self.switch, "ip", "link", "set", "br0", "up")
             for node in self.nodes:
                 assert node.switch_port is not None
-                self.runner(
-                    [
-                        "ip",
-                        "link",
-                        "add",
-                        node.interface,
-                        "netns",
-                        node.namespace,
-                        "type",
-                        "veth",
-                        "peer",
-                        "name",
-                        node.switch_port,
-                        "netns",
-                        self.switch,
-                    ]
-                )
+                self._veth(node.interface, node.namespace, node.switch_port, self.switch)
                 self._ip(self.switch, "ip", "link", "set", node.switch_port, "master", "br0")
                 self._ip(self.switch, "ip", "link", "set", node.switch_port, "up")
         for node in self.nodes:
