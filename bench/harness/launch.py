@@ -11,8 +11,9 @@ Either way the same start for every configuration (the fair choice: identical pr
 environment and rendezvous): from the repository root with the repository on ``PYTHONPATH``,
 ``OMP_NUM_THREADS`` pinned to the torch threads each rank uses, torchrun's own variables of a
 surrounding launch cleared, W&B offline. Output goes to one log file per node (never to a pipe
-that could fill); a node that fails, or a launch past its timeout, ends every node (whole
-process groups), so no rank outlives its launch.
+that could fill); a node that fails, or a launch past its timeout, ends every node and every
+rank under it (:func:`end_tree`: torchrun gives each rank a session of its own), so no rank
+outlives its launch.
 
 :func:`run` starts any ``TARGET`` (``["script.py", ...]`` or ``["-m", "module", ...]``) and
 returns every node's exit code and output; :func:`launch` runs a benchmark's worker
@@ -98,29 +99,12 @@ def torchrun_argv(
     target: Sequence[str], *, nproc_per_node: int, lab: Optional[Lab] = None, node: int = 0, port: int = 0
 ) -> list[str]:
     """``[ip netns exec NODE] python -m torch.distributed.run ... TARGET`` for one node (all ranks, without a lab)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if lab is None:
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc_per_node}",
-            *target,
-        ]
-    return [
-        *lab.nodes[node].exec_prefix(),
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={len(lab.nodes)}",
-        f"--node-rank={node}",
-        f"--nproc-per-node={nproc_per_node}",
-        f"--master-addr={lab.master_addr}",
-        f"--master-port={port}",
-        "--rdzv-backend=static",
-        "--max-restarts=0",
-        *target,
-    ]
+        return [*torchrun, "--standalone", f"--nproc-per-node={nproc_per_node}", *target]
+    rendezvous = [f"--master-addr={lab.master_addr}", f"--master-port={port}", "--rdzv-backend=static"]
+    nodes = [f"--nnodes={len(lab.nodes)}", f"--node-rank={node}", f"--nproc-per-node={nproc_per_node}"]
+    return [*lab.nodes[node].exec_prefix(), *torchrun, *nodes, *rendezvous, "--max-restarts=0", *target]
 
 
 def rank_env(
@@ -184,15 +168,53 @@ def run(
         ended = [child.poll() is not None for child, _ in children]
         for child, _ in children:
             if child.poll() is None:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                child.wait()
+                end_tree(child)
     return [
         NodeRun(i, child.returncode, log.read_text(errors="replace"), timed_out=expired and not ended[i])
         for i, (child, log) in enumerate(children)
     ]
+
+
+def end_tree(child: subprocess.Popen[bytes], *, grace: float = 5.0) -> None:
+    """End ``child`` and every process under it: torchrun puts each rank in a session of its own, so
+    killing torchrun's process group alone would leave the ranks running. Asked to stop first
+    (SIGTERM: torchrun stops its ranks), then killed, with every descendant found beforehand."""
+    tree = _descendants(child.pid)
+    for pid in (child.pid, *tree):
+        _signal(pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in (child.pid, *tree):
+        _signal(pid, signal.SIGKILL)
+    child.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc; none where there is no /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # the parent pid is the 2nd field after the command, which is in parentheses and may hold spaces
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _signal(pid: int, signum: int) -> None:
+    for kill in (os.killpg, os.kill):  # its process group (a rank's own session included), then itself
+        try:
+            kill(pid, signum)
+        except OSError:
+            pass
 
 
 def check(runs: Sequence[NodeRun], label: str, *, timeout: Optional[float] = None, lines: int = 40) -> None:
