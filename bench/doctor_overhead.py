@@ -1,6 +1,6 @@
 """What does ``DistributedDoctor`` cost per training step?
 
-The 8M-parameter MLP of ``bench/common.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
+The 8M-parameter MLP of ``bench/models.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
 ``strategy="ddp_tuned"`` with and without ``DistributedDoctor()`` at its default settings
 (checks after the first batch and every 100 batches, at each epoch start and end, after
 each epoch's first batch, and at the end of training).
@@ -30,32 +30,20 @@ per-batch hooks (``hook_us_per_batch``, checks excluded): the two parts of the c
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from bench import launcher
-from bench.common import (
-    MLP_WIDTHS,
-    StepTimer,
-    apply_quick,
-    make_data,
-    make_mlp,
-    print_table,
-    report_header,
-    summarize,
-    worker_device,
-    write_json,
-)
+from bench import RESULTS, training
+from bench.harness import cli, interleave, launch, worker
+from bench.harness.report import load_average, print_table, report_header, write_json
+from bench.harness.stats import against, median, paired_ratios, summarize
+from bench.harness.worker import StepTimer, worker_device
+from bench.models import MLP_WIDTHS, make_data
 
 MODULE = "bench.doctor_overhead"  # what its launch runs: this script's worker
 
@@ -66,25 +54,17 @@ MODELS = {"mlp8m": MLP_WIDTHS, "tiny": (32, 64, 1)}
 PAIRS, STEPS, WARMUP, BATCH_SIZE = 5, 200, 10, 64
 QUICK = {"pairs": 1, "steps": 10, "warmup": 2}
 HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "doctor_overhead.json"
+DEFAULT_OUT = RESULTS / "doctor_overhead.json"
 
 
 def schedule(pairs: int) -> list[str]:
     """ABBA ABBA ...: each configuration goes first in half of the pairs."""
-    order: list[str] = []
-    for index in range(pairs):
-        order += [BASE, DOCTOR] if index % 2 == 0 else [DOCTOR, BASE]
-    return order
+    return [config for _, _, config in interleave.schedule(CONFIGS, pairs)]
 
 
 # ----------------------------------------------------------------------------- the launch (every rank)
 def run_worker(args: argparse.Namespace) -> None:
-    import logging
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
+    worker.start(args.threads)
     device = worker_device(args.accelerator)
     fit_once(BASE, args, device)  # the process's first fit runs cold (allocator, caches, gloo buffers): discarded
     results = []
@@ -92,74 +72,33 @@ def run_worker(args: argparse.Namespace) -> None:
         result = fit_once(config, args, device)
         result["index"] = index
         results.append(result)
-    if int(os.environ["RANK"]) == 0:
-        Path(args.worker_out).write_text(json.dumps(results))
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    worker.finish(args.worker_out, results)
 
 
 def fit_once(config: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    import lightning as L
-    from torch.utils.data import DataLoader
-
+    """One fit of ``ddp_tuned`` (bench.training's), with the doctor attached last when ``config`` says so."""
     from lightning_mgpu.callbacks.doctor import DistributedDoctor
 
-    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    world_size = int(os.environ["WORLD_SIZE"])
     total_steps = args.warmup + args.steps
     widths = MODELS[args.model]
     dataset = make_data(total_steps * args.batch_size * world_size, widths)  # one epoch, no boundary inside
     timer = StepTimer(device)
     check_ms: list[tuple[str, float]] = []  # (kind, ms) of every check on this rank
     hook_us: dict[str, list[float]] = {name: [] for name in HOOKS}
-
-    class MLPRegression(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = make_mlp(widths)
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
-            return nn.functional.mse_loss(self.net(inputs), targets)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    class TimeEachStep(L.Callback):
-        # First in the list: its batch-end stamp comes before the doctor's batch-end work.
-        def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
-            timer.start()
-
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            timer.stop()
-
-    callbacks: list[L.Callback] = [TimeEachStep()]
     doctor: Optional[DistributedDoctor] = None
     if config == DOCTOR:
         doctor = DistributedDoctor()
         _time_doctor(doctor, check_ms, hook_us)
-        callbacks.append(doctor)
-    trainer = L.Trainer(
-        accelerator="cuda" if device.type == "cuda" else "cpu",
-        devices=local_world_size,
-        num_nodes=world_size // local_world_size,
-        strategy="ddp_tuned",
-        max_steps=total_steps,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+    # The timer's callback comes first: its batch-end stamp comes before the doctor's batch-end work.
+    training.train_lightning(
+        BASE, args, dataset, timer, device, total_steps, widths=widths, callbacks=[doctor] if doctor else []
     )
-    trainer.fit(MLPRegression(), DataLoader(dataset, batch_size=args.batch_size))
-    if trainer.global_step != total_steps:
-        raise RuntimeError(f"{config}: ran {trainer.global_step} steps, expected {total_steps}")
-    step_ms, iteration_ms = timer.step_ms(skip=args.warmup), timer.iteration_ms(skip=args.warmup)
     return {
         "config": config,
         "world_size": world_size,
-        "step": summarize(step_ms),
-        "iteration": summarize(iteration_ms),
+        "step": summarize(timer.step_ms(skip=args.warmup)),
+        "iteration": summarize(timer.iteration_ms(skip=args.warmup)),
         "check_ms": check_ms,
         "hook_us": {name: summarize(values[args.warmup :]) for name, values in hook_us.items() if values},
         "doctor_findings": None if doctor is None else [f.rule for f in doctor.findings],
@@ -190,39 +129,31 @@ def _time_doctor(doctor: Any, check_ms: list[tuple[str, float]], hook_us: dict[s
 
 
 # ----------------------------------------------------------------------------- driver
-def launch(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+def launch_fits(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
     """The one launch: every fit of the ABBA schedule in the same processes; rank 0's report of each fit."""
     worker_args = [
         "--worker-schedule", ",".join(schedule(args.pairs)), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         "--model", args.model,
     ]  # fmt: skip  # each option beside its value
-    finished = launcher.launch(
-        MODULE,
-        worker_args,
-        nproc=args.nproc,
-        threads=args.threads,
-        report=scratch / "fits.json",
-        label="doctor_overhead",
-        timeout=args.launch_timeout,
-    )
-    fits: list[dict[str, Any]] = finished.report
-    return fits
+    finished = launch.launch(MODULE, worker_args, scratch=scratch, label="doctor_overhead", **launch.options(args))
+    return list(finished.report)
 
 
 def analyse(fits: list[dict[str, Any]]) -> dict[str, Any]:
-    ratios = {"iteration": [], "step": []}  # type: dict[str, list[float]]
-    for first, second in zip(fits[0::2], fits[1::2]):
-        by_config = {first["config"]: first, second["config"]: second}
-        for measure in ratios:
-            ratios[measure].append(by_config[DOCTOR][measure]["median"] / by_config[BASE][measure]["median"])
+    def per_pair(measure: str) -> list[float]:
+        return paired_ratios(
+            fits, DOCTOR, BASE, lambda fit: fit[measure]["median"], group=lambda fit: fit["index"] // 2
+        )
+
+    ratios = {measure: per_pair(measure) for measure in ("iteration", "step")}
     per_config = {}
     for config in CONFIGS:
         mine = [f for f in fits if f["config"] == config]
         per_config[config] = {
             "fits": len(mine),
-            "iteration_ms_median": summarize([f["iteration"]["median"] for f in mine])["median"],
-            "step_ms_median": summarize([f["step"]["median"] for f in mine])["median"],
+            "iteration_ms_median": median([f["iteration"]["median"] for f in mine]),
+            "step_ms_median": median([f["step"]["median"] for f in mine]),
             "iteration_ms_per_fit": [f["iteration"]["median"] for f in mine],
         }
     checks: dict[str, list[float]] = {}
@@ -232,47 +163,36 @@ def analyse(fits: list[dict[str, Any]]) -> dict[str, Any]:
             checks.setdefault(kind, []).append(ms)
         for name, stats in fit["hook_us"].items():
             hooks.setdefault(name, []).append(stats["median"])
-    ratio = summarize(ratios["iteration"])["median"]
+    ratio = median(ratios["iteration"])
     doctor_fits = [f for f in fits if f["config"] == DOCTOR]
+    verdict = against(ratio, LIMIT)
     return {
         "ratio_iteration_per_pair": ratios["iteration"],
         "ratio_step_per_pair": ratios["step"],
         "ratio_iteration": ratio,
-        "ratio_step": summarize(ratios["step"])["median"],
+        "ratio_step": median(ratios["step"]),
         "limit": LIMIT,
-        "met": ratio <= LIMIT,
+        "met": verdict["met"],
         "summary": per_config,
         # Each check's time on rank 0 by kind; it includes waiting in the gather for the other rank.
         "check_ms": {kind: summarize(values) for kind, values in checks.items()},
         "checks_per_fit": doctor_fits[0]["doctor_checks"] if doctor_fits else None,
         # Median per batch of each hook's own time (checks excluded), median over fits, microseconds.
-        "hook_us_per_batch": {name: summarize(values)["median"] for name, values in hooks.items()},
+        "hook_us_per_batch": {name: median(values) for name, values in hooks.items()},
         "doctor_findings": sorted({rule for f in doctor_fits for rule in f["doctor_findings"]}),
     }
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--pairs", type=int, default=PAIRS, help=f"pairs of fits, with and without ({PAIRS})")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per fit ({STEPS})")
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps first, >= 2 ({WARMUP})")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"per rank ({BATCH_SIZE})")
     parser.add_argument("--model", choices=tuple(MODELS), default="mlp8m")
-    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report (%(default)s)")
-    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (2)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (cores // nproc)")
-    parser.add_argument("--launch-timeout", type=float, default=1800.0, help="seconds for the whole launch")
+    cli.add_launch_options(parser, out=DEFAULT_OUT, quick=QUICK, timeout=1800.0, launches="the one launch")
     parser.add_argument("--worker-schedule", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    apply_quick(args, argv, QUICK)
-    if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
-    for name in ("pairs", "steps", "batch_size", "nproc", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args = cli.finish(parser, argv, QUICK, positive=("pairs", "steps", "batch_size", "nproc", "threads"))
     if args.warmup < 2 or args.steps < 2:
         parser.error("--warmup and --steps must be >= 2")
     return args
@@ -288,9 +208,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"{args.pairs} pair(s) of fits (ABBA), {args.warmup} warm-up + {args.steps} timed steps each\n"
     )
     started = time.perf_counter()
-    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    load_start = load_average()
     with tempfile.TemporaryDirectory(prefix="bench_doctor_") as scratch:
-        fits = launch(args, Path(scratch))
+        fits = launch_fits(args, Path(scratch))
     result = analyse(fits)
     header = report_header(args, CONFIGS, rounds=args.pairs)
     payload: dict[str, Any] = {
@@ -298,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "machine": {
             **header["machine"],
             "load_average_start": load_start,
-            "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "load_average_end": load_average(),
         },
         "settings": {
             **header["settings"],

@@ -2,7 +2,7 @@
 
 torch's ``fp16_compress_hook`` casts before dividing: gradients above 65504 become inf (NaN
 parameters, silently), below ~6e-8 become 0. Four ways of doing fp16 on the wire train the same
-8M-parameter MLP (``bench/common.py``) with 2 processes, beside plain fp32 all-reduce:
+8M-parameter MLP (``bench/models.py``) with 2 processes, beside plain fp32 all-reduce:
 
     ddp_tuned      float32 all-reduce (DDP's built-in), the reference
     fp16_torch     torch's fp16_compress_hook: unsafe, the baseline the safe ones are compared with
@@ -40,20 +40,19 @@ their spread. Writes ``--out`` (default bench/results/fp16_safety.json).
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from bench import launcher, rounds, training
+from bench import RESULTS, training
+from bench.harness import interleave
+from bench.harness.report import write_json
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce
-from bench.common import MLP_WIDTHS, backend_for, count_parameters, make_mlp, print_table, report_header, write_json
 
 MODULE = "bench.fp16_safety"
 CONFIGS = ("ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fp16_safety.json"
+DEFAULT_OUT = RESULTS / "fp16_safety.json"
 SKIPPED: list[torch.Tensor] = []  # fp16_skip's flags (one per bucket reduced), for its warning
 
 
@@ -127,75 +126,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         register_configurations()
         training.run_worker(args)
         return
-
-    parameters = count_parameters(make_mlp())
-    print(
-        f"8M MLP {' -> '.join(map(str, MLP_WIDTHS))}: {parameters:,} parameters; batch {args.batch_size} per rank, "
-        f"{args.nproc} ranks on {args.accelerator} ({backend_for(args.accelerator)}), {args.threads} thread(s) per rank"
-    )
-    print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
-    started = time.perf_counter()
-    launches = rounds.run_rounds(MODULE, CONFIGS, args)
-    buckets = rounds.check_same_buckets(launches)
-    summary = rounds.summarize_rounds(launches, CONFIGS)
-    final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
-    elapsed = time.perf_counter() - started
-    header = report_header(args, CONFIGS)
-    payload = {
-        "benchmark": "fp16_safety",
-        "machine": header["machine"],
-        "settings": {
-            **header["settings"],
-            "mlp_widths": list(MLP_WIDTHS),
-            "parameters": parameters,
-            "quick": args.quick,
-            "launcher": launcher.describe(args.nproc),
-            "timed_span": "forward+loss, zero_grad, backward, optimizer.step (first on_train_batch_start callback to "
-            "first on_train_batch_end callback)",
-        },
-        "bucket_layout": buckets,
-        "final_losses": final_losses,
-        "launches": launches,
-        "summary": summary,
-        "wall_s": elapsed,
-    }
-    out = write_json(args.out, payload)
-    print_report(summary, buckets, elapsed, out)
-
-
-def print_report(summary: dict[str, dict[str, Any]], buckets: dict[str, Any], elapsed: float, out: Path) -> None:
-    rows = []
-    for config in CONFIGS:
-        entry = summary[config]
-        low, high = entry["step_ms_spread"]
-        rows.append(
-            [
-                config,
-                f"{entry['step_ms_median']:.2f}",
-                f"{entry['step_ms_p90']:.2f}",
-                f"{low:.2f}–{high:.2f} ({entry['relative_spread']:.1%})",
-                f"{entry['step_ms_median'] / summary['fp16_torch']['step_ms_median']:.3f}",
-                f"{entry['step_ms_median'] / summary['ddp_tuned']['step_ms_median']:.3f}",
-            ]
-        )
-    sizes = ", ".join(f"{size / 2**20:.2f}" for size in buckets["bucket_bytes"])
-    print()
-    print_table(
-        "Step time per configuration (median over rounds of per-launch medians)",
-        ["configuration", "step ms", "p90 ms", "spread ms (min–max, % of median)", "× fp16_torch", "× fp32"],
-        rows,
-        caption=f"DDP buckets in all launches: [{sizes}] MiB",
-    )
-    safe = {
-        name: summary[name]["step_ms_median"] for name in ("fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip")
-    }
-    cheapest = min(safe, key=lambda name: safe[name])
+    report = training.compare_launches("fp16_safety", MODULE, CONFIGS, args)
+    out = write_json(args.out, report)
+    training.print_launches(report, relative_to={"× fp16_torch": "fp16_torch", "× fp32": "ddp_tuned"}, iteration=False)
+    safe = ("fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip")
+    cheapest = min(safe, key=lambda name: report["summary"][name]["step_ms_median"])
     print(f"Cheapest safe design here: {cheapest}. Spreads wider than the differences mean: noise.")
-    print(f"\n{elapsed:.0f} s in all; wrote {out}")
+    print(f"\n{report['wall_s']:.0f} s in all; wrote {out}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    return rounds.parse_args(argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT, workers=CONFIGS)
+    return interleave.parse_args(argv, doc=__doc__, default_out=DEFAULT_OUT, workers=CONFIGS)
 
 
 if __name__ == "__main__":

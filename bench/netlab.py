@@ -3,8 +3,8 @@
 Every earlier figure came from one machine's loopback, where exchanging gradients costs almost
 nothing. This script builds the regime users live in (nodes joined by 0.1-25 Gbit/s Ethernet)
 with the kernel's own network stack: network namespaces, veth links shaped by ``tbf``,
-loopback-range addresses (:mod:`bench.netlab_lib`), torchrun per namespace
-(:mod:`bench.netlab_launch`). The lab is always torn down: on success, error, Ctrl-C, SIGTERM;
+loopback-range addresses (:mod:`bench.labs.network`), torchrun per namespace
+(:func:`bench.harness.launch.run`). The lab is always torn down: on success, error, Ctrl-C, SIGTERM;
 a run killed with SIGKILL is cleaned up by a run 10 minutes later, or at once by ``--cleanup``.
 
     # any training script as 2 nodes over a 1 Gbit/s link (asymmetric: --gbps 10,1; 2 ranks per node: --nproc-per-node 2)
@@ -36,8 +36,10 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from bench.common import apply_quick, machine_facts, write_json
-from bench.netlab_lib import Lab, LabError, handle_signals, lab_unavailable, parse_gbps, remove_stale
+from bench.harness import cli, launch
+from bench.harness.report import machine_facts, write_json
+from bench.labs.network import Lab, LabError, handle_signals, lab_unavailable, parse_gbps, remove_stale
+from bench.models import MODELS
 from bench.netlab_sweep import (
     AUTO_STEPS,
     DEFAULT_OUT,
@@ -63,25 +65,13 @@ def _rates(text: str) -> list[float]:
     return [parse_gbps(part) for part in text.split(",") if part.strip()]
 
 
-def _names(text: str, allowed: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(allowed))
-    if unknown or not names:
-        parser.error(f"argument {flag}: unknown {unknown or 'empty list'}; choose from {', '.join(allowed)}")
-    return names
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    from bench.buckets import MODELS
-
     argv = list(sys.argv[1:] if argv is None else argv)
     target: list[str] = []
     if "--" in argv:
         split = argv.index("--")
         argv, target = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="every option x model x rate (see bench/netlab_sweep.py)")
     mode.add_argument("--buckets", action="store_true", help="bench.buckets as 2 nodes at --rates (10,2.5)")
@@ -118,8 +108,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds per launch")
     parser.add_argument("--worker-plan", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    apply_quick(args, argv, QUICK)
+    positive = ("rounds", "steps", "auto_steps", "loss_steps", "nodes", "nproc_per_node", "threads")
+    args = cli.finish(parser, argv, QUICK, positive=positive)
     args.target = target
     args.launch_timeout = args.timeout
     if args.worker_plan:
@@ -130,11 +120,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.gbps = _rates(args.gbps)
     except ValueError as error:
         parser.error(str(error))
-    args.models = _names(args.models, MODELS, "--models", parser)
-    args.options = _names(args.options, OPTIONS, "--options", parser)
-    for name in ("rounds", "steps", "auto_steps", "loss_steps", "nodes", "nproc_per_node", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    args.models = cli.names(args.models, MODELS, "--models", parser)
+    args.options = cli.names(args.options, OPTIONS, "--options", parser)
     if args.warmup < 2 or args.warmup >= min(args.steps, args.auto_steps):
         parser.error(f"argument --warmup: must be >= 2 and below --steps/--auto-steps, got {args.warmup}")
     if args.add_to is not None:
@@ -150,8 +137,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def run_target(args: argparse.Namespace) -> int:
-    from bench.netlab_launch import launch_torchrun
-
     rates = args.gbps if len(args.gbps) > 1 else args.gbps * args.nodes
     with Lab(args.nodes, rates) as lab:
         for node in range(1, args.nodes):
@@ -159,12 +144,12 @@ def run_target(args: argparse.Namespace) -> int:
             print(
                 f"netlab: node 0 -> node {node}: configured {min(rates[0], rates[node]):g}, measured {there.gbps:.3f} Gbit/s"
             )
-        runs = launch_torchrun(
-            lab,
+        runs = launch.run(
             args.target,
             nproc_per_node=args.nproc_per_node,
             timeout=args.timeout,
             threads=args.threads,
+            lab=lab,
             cwd=Path.cwd(),
         )
     print(runs[0].output, end="")
@@ -178,11 +163,8 @@ def run_measure(args: argparse.Namespace) -> None:
     with Lab(2, max(args.rates)) as lab:
         for rate in args.rates:
             lab.set_rates(rate)
-            there, back = (
-                lab.measure_link(0, 1, seconds=args.probe_seconds),
-                lab.measure_link(1, 0, seconds=args.probe_seconds),
-            )
-            print(f"{rate:>7g} Gbit/s configured: {there.gbps:8.3f} / {back.gbps:8.3f} Gbit/s measured (0->1 / 1->0)")
+            there, back = lab.measure_both_ways(args.probe_seconds)["measured_gbps"]
+            print(f"{rate:>7g} Gbit/s configured: {there:8.3f} / {back:8.3f} Gbit/s measured (0->1 / 1->0)")
 
 
 def run_buckets(args: argparse.Namespace) -> None:
@@ -195,7 +177,7 @@ def run_buckets(args: argparse.Namespace) -> None:
 
 
 def sweep_and_report(args: argparse.Namespace) -> None:
-    from bench.netlab_report import plot, print_report
+    from bench.netlab_sweep import plot, print_report
 
     started = time.perf_counter()
     existing = None if args.add_to is None else json.loads(args.add_to.read_text())

@@ -1,7 +1,7 @@
 """What each option buys where communication costs: ``python -m bench.netlab --sweep`` (this module's driver).
 
-Two nodes of :mod:`bench.netlab_lib`'s lab (one rank each, gloo over a tbf-shaped veth link),
-three models of different shape (``bench.buckets``' 8M MLP, VGG-style CNN and char_lm
+Two nodes of :mod:`bench.labs.network`'s lab (one rank each, gloo over a tbf-shaped veth link),
+three models of different shape (:func:`bench.models.build`'s 8M MLP, VGG-style CNN and char_lm
 transformer), every option a user can pick:
 
     ddp         Lightning's stock ``Trainer(strategy="ddp")``
@@ -27,20 +27,26 @@ seed and data, and reports the loss on a fixed evaluation set beside the step ti
 
 Writes ``--out`` (bench/results/netlab_sweep.json) and the figure next to it (step time vs
 link rate, one line per option, one panel per model). Needs root (network namespaces).
+
+The tables (one per model) put each lossy option's loss after a fixed number of steps beside its
+speed-up; the figure has one panel per model: median step time against the link rate (both axes
+logarithmic, the measured rate on the x axis), one line per option.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
-import statistics
 import tempfile
-import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
+
+from bench import RESULTS
+from bench.harness import launch, worker
+from bench.harness.report import print_table, save_figure, subplots
+from bench.harness.stats import median
+from bench.labs.network import Lab
+from bench.models import BATCH, fit
+from lightning_mgpu.tuning.statistics import round_order
 
 OPTIONS = ("ddp", "ddp_tuned", "auto", "fp16", "bf16", "powersgd1", "powersgd4")
 LOSSY = ("fp16", "bf16", "powersgd1", "powersgd4")
@@ -62,7 +68,7 @@ QUICK = {
     "loss_steps": 4,
     "probe_seconds": 0.2,
 }
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "netlab_sweep.json"
+DEFAULT_OUT = RESULTS / "netlab_sweep.json"
 LAUNCH_TIMEOUT_S = 3600
 
 
@@ -86,160 +92,78 @@ def make_strategy(option: str) -> Any:
 
 def fit_option(model_name: str, option: str, steps: int, quick: bool) -> dict[str, Any]:
     """Train ``option`` on ``model_name`` for ``steps`` steps; rank 0's step times, loss and choices."""
-    import lightning as L
     import torch
-    from torch.utils.data import DataLoader
 
-    from bench.buckets import BATCH, build
-
-    model, data, loss_fn = build(model_name)
     strategy = make_strategy(option)
-    if option == "auto" and quick:  # smoke run: a search that fits a few steps (never for real figures)
-        import dataclasses
-
-        strategy.tuner.settings = dataclasses.replace(
-            strategy.tuner.settings,
-            rounds=1,
-            measure=1,
-            settle=0,
-            initial_warmup=0,
-            min_run_multiple=1.0,
-            extra_steps=0,
-        )
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
-            return loss_fn(self.model(inputs), targets)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    starts: list[int] = []
-    step_ns: list[int] = []
-
-    class Clock(L.Callback):
-        def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
-            starts.append(time.perf_counter_ns())
-
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            step_ns.append(time.perf_counter_ns() - starts[-1])
-
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=local,
-        num_nodes=int(os.environ["WORLD_SIZE"]) // local,
-        strategy=strategy,
-        max_steps=steps,
-        max_epochs=-1,
-        callbacks=[Clock()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    module = Module()
-    trainer.fit(module, DataLoader(data, batch_size=BATCH[model_name]))
-    held_out = data[: EVAL_BATCHES * BATCH[model_name]]  # the same fixed samples for every option
+    if option == "auto" and quick:
+        worker.quick_tuning(strategy)
+    done = fit(model_name, strategy, steps)
+    held_out = done.data[: EVAL_BATCHES * BATCH[model_name]]  # the same fixed samples for every option
     with torch.no_grad():
-        eval_loss = float(loss_fn(model(held_out[0]), held_out[1]))
+        eval_loss = float(done.loss_fn(done.model(held_out[0]), held_out[1]))
     result: dict[str, Any] = {
         "model": model_name,
         "option": option,
-        "steps": trainer.global_step,
-        "step_ms": [ns / 1e6 for ns in step_ns],
+        "steps": done.trainer.global_step,
+        "step_ms": done.step_ms,
         "eval_loss": eval_loss,
     }
-    tuner = getattr(strategy, "tuner", None)
-    if tuner is not None:
+    if getattr(strategy, "tuner", None) is not None:
         record = strategy.tuning or {}
         result["tuning"] = {k: record.get(k) for k in ("status", "outcome", "chosen_mb", "steps", "extra_rounds")}
-    del trainer, module
-    gc.collect()
     return result
 
 
 def run_worker(args: argparse.Namespace) -> None:
     """Every (model, option, steps) of the plan in order; rank 0 writes the results."""
-    warnings.filterwarnings("ignore")
-    import logging
-
-    import torch
-    import torch.distributed as dist
-
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
-    results = []
-    for model_name, option, steps in json.loads(Path(args.worker_plan).read_text()):
-        started = time.perf_counter()
-        results.append(fit_option(model_name, option, steps, args.quick))
-        if int(os.environ["RANK"]) == 0:
-            print(
-                f"  {model_name:<8} {option:<10} {steps:>4} steps  {time.perf_counter() - started:7.1f} s", flush=True
-            )
-    if int(os.environ["RANK"]) == 0:
-        Path(args.worker_out).write_text(json.dumps(results))
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    worker.start(args.threads)
+    worker.run_plan(
+        args.worker_plan,
+        args.worker_out,
+        lambda item: fit_option(*item, args.quick),
+        lambda item, _, seconds: f"  {item[0]:<8} {item[1]:<10} {item[2]:>4} steps  {seconds:7.1f} s",
+    )
 
 
 # ----------------------------------------------------------------------------- driver
-def rotated(items: list[Any], shift: int) -> list[Any]:
-    shift %= max(1, len(items))
-    return items[shift:] + items[:shift]
-
-
 def timing_plan(args: argparse.Namespace, round_index: int) -> list[list[Any]]:
     """(model, option, steps) for one launch: every model, every option, in this round's order."""
     return [
         [model_name, option, args.auto_steps if option == "auto" else args.steps]
-        for model_name in rotated(list(args.models), round_index)
-        for option in rotated(list(args.options), round_index)
+        for model_name in round_order(args.models, round_index, scheme="rotate")
+        for option in round_order(args.options, round_index, scheme="rotate")
     ]
 
 
-def launch(
-    lab: Any, plan: list[list[Any]], args: argparse.Namespace, scratch: Path, label: str
-) -> list[dict[str, Any]]:
-    from bench.netlab_launch import launch_worker
-
-    plan_file = scratch / f"{label}_plan.json"
-    plan_file.write_text(json.dumps(plan))
-    worker = ["--worker-plan", str(plan_file), "--threads", str(args.threads), *(["--quick"] if args.quick else [])]
-    results: list[dict[str, Any]] = launch_worker(
-        lab, "bench.netlab", worker, scratch=scratch, label=label, timeout=args.launch_timeout, threads=args.threads
-    )
-    return results
+def run_plan(lab: Lab, plan: list[list[Any]], args: argparse.Namespace, scratch: Path, label: str) -> list[Any]:
+    worker_args = ["--threads", str(args.threads), *(["--quick"] if args.quick else [])]
+    finished = launch.launch_plan(
+        "bench.netlab", plan, worker_args, scratch=scratch, label=label, nproc=2, threads=args.threads,
+        timeout=args.launch_timeout, lab=lab,
+    )  # fmt: skip
+    print(finished.worker_lines())
+    return list(finished.report)
 
 
-def measure(lab: Any, rate: float, seconds: float) -> dict[str, Any]:
+def measure(lab: Lab, rate: float, seconds: float) -> dict[str, Any]:
     lab.set_rates(rate)
-    there, back = lab.measure_link(0, 1, seconds=seconds), lab.measure_link(1, 0, seconds=seconds)
-    print(f"link {rate:g} Gbit/s: measured {there.gbps:.3f} / {back.gbps:.3f} Gbit/s (0->1 / 1->0)")
-    return {"configured_gbps": rate, "measured_gbps": [there.gbps, back.gbps]}
+    link = lab.measure_both_ways(seconds)
+    print(f"link {rate:g} Gbit/s: measured {link['measured_gbps'][0]:.3f} / {link['measured_gbps'][1]:.3f} Gbit/s")
+    return link
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Build the lab, run the rounds and the loss launch, tear the lab down; every run's raw results."""
-    from bench.netlab_lib import Lab
-
     runs: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
     with Lab(2, max(args.rates)) as lab, tempfile.TemporaryDirectory(prefix="netlab_sweep_") as scratch:
         for round_index in range(args.rounds):
-            for rate in rotated(sorted(args.rates), round_index):
+            for rate in round_order(sorted(args.rates), round_index, scheme="rotate"):
                 print(f"round {round_index + 1}/{args.rounds}, {rate:g} Gbit/s")
                 link = {**measure(lab, rate, args.probe_seconds), "round": round_index}
                 links.append(link)
                 label = f"round{round_index}_{rate:g}gbps"
-                for result in launch(lab, timing_plan(args, round_index), args, Path(scratch), label):
+                for result in run_plan(lab, timing_plan(args, round_index), args, Path(scratch), label):
                     runs.append({**result, "round": round_index, "rate_gbps": rate, "link": link})
         losses: list[dict[str, Any]] = []
         if args.add_to is None:  # adding rates to a sweep: its losses stand (they do not depend on the link)
@@ -247,7 +171,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             print(f"loss after {args.loss_steps} steps ({fastest:g} Gbit/s; the result does not depend on the link)")
             measure(lab, fastest, args.probe_seconds)
             plan = [[m, o, args.loss_steps] for m in args.models for o in args.options]
-            losses = launch(lab, plan, args, Path(scratch), "loss")
+            losses = run_plan(lab, plan, args, Path(scratch), "loss")
     return {"runs": runs, "links": links, "losses": losses}
 
 
@@ -291,8 +215,8 @@ def merge(
     return merged, settings
 
 
-def median(values: list[float]) -> Optional[float]:
-    return float(statistics.median(values)) if values else None
+def median_or_none(values: list[float]) -> Optional[float]:
+    return median(values) if values else None
 
 
 def analyse(raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -309,23 +233,23 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any
                 ]
                 for option in args.options
             }
-            baseline = median([statistics.median(steps) for steps in timed.get("ddp", [])])
+            baseline = median_or_none([median(steps) for steps in timed.get("ddp", [])])
             for option in args.options:
                 mine = [r for r in here if r["option"] == option]
-                per_round = [statistics.median(steps) for steps in timed[option]]
-                whole = [statistics.mean(steps) for steps in timed[option]]
-                step_ms = median(per_round)
+                per_round = [median(steps) for steps in timed[option]]
+                whole = [sum(steps) / len(steps) for steps in timed[option]]
+                step_ms = median_or_none(per_round)
                 loss = next(
                     (r["eval_loss"] for r in raw["losses"] if (r["model"], r["option"]) == (model_name, option)), None
                 )
                 row: dict[str, Any] = {
                     "model": model_name,
                     "rate_gbps": rate,
-                    "measured_gbps": median(measured),
+                    "measured_gbps": median_or_none(measured),
                     "option": option,
                     "step_ms": step_ms,
                     "step_ms_per_round": per_round,
-                    "mean_step_ms": median(whole),
+                    "mean_step_ms": median_or_none(whole),
                     "speedup_vs_ddp": None if not (baseline and step_ms) else baseline / step_ms,
                     "eval_loss": loss,
                     "lossy": option in LOSSY,
@@ -334,3 +258,89 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any
                     row["tuning"] = [r.get("tuning") for r in mine]
                 rows.append(row)
     return rows
+
+
+# ----------------------------------------------------------------------------- the tables and the figure
+STYLE = {
+    "ddp": ("tab:gray", "o", "-"),
+    "ddp_tuned": ("tab:blue", "s", "-"),
+    "auto": ("tab:red", "*", "-"),
+    "fp16": ("tab:green", "^", "--"),
+    "bf16": ("tab:olive", "v", "--"),
+    "powersgd1": ("tab:purple", "D", ":"),
+    "powersgd4": ("tab:pink", "d", ":"),
+}
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def headline_ms(row: dict[str, Any]) -> Optional[float]:
+    """The figure a user pays: auto's mean over its whole run (tuning included), others' median step."""
+    value = row["mean_step_ms"] if row["option"] == "auto" else row["step_ms"]
+    return None if value is None else float(value)
+
+
+def headline_speedup(row: dict[str, Any]) -> Optional[float]:
+    """``ddp``'s median step over :func:`headline_ms` (for ``auto``, its whole-run mean)."""
+    speedup, step, headline = row["speedup_vs_ddp"], row["step_ms"], headline_ms(row)
+    if speedup is None or not step or not headline:
+        return None
+    return float(speedup * step / headline)
+
+
+def print_report(rows: list[dict[str, Any]], loss_steps: int) -> None:
+    """One table per model: options down, link rates across (step ms, x vs ddp), loss at the end."""
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        rates = sorted({r["rate_gbps"] for r in mine})
+        columns = ["option"]
+        for rate in rates:
+            measured = next(r["measured_gbps"] for r in mine if r["rate_gbps"] == rate)
+            label = f"{rate:g} Gbit/s" + ("" if measured is None else f" (got {measured:.2f})")
+            columns += [f"{label} ms", "x ddp"]
+        columns.append(f"loss @ {loss_steps} steps")
+        table = []
+        for option in dict.fromkeys(r["option"] for r in mine):
+            cells = [option]
+            for rate in rates:
+                row = next(r for r in mine if (r["option"], r["rate_gbps"]) == (option, rate))
+                speedup = headline_speedup(row)
+                cells += [_ms(headline_ms(row)), "-" if speedup is None else f"{speedup:.2f}x"]
+            loss = next((r["eval_loss"] for r in mine if r["option"] == option and r["eval_loss"] is not None), None)
+            cells.append("-" if loss is None else f"{loss:.4f}")
+            table.append(cells)
+        print_table(
+            f"{model}: step time over a shaped link (2 nodes x 1 rank, gloo)",
+            columns,
+            table,
+            caption="median over rounds of each run's median step; auto: mean over its whole run, tuning included; "
+            "loss: on a fixed evaluation set after the same steps from the same seed",
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = subplots(1, len(models), figsize=(4.6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for option in dict.fromkeys(r["option"] for r in mine):
+            points = sorted(
+                ((r["measured_gbps"] or r["rate_gbps"], headline_ms(r)) for r in mine if r["option"] == option),
+                key=lambda point: point[0],
+            )
+            points = [(x, y) for x, y in points if y is not None]
+            if not points:
+                continue
+            color, marker, line = STYLE.get(option, ("black", "x", "-"))
+            ax.plot(*zip(*points), color=color, marker=marker, linestyle=line, label=option)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate, measured (Gbit/s)")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"{model}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Step time vs link rate, 2 nodes over a tbf-shaped veth link (bench.netlab --sweep)", fontsize=10)
+    return save_figure(fig, path)

@@ -1,6 +1,6 @@
 """What does Lightning, and our ``ddp_tuned`` strategy, cost per training step over plain torch DDP?
 
-Three configurations train the same 8M-parameter MLP (``bench/common.py``) on the same
+Three configurations train the same 8M-parameter MLP (``bench/models.py``) on the same
 synthetic data, batch and bucket layout (DDP's default: a 1 MiB first bucket, then
 25 MiB), with 2 processes:
 
@@ -18,7 +18,7 @@ Run it on a quiet machine (anything else on the cores shows up as noise):
     python -m bench.overhead --accelerator cuda --nproc 2    # 2 GPUs, NCCL, CUDA-event timing
 
 (from the repository root: see ``bench/__init__.py``). The training loops are
-:mod:`bench.training`'s, the rounds of launches :mod:`bench.rounds`'.
+:mod:`bench.training`'s, the rounds of launches :mod:`bench.harness.interleave`'s.
 
 How it is measured, and why that way:
 
@@ -62,28 +62,19 @@ launch's per-step times, the summary and whether each target is met.
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from bench import launcher, rounds, training
-from bench.common import (
-    MLP_WIDTHS,
-    backend_for,
-    count_parameters,
-    make_mlp,
-    print_table,
-    report_header,
-    write_json,
-)
+from bench import RESULTS, training
+from bench.harness import interleave
+from bench.harness.report import write_json
 
-MODULE = "bench.overhead"  # what bench.rounds launches: this script's worker
+MODULE = "bench.overhead"  # what its launches run: this script's worker
 CONFIGS = ("raw", "ddp", "ddp_tuned")
 TARGETS = {  # (numerator, denominator): the largest acceptable ratio of median step times
     ("ddp_tuned", "ddp"): 1.02,
     ("ddp_tuned", "raw"): 1.05,
 }
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+DEFAULT_OUT = RESULTS / "overhead.json"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -91,105 +82,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:
         training.run_worker(args)
         return
-
-    parameters = count_parameters(make_mlp())
-    print(
-        f"8M MLP {' -> '.join(map(str, MLP_WIDTHS))}: {parameters:,} parameters "
-        f"({parameters * 4 / 2**20:.1f} MiB of fp32 gradients); batch {args.batch_size} per rank, "
-        f"{args.nproc} ranks on {args.accelerator} ({backend_for(args.accelerator)}), {args.threads} thread(s) per rank"
-    )
-    print(f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n")
-
-    started = time.perf_counter()
-    launches = rounds.run_rounds(MODULE, CONFIGS, args)
-    buckets = rounds.check_same_buckets(launches)
-    summary = rounds.summarize_rounds(launches, CONFIGS)
-    targets = rounds.compare(summary, launches, TARGETS)
-    # Same model, data, order and arithmetic: every launch should end on the very same loss.
-    final_losses = {launch["label"]: launch["final_loss"] for launch in launches}
-    elapsed = time.perf_counter() - started
-
-    header = report_header(args, CONFIGS)
-    payload = {
-        "benchmark": "overhead",
-        "machine": header["machine"],
-        "settings": {
-            **header["settings"],
-            "learning_rate": training.LEARNING_RATE,
-            "mlp_widths": list(MLP_WIDTHS),
-            "parameters": parameters,
-            "quick": args.quick,
-            "launcher": launcher.describe(args.nproc),
-            "timed_span": "forward+loss, zero_grad, backward, optimizer.step (Lightning: first on_train_batch_start "
-            "callback to first on_train_batch_end callback)",
-            "iteration": "one step start to the next (adds data fetch and the loop's work between steps)",
-            "clock": "torch.cuda.Event pairs" if args.accelerator == "cuda" else "time.perf_counter_ns on rank 0",
-        },
-        "bucket_layout": buckets,
-        "final_losses": final_losses,
-        "same_final_loss": len(set(final_losses.values())) == 1,
-        "launches": launches,
-        "summary": summary,
-        "targets": targets,
-        "wall_s": elapsed,
-    }
-    out = write_json(args.out, payload)
-    print_report(summary, targets, buckets, final_losses, elapsed, out)
-
-
-def print_report(
-    summary: dict[str, dict[str, Any]],
-    targets: dict[str, dict[str, Any]],
-    buckets: dict[str, Any],
-    final_losses: dict[str, float],
-    elapsed: float,
-    out: Path,
-) -> None:
-    rows = []
-    for config in CONFIGS:
-        entry = summary[config]
-        low, high = entry["step_ms_spread"]
-        rows.append(
-            [
-                config,
-                f"{entry['step_ms_median']:.2f}",
-                f"{entry['step_ms_p90']:.2f}",
-                f"{low:.2f}–{high:.2f} ({entry['relative_spread']:.1%})",
-                f"{entry['iteration_ms_median']:.2f}",
-                f"{entry['step_ms_median'] / summary['raw']['step_ms_median']:.3f}",
-                f"{entry['step_ms_median'] / summary['ddp']['step_ms_median']:.3f}",
-            ]
-        )
-    sizes = ", ".join(f"{size / 2**20:.2f}" for size in buckets["bucket_bytes"])
-    print()
-    print_table(
-        "Step time per configuration (median over rounds of per-launch medians)",
-        ["configuration", "step ms", "p90 ms", "spread ms (min–max, % of median)", "iteration ms", "× raw", "× ddp"],
-        rows,
-        caption=f"DDP buckets in all launches: [{sizes}] MiB",
-    )
-    if len(set(final_losses.values())) == 1:
+    report = training.compare_launches("overhead", MODULE, CONFIGS, args, TARGETS)
+    out = write_json(args.out, report)
+    final_losses = report["final_losses"]
+    if report["same_final_loss"]:
         print(f"Final loss {next(iter(final_losses.values())):.6f} in every launch: the same computation in all three.")
     else:
         print(f"WARNING: final losses differ, the configurations do not compute the same thing: {final_losses}")
-    for name, target in targets.items():
-        verdict = "met" if target["met"] else "NOT met"
-        noise = {
-            None: "  (one launch per configuration: no noise estimate)",
-            True: "  (within noise: a spread is wider than the margin)",
-            False: "",
-        }[target["within_noise"]]
-        print(
-            f"{name}: step {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
-            f"iteration {target['iteration_ratio']:.3f}"
-        )
-    print(f"\n{elapsed:.0f} s in all; wrote {out}")
+    training.print_launches(report, relative_to={"× raw": "raw", "× ddp": "ddp"})
+    print(f"\n{report['wall_s']:.0f} s in all; wrote {out}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    return rounds.parse_args(
-        argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT, workers=training.CONFIGS
-    )
+    return interleave.parse_args(argv, doc=__doc__, default_out=DEFAULT_OUT, workers=training.CONFIGS)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ times the unsplit step over ``sequential M=m, 1 core`` (the same model running t
 ``m`` micro-batches one after another), i.e. what K cores could give if each were busy all
 the time with its share of the micro-batched work. "CPU ms/step" is this process's CPU time
 per step, all threads (torch's ranks are other processes: not counted). Configurations are
-interleaved round by round (ABC ABC ..., torch's launch last in each round) and each figure
-is the median over rounds of the median step time within a round.
+interleaved round by round (ABC CBA ..., the package's alternating order; torch's launch last
+in each round) and each figure is the median over rounds of the median step time within a round.
 
 Peak activation memory per stage is MEASURED for every configuration in one extra,
 untimed step (:mod:`bench.pipeline_memory`: live bytes of the tensors autograd saves for
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -65,13 +64,15 @@ from typing import Any, Optional
 import torch
 
 from bench.allocator import retain_freed_memory
-from bench.common import machine_facts, print_table, write_json
-from bench.launcher import launch
+from bench import RESULTS
+from bench.harness import launch
+from bench.harness.report import machine_facts, print_table, write_json
+from bench.harness.stats import median
 from bench.pipeline_configs import STAGES, configs_for, time_steps
 from bench.pipeline_models import MODELS, build
 from lightning_mgpu.placement.planning.plan import PlacementPlan
+from lightning_mgpu.tuning.statistics import round_order
 
-ROOT = Path(__file__).resolve().parents[1]
 MICROBATCHES = (1, 2, 4, 8)
 OUR_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 TORCH_SCHEDULES = ("gpipe", "1f1b")
@@ -98,13 +99,13 @@ def run_torch_round(
 ) -> list[dict[str, Any]]:
     path = workdir / f"torch_config_{round_index}.json"
     path.write_text(json.dumps(config))
-    finished = launch(
+    finished = launch.launch(
         "bench.pipeline_torch",
         ["--config", str(path)],
         nproc=STAGES,
         threads=1,
-        report=workdir / f"torch_report_{round_index}.json",
-        label=f"torch pipelining, round {round_index + 1}",
+        scratch=workdir,
+        label=f"torch_pipelining_round{round_index + 1}",
         timeout=args.torch_timeout,
     )
     return list(finished.report["rows"])
@@ -144,8 +145,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         for round_index in range(args.rounds):
             for name, group in configs.items():
-                order = group if round_index % 2 == 0 else list(reversed(group))
-                for config in order:
+                for config in round_order(group, round_index):
                     ms, page_faults, cpu_ms = time_steps(config.step, args.steps)
                     per_round[(name, config.name)].append(ms)
                     faults[(name, config.name)].append(page_faults)
@@ -157,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 for row in rows:
                     key = (row["model"], f"torch {row['schedule']} M={row['microbatches']}")
                     entry = torch_rows.setdefault(key, {**row, "rounds": []})
-                    entry["rounds"].append(statistics.median(row["step_ms"]))
+                    entry["rounds"].append(median(row["step_ms"]))
                     if row["peak_activation_bytes"] is not None:
                         entry["peak_activation_bytes"] = row["peak_activation_bytes"]
             if not args.quiet:
@@ -174,17 +174,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     for name, group in configs.items():
-        base = statistics.median(per_round[(name, "unsplit, 1 core")])
+        base = median(per_round[(name, "unsplit, 1 core")])
         batch = benches[name].batch.shape[0]
         # What STAGES cores could give, both busy all the time with the micro-batched work (see unsplit()).
         ceilings = {
-            c.microbatches: STAGES * base / statistics.median(per_round[(name, c.name)])
+            c.microbatches: STAGES * base / median(per_round[(name, c.name)])
             for c in group
             if c.schedule is None and c.microbatches is not None
         }
         ceilings[1] = float(STAGES)
         for config in group:
-            ms = statistics.median(per_round[(name, config.name)])
+            ms = median(per_round[(name, config.name)])
             results.append(
                 _row(
                     name,
@@ -198,8 +198,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     batch,
                     config.plan,
                     peaks[(name, config.name)],
-                    statistics.median(faults[(name, config.name)]),
-                    statistics.median(cpu[(name, config.name)]),
+                    median(faults[(name, config.name)]),
+                    median(cpu[(name, config.name)]),
                     ceilings.get(config.microbatches) if config.schedule else None,
                 )
             )
@@ -256,7 +256,7 @@ def _row(
     cpu_ms: Optional[float],
     ceiling: Optional[float],
 ) -> dict[str, Any]:
-    ms = statistics.median(rounds)
+    ms = median(rounds)
     return {
         "model": model,
         "config": config,
@@ -427,9 +427,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
-    parser.add_argument(
-        "--out", default=str(ROOT / "bench" / "results" / "pipeline.json"), help="JSON path ('' to skip)"
-    )
+    parser.add_argument("--out", default=str(RESULTS / "pipeline.json"), help="JSON path ('' to skip)")
     parser.add_argument(
         "--retain-freed-memory",
         action="store_true",

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import time
 from typing import Callable, Optional
 
 import torch
 
+from bench.harness.stats import median
 from bench.pipeline_memory import ActivationMeter
 from bench.pipeline_models import BenchModel
 from lightning_mgpu.placement.planning.plan import PlacementPlan, plan_stages
@@ -214,4 +214,4 @@ def time_steps(step: Callable[[], None], steps: int) -> tuple[float, float, floa
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     per_step_faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
-    return statistics.median(times) * 1e3, per_step_faults, statistics.median(cpu) * 1e3
+    return median(times) * 1e3, per_step_faults, median(cpu) * 1e3

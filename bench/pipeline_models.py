@@ -16,7 +16,6 @@ needs, so the in-process engines and the torch-pipelining worker
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -24,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import REPO_ROOT
+from bench.models import load_recipe
 
 MODELS = ("mlp", "gpt")
-GPT_RECIPE = REPO_ROOT / "recipes" / "model_split" / "train_gpt_plain.py"
 
 
 @dataclass
@@ -65,12 +63,7 @@ def make_mlp(width: int, depth: int, seed: int = 0) -> nn.Sequential:
 
 def gpt_module() -> Any:
     """``recipes/model_split/train_gpt_plain.py`` as a module (its ``GPT`` class, not a copy)."""
-    spec = importlib.util.spec_from_file_location("_recipe_model_split_gpt", GPT_RECIPE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {GPT_RECIPE} as a module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("model_split", "train_gpt_plain.py")
 
 
 def build(name: str, settings: dict[str, int], *, seed: int = 0) -> BenchModel:

@@ -1,6 +1,6 @@
 """``bench.pipeline``'s reference: the same models, batch and M under ``torch.distributed.pipelining`` on 2 gloo ranks.
 
-Launched by :mod:`bench.pipeline` through :func:`bench.launcher.launch` (one launch per
+Launched by :mod:`bench.pipeline` through :func:`bench.harness.launch.launch` (one launch per
 round, so torch's configurations are interleaved with ours round by round)::
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m bench.pipeline_torch \\

@@ -39,7 +39,7 @@ per-layer forward+backward times measured on this machine's CPU with
 :func:`lightning_mgpu.placement.planning.profile.profile_layers` (median of 5 after warm-up) for the
 project's own three models: the char-LM transformer of ``recipes/char_lm`` (embeddings,
 blocks, norm, head as one sequence), the CNN of ``recipes/image_classifier`` and the 8M MLP
-of ``bench/common.py``. ``"source": "synthetic"``: GPU-scale shapes whose per-layer times
+of ``bench/models.py``. ``"source": "synthetic"``: GPU-scale shapes whose per-layer times
 come from a FLOP / byte model (a GPT-2-medium-like transformer, a ResNet-50-like CNN and an
 MLP with one huge layer), for layer counts and imbalances the small models do not have.
 """
@@ -56,7 +56,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from bench.common import load_recipe, print_table, write_json
+from bench import RESULTS
+from bench.harness.report import load_average, print_table, write_json
+from bench.models import load_recipe
 from bench.partition_baselines import (
     block_partition,
     bottleneck,
@@ -67,7 +69,6 @@ from bench.partition_baselines import (
 )
 from lightning_mgpu.placement import partition
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- settings
 CASES = 3000  # random cases, split evenly over the distributions
@@ -79,7 +80,7 @@ TIMING_LAYERS, TIMING_STAGES = 1000, 8
 TIMING_RUNS, QUICK_TIMING_RUNS = 7, 3
 TIMING_TARGET_S = 1.0
 MODEL_STAGES = (2, 4, 8)
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "planner.json"
+DEFAULT_OUT = RESULTS / "planner.json"
 
 METHODS = ("ours", "dp", "blockpartition", "ds_params", "params_minmax", "uniform")
 DISTRIBUTIONS = ("uniform", "lognormal", "few_huge", "lognormal+cuts")
@@ -281,10 +282,10 @@ def cnn_profiled() -> dict[str, Any]:
 
 
 def mlp_profiled() -> dict[str, Any]:
-    """bench/common.py's 8.66M-parameter MLP, batch 64."""
+    """bench/models.py's 8.66M-parameter MLP, batch 64."""
     import torch
 
-    from bench.common import MLP_WIDTHS, make_mlp
+    from bench.models import MLP_WIDTHS, make_mlp
 
     return _profiled(make_mlp(), torch.randn(64, MLP_WIDTHS[0]))
 
@@ -293,7 +294,7 @@ MODELS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     # name: (source, builder)
     "char-LM transformer (recipes/char_lm)": ("profiled", char_lm_profiled),
     "CNN (recipes/image_classifier)": ("profiled", cnn_profiled),
-    "8M MLP (bench/common.py)": ("profiled", mlp_profiled),
+    "8M MLP (bench/models.py)": ("profiled", mlp_profiled),
     "transformer (GPT-2-medium-like)": ("synthetic", transformer_costs),
     "cnn (ResNet-50-like)": ("synthetic", cnn_costs),
     "mlp (one huge layer)": ("synthetic", mlp_costs),
@@ -404,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "implementation": platform.python_implementation(),
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "load_average": load_average(),
         },
         "settings": {
             "cases": args.cases,

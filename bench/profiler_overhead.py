@@ -1,6 +1,6 @@
 """What does ``CommProfiler`` cost per training step?
 
-The 8M-parameter MLP of ``bench/common.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
+The 8M-parameter MLP of ``bench/models.py`` (the one ``bench/overhead.py`` uses), 2 ranks,
 ``strategy="ddp_tuned"`` without the profiler, with ``CommProfiler(every_n_steps=50)`` (its
 default schedule: 20 profiled steps of every 200, DDP re-wrapped without the profiler's hook
 in between), and with ``CommProfiler(profile_every=None)`` (every step profiled).
@@ -40,7 +40,7 @@ through (DDP's all-reduce as a Python hook, nothing timed, no callback) to the r
 tell what the hook costs from what the profiler adds.
 
 ``--method launches`` is the design used before: each configuration its own launch of the
-worker ``bench.overhead`` uses (:mod:`bench.rounds`), launches alternating; process-to-process
+worker ``bench.overhead`` uses (:mod:`bench.harness.interleave`), launches rotating; process-to-process
 differences (heap layout, page faults, where the scheduler puts the threads) then add a few percent of
 noise to every launch, more than the margin being tested.
 """
@@ -49,26 +49,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import math
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from bench import rounds, training
-from bench.common import (
-    StepTimer,
-    make_data,
-    percentile,
-    print_table,
-    report_header,
-    summarize,
-    worker_device,
-    write_json,
-)
+from bench import RESULTS, training
+from bench.harness import interleave, worker
+from bench.harness.report import print_table, report_header, write_json
+from bench.harness.stats import center, median, median_ci, paired_ratios, summarize
+from bench.harness.worker import StepTimer, worker_device
+from bench.models import make_data
 
 MODULE = "bench.profiler_overhead"  # what its launches run: this script's workers
 
@@ -77,75 +69,43 @@ EVERY_STEP = "ddp_tuned+profiler_all"  # profile_every=None: every step profiled
 HOOK_ONLY = "ddp_tuned+hook"  # --breakdown: the communication hook alone, nothing timed
 LIMIT = 1.03
 LIMITS = {("ddp_tuned+profiler", "ddp_tuned"): LIMIT}
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profiler_overhead.json"
+DEFAULT_OUT = RESULTS / "profiler_overhead.json"
 ROUNDS, STEPS, LAUNCHES = 6, 200, 2
 STAT = "mean"  # per fit: its timed wall time per iteration, what a run pays (re-wraps included)
 QUICK = {"rounds": 1, "steps": 10, "warmup": 2, "launches": 1}
 INTERLEAVED_WORKER = "interleaved"
 
 
-# ----------------------------------------------------------------------------- statistics
-def median_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
-    """Distribution-free confidence interval of the median: the order statistics whose
-    ranks a Binomial(n, 1/2) count puts around the middle (no normality assumed). With
-    fewer than 6 values no interval reaches 95%: the range is returned instead."""
-    ordered = sorted(values)
-    n = len(ordered)
-    if n == 0:
-        raise ValueError("median_ci of an empty sequence")
-    alpha = 1 - confidence
-    cumulative, k = 0.0, 0
-    # largest k with P(X < k) <= alpha / 2, X ~ Binomial(n, 1/2)
-    while k < n and cumulative + math.comb(n, k) / 2**n <= alpha / 2:
-        cumulative += math.comb(n, k) / 2**n
-        k += 1
-    if k == 0:
-        return ordered[0], ordered[-1]
-    return ordered[k - 1], ordered[n - k]
-
-
 # ----------------------------------------------------------------------------- the interleaved worker (every rank)
 def run_interleaved_worker(args: argparse.Namespace) -> None:
     """``len(configs) x (rounds + 1)`` fits in these processes, in ABC CBA order; rank 0 writes
     every fit's timings to ``--worker-out``."""
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
+    worker.start(args.threads)
     device = worker_device(args.accelerator)
     world_size = int(os.environ["WORLD_SIZE"])
     total_steps = args.warmup + args.steps
     dataset = make_data(total_steps * args.batch_size * world_size)
-    rank0 = int(os.environ["RANK"]) == 0
     fits: list[dict[str, Any]] = []
-    configs = configs_of(args)
     # Round -1 is not kept: a process's first fits pay one-time costs (lazy initialisation,
     # the allocator growing its heap) that would favour whichever configuration runs later.
-    for round_index in range(-1, args.rounds):
-        order = configs if round_index % 2 == 0 else configs[::-1]
-        for position, config in enumerate(order):
-            timer = StepTimer(device)
-            result = training.train_lightning(config, args, dataset, timer, device, total_steps)
-            if rank0 and round_index >= 0:
-                fits.append(
-                    {
-                        **result,
-                        "config": config,
-                        "round": round_index,
-                        "position": position,
-                        "label": f"round{round_index + 1}_{config}",
-                        "step": summarize(timer.step_ms(skip=args.warmup)),
-                        "iteration": summarize(timer.iteration_ms(skip=args.warmup)),
-                        "cpu_iteration": summarize(timer.cpu_iteration_ms(skip=args.warmup)),
-                    }
-                )
-            gc.collect()  # the finished Trainer's (cyclic) objects, before the next fit is timed
-    if rank0:
-        Path(args.worker_out).write_text(json.dumps({"fits": fits, "world_size": world_size}))
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for round_index, position, config in interleave.schedule(configs_of(args), args.rounds + 1, first=-1):
+        timer = StepTimer(device)
+        result = training.train_lightning(config, args, dataset, timer, device, total_steps)
+        if round_index >= 0:
+            fits.append(
+                {
+                    **result,
+                    "config": config,
+                    "round": round_index,
+                    "position": position,
+                    "label": f"round{round_index + 1}_{config}",
+                    "step": summarize(timer.step_ms(skip=args.warmup)),
+                    "iteration": summarize(timer.iteration_ms(skip=args.warmup)),
+                    "cpu_iteration": summarize(timer.cpu_iteration_ms(skip=args.warmup)),
+                }
+            )
+        gc.collect()  # the finished Trainer's (cyclic) objects, before the next fit is timed
+    worker.finish(args.worker_out, {"fits": fits, "world_size": world_size})
 
 
 def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
@@ -155,12 +115,19 @@ def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """``--launches`` launches of the interleaved worker; the report, and its table printed."""
+    print(
+        f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; {args.launches} "
+        f"launch(es) x {args.rounds} round(s) x {len(configs_of(args))} fits, {args.warmup} warm-up + {args.steps} "
+        "timed steps each\n"
+    )
+    started = time.perf_counter()
     fits: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
         for launch_index in range(args.launches):
             label = f"launch{launch_index + 1}"
-            report = rounds.launch_config(
+            report = interleave.launch_config(
                 MODULE,
                 INTERLEAVED_WORKER,
                 args,
@@ -171,7 +138,7 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
             for fit in report["fits"]:
                 fit.update(launch=launch_index, label=f"{label}_{fit['label']}")
                 fits.append(fit)
-            rounds.check_same_buckets(fits)
+            interleave.check_same_buckets(fits)
             for round_index in range(args.rounds):
                 group = {f["config"]: f for f in report["fits"] if f["round"] == round_index}
                 off = group[CONFIGS[0]]
@@ -183,10 +150,27 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 print(f"launch {launch_index + 1}/{args.launches} round {round_index + 1}/{args.rounds}  {figures}")
             print(f"  ({report['launch_wall_s']:.0f} s)")
-    return fits
+    summary, targets = summarize_interleaved(fits)
+    parts = breakdown(fits)
+    print_interleaved(summary, targets, parts)
+    header = report_header(args, configs_of(args))
+    final_losses = {fit["label"]: fit["final_loss"] for fit in fits}
+    return {
+        "benchmark": "profiler_overhead",
+        "machine": header["machine"],
+        "settings": {**header["settings"], **settings(args), "launches": args.launches},
+        "bucket_layout": interleave.check_same_buckets(fits),
+        "final_losses": final_losses,
+        "same_final_loss": len(set(final_losses.values())) == 1,
+        "fits": fits,
+        "summary": summary,
+        "targets": targets,
+        "breakdown": parts,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
-def paired_ratios(
+def ratios(
     fits: list[dict[str, Any]],
     measure: str,
     numerator: str = CONFIGS[1],
@@ -194,11 +178,9 @@ def paired_ratios(
     stat: str = "mean",
 ) -> list[float]:
     """numerator/denominator of the per-fit ``stat`` of ``measure``, one ratio per round of each launch."""
-    ratios = []
-    for key in sorted({(f["launch"], f["round"]) for f in fits}):
-        group = {f["config"]: f for f in fits if (f["launch"], f["round"]) == key}
-        ratios.append(group[numerator][measure][stat] / group[denominator][measure][stat])
-    return ratios
+    return paired_ratios(
+        fits, numerator, denominator, lambda fit: fit[measure][stat], group=lambda fit: (fit["launch"], fit["round"])
+    )
 
 
 def breakdown(fits: list[dict[str, Any]]) -> dict[str, Any]:
@@ -211,8 +193,8 @@ def breakdown(fits: list[dict[str, Any]]) -> dict[str, Any]:
     for numerator, denominator in pairs:
         entry = {}
         for measure in ("iteration", "cpu_iteration"):
-            ratios = paired_ratios(fits, measure, numerator, denominator)
-            entry[measure] = {"ratio": percentile(ratios, 50), "ci95": list(median_ci(ratios))}
+            per_round = ratios(fits, measure, numerator, denominator)
+            entry[measure] = {"ratio": median(per_round), "ci95": list(median_ci(per_round))}
         out[f"{numerator}/{denominator}"] = entry
     return out
 
@@ -221,33 +203,32 @@ def summarize_interleaved(fits: list[dict[str, Any]]) -> tuple[dict[str, Any], d
     summary: dict[str, Any] = {}
     for config in sorted({f["config"] for f in fits}, key=lambda c: (c != CONFIGS[0], c == CONFIGS[1], c != HOOK_ONLY)):
         mine = [f for f in fits if f["config"] == config]
-        iteration = [f["iteration"][STAT] for f in mine]
-        center = percentile(iteration, 50)
+        center_ms, spread, relative = center([f["iteration"][STAT] for f in mine])
         summary[config] = {
             "fits": len(mine),
-            "iteration_ms_mean": center,
-            "iteration_ms_spread": [min(iteration), max(iteration)],
-            "relative_spread": (max(iteration) - min(iteration)) / center,
-            "iteration_ms_median": percentile([f["iteration"]["median"] for f in mine], 50),
-            "step_ms_mean": percentile([f["step"][STAT] for f in mine], 50),
-            "cpu_iteration_ms_mean": percentile([f["cpu_iteration"][STAT] for f in mine], 50),
+            "iteration_ms_mean": center_ms,
+            "iteration_ms_spread": spread,
+            "relative_spread": relative,
+            "iteration_ms_median": median([f["iteration"]["median"] for f in mine]),
+            "step_ms_mean": median([f["step"][STAT] for f in mine]),
+            "cpu_iteration_ms_mean": median([f["cpu_iteration"][STAT] for f in mine]),
         }
-    ratios = paired_ratios(fits, "iteration")
-    low, high = median_ci(ratios)
-    cpu_ratios = paired_ratios(fits, "cpu_iteration")
+    per_round = ratios(fits, "iteration")
+    low, high = median_ci(per_round)
+    cpu_ratios = ratios(fits, "cpu_iteration")
     cpu_low, cpu_high = median_ci(cpu_ratios)
-    ratio = percentile(ratios, 50)
-    median_ratios = paired_ratios(fits, "iteration", stat="median")
+    ratio = median(per_round)
+    median_ratios = ratios(fits, "iteration", stat="median")
     target = {
         "measure": "median over rounds of the paired ratio with/without of per-fit mean iteration times "
         "(a fit's timed wall time per iteration: re-wraps and the slow steps after them included)",
         "ratio": ratio,
         "ci95": [low, high],
-        "ratio_per_round": ratios,
-        "typical_step_ratio": percentile(median_ratios, 50),
+        "ratio_per_round": per_round,
+        "typical_step_ratio": median(median_ratios),
         "typical_step_ci95": list(median_ci(median_ratios)),
-        "step_ratio": percentile(paired_ratios(fits, "step"), 50),
-        "cpu_ratio": percentile(cpu_ratios, 50),
+        "step_ratio": median(ratios(fits, "step")),
+        "cpu_ratio": median(cpu_ratios),
         "cpu_ci95": [cpu_low, cpu_high],
         "limit": LIMIT,
         "met": ratio <= LIMIT,
@@ -308,41 +289,6 @@ def print_interleaved(summary: dict[str, Any], targets: dict[str, Any], parts: O
         )
 
 
-def run_launches(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """The former design: every configuration its own launch, as bench.overhead runs them (bench.rounds)."""
-    launches = rounds.run_rounds(MODULE, CONFIGS, args)
-    rounds.check_same_buckets(launches)
-    summary = rounds.summarize_rounds(launches, CONFIGS)
-    targets = rounds.compare(summary, launches, LIMITS, measure="iteration")
-    rows = []
-    base = summary[CONFIGS[0]]
-    for config in CONFIGS:
-        entry = summary[config]
-        rows.append(
-            [
-                config,
-                f"{entry['iteration_ms_median']:.2f}",
-                f"{entry['step_ms_median']:.2f}",
-                f"{entry['step_ms_spread'][0]:.2f}–{entry['step_ms_spread'][1]:.2f} ({entry['relative_spread']:.1%})",
-                f"{entry['iteration_ms_median'] / base['iteration_ms_median']:.3f}",
-            ]
-        )
-    print()
-    print_table(
-        "CommProfiler cost, separate launches (median over rounds of per-launch medians)",
-        ["configuration", "iteration ms", "step ms", "step spread (min–max)", "× without profiler"],
-        rows,
-    )
-    for name, target in targets.items():
-        verdict = "met" if target["met"] else "NOT met"
-        noise = " (within noise: a spread is wider than the margin)" if target["within_noise"] else ""
-        print(
-            f"{name}: iteration {target['ratio']:.3f} (limit {target['limit']:.2f}) -> {verdict}{noise}; "
-            f"step {target['step_ratio']:.3f}"
-        )
-    return launches, summary, targets
-
-
 def _extend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
@@ -361,9 +307,9 @@ def _extend(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    args = rounds.parse_args(
+    args = interleave.parse_args(
         argv,
-        description=__doc__.split("\n\n")[0],
+        doc=__doc__,
         default_out=DEFAULT_OUT,
         workers=(*training.CONFIGS, INTERLEAVED_WORKER),
         extend=_extend,
@@ -382,51 +328,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:  # --method launches: one configuration per launch
         training.run_worker(args)
         return
-    started = time.perf_counter()
-    if args.method == "interleaved":
-        print(
-            f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; {args.launches} "
-            f"launch(es) x {args.rounds} round(s) x {len(configs_of(args))} fits, {args.warmup} warm-up + {args.steps} "
-            "timed steps each\n"
+    if args.method == "launches":
+        report = training.compare_launches("profiler_overhead", MODULE, CONFIGS, args, LIMITS, measure="iteration")
+        report["settings"].update(settings(args), launches=args.rounds * len(CONFIGS))
+        report["breakdown"] = None
+        training.print_launches(
+            report,
+            relative_to={"× without profiler": CONFIGS[0]},
+            measure="iteration",
+            title="CommProfiler cost, separate launches (median over rounds of per-launch medians)",
         )
-        runs = run_interleaved(args)
-        summary, targets = summarize_interleaved(runs)
-        parts = breakdown(runs)
-        print_interleaved(summary, targets, parts)
     else:
+        report = run_interleaved(args)
+    out = write_json(args.out, report)
+    if not report["same_final_loss"]:
         print(
-            f"8M MLP, batch {args.batch_size} per rank, {args.nproc} ranks on {args.accelerator}; "
-            f"{args.rounds} round(s) x {len(CONFIGS)} launches, {args.warmup} warm-up + {args.steps} timed steps each\n"
+            f"WARNING: final losses differ, with and without the profiler do not compute the same: {report['final_losses']}"
         )
-        runs, summary, targets = run_launches(args)
-        parts = None
-    elapsed = time.perf_counter() - started
-    header = report_header(args, configs_of(args) if args.method == "interleaved" else CONFIGS)
-    final_losses = {run["label"]: run["final_loss"] for run in runs}
-    payload: dict[str, Any] = {
-        "benchmark": "profiler_overhead",
-        "machine": header["machine"],
-        "settings": {
-            **header["settings"],
-            "method": args.method,
-            "launches": args.launches if args.method == "interleaved" else args.rounds * len(CONFIGS),
-            "profiler": "CommProfiler(every_n_steps=50): 20 profiled steps of every 200 after 5 warm-up steps",
-            "profiler_all": "CommProfiler(warmup_steps=--warmup, every_n_steps=50, profile_every=None)",
-            "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
-        },
-        "bucket_layout": rounds.check_same_buckets(runs),
-        "final_losses": final_losses,
-        "same_final_loss": len(set(final_losses.values())) == 1,
-        ("fits" if args.method == "interleaved" else "launches"): runs,
-        "summary": summary,
-        "targets": targets,
-        "breakdown": parts,
-        "wall_s": elapsed,
+    print(f"\n{report['wall_s']:.0f} s in all; wrote {out}")
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "method": args.method,
+        "profiler": "CommProfiler(every_n_steps=50): 20 profiled steps of every 200 after 5 warm-up steps",
+        "profiler_all": "CommProfiler(warmup_steps=--warmup, every_n_steps=50, profile_every=None)",
+        "measure": "iteration: one step start to the next (rank 0); CPU: rank 0's process time per iteration",
     }
-    out = write_json(args.out, payload)
-    if not payload["same_final_loss"]:
-        print(f"WARNING: final losses differ, with and without the profiler do not compute the same: {final_losses}")
-    print(f"\n{elapsed:.0f} s in all; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -43,10 +43,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bench.common import machine_facts, print_table, write_json
+from bench import RESULTS
+from bench.harness.report import machine_facts, print_table, write_json
 from lightning_mgpu import CommProfiler, DistributedDoctor
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 STEPS, QUICK_STEPS = 20_000, 400
 EPOCH_STEPS = 1_000
@@ -54,7 +53,7 @@ FRACTIONS = (0.01, 0.05, 0.10, 0.25, 0.50, 0.60, 0.75, 0.90)
 HISTORY = 10_000  # CommProfiler's default: figures of the last 10,000 steps are kept
 FLAT_MIB = 4.0
 FLAT_OBJECTS = 2_000
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "soak.json"
+DEFAULT_OUT = RESULTS / "soak.json"
 
 
 class Tiny(L.LightningModule):
@@ -199,9 +198,7 @@ def main() -> None:
         "--steps", type=int, default=None, help=f"optimizer steps (default {STEPS:,}; --quick {QUICK_STEPS})"
     )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps: a smoke run")
-    parser.add_argument(
-        "--out", type=Path, default=None, help=f"JSON result (default {DEFAULT_OUT.relative_to(REPO_ROOT)})"
-    )
+    parser.add_argument("--out", type=Path, default=None, help="JSON result (default bench/results/soak.json)")
     args = parser.parse_args()
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     if steps < 20:

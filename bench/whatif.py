@@ -1,13 +1,13 @@
 """Does ``lightning-mgpu whatif`` predict real step times? Predicted against measured, on the network lab.
 
-Three models (bench/buckets.py's ``mlp``, ``cnn``, ``char_lm``), 2 ranks, gloo on CPU. Every
+Three models (bench/models.py's ``mlp``, ``cnn``, ``char_lm``), 2 ranks, gloo on CPU. Every
 prediction is made from a profile taken *before* the runs it predicts, and compared with the
 median step time those runs measured (``on_train_batch_start`` -> ``on_train_batch_end`` on
 rank 0, after a warm-up; median over the run, then over rounds):
 
 1. **from a loopback profile**: one ``CommProfiler`` run per model on one machine's loopback
    (``torch.distributed.run --standalone``, default buckets), then, on the two-node lab
-   (``bench/netlab_lib.py``: namespaces + veth + tbf) at each rate of ``--rates``, the
+   (``bench/labs/network.py``: namespaces + veth + tbf) at each rate of ``--rates``, the
    default buckets, each size of ``--caps``, fp16 and PowerSGD: predicted with the *achieved*
    rate the lab measured by a raw TCP transfer (``--link-gbps``), and the host's own cost
    taken from the profile;
@@ -32,19 +32,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import launcher, netlab_lib
-from bench.netlab_launch import check_runs, launch_torchrun
-from bench.common import apply_quick, machine_facts, write_json
+from bench import RESULTS
+from bench.harness import cli, launch
+from bench.harness.report import machine_facts, write_json
+from bench.harness.stats import median
+from bench.labs import network
+from bench.models import MODELS
 from bench.whatif_report import plot, print_report, summarize_errors
+from lightning_mgpu.tuning.statistics import round_order
 
 MODULE = "bench.whatif_worker"
-MODELS = ("mlp", "cnn", "char_lm")
 RATES = (0.1, 1.0, 2.5, 10.0)
 CAPS = (4.0, 64.0)
 PROFILE_RATE = 1.0
@@ -53,7 +55,7 @@ PROFILE_STEPS = 20
 # Timed steps per run, fewer where each step takes seconds: the 8M MLP sends 33 MiB per step.
 STEPS = {0.1: 6, 1.0: 12, 2.5: 16, 10.0: 20}
 QUICK = {
-    "models": ["mlp"],
+    "models": "mlp",
     "rates": [1.0],
     "caps": [4.0],
     "rounds": 1,
@@ -64,7 +66,7 @@ QUICK = {
 }
 LAUNCH_TIMEOUT_S = 7200
 VALIDATIONS = ("loopback_profile", "profile_at_1gbps", "one_rank_plus_bench_comm")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "whatif.json"
+DEFAULT_OUT = RESULTS / "whatif.json"
 
 
 def configs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -102,38 +104,16 @@ def fit_item(
 # ----------------------------------------------------------------------------- launches
 
 
-def on_loopback(plan: list[dict[str, Any]], *, nproc: int, label: str, scratch: Path) -> list[dict[str, Any]]:
-    plan_file = scratch / f"{label}_plan.json"
-    plan_file.write_text(json.dumps(plan))
-    finished = launcher.launch(
-        MODULE,
-        ["--worker-plan", str(plan_file)],
-        nproc=nproc,
-        threads=1,
-        report=scratch / f"{label}.json",
-        label=label,
-        timeout=LAUNCH_TIMEOUT_S,
+def measure(
+    plan: list[dict[str, Any]], *, label: str, scratch: Path, nproc: int = 2, lab: Optional[network.Lab] = None
+) -> list[dict[str, Any]]:
+    """One launch of the worker running ``plan`` on loopback (``nproc`` ranks) or as ``lab``'s 2 nodes."""
+    finished = launch.launch_plan(
+        MODULE, plan, [], scratch=scratch, label=label, nproc=nproc, threads=1, timeout=LAUNCH_TIMEOUT_S, lab=lab,
         env={"CUDA_VISIBLE_DEVICES": ""},
-    )
-    print(finished.stdout.rstrip(), flush=True)
-    results: list[dict[str, Any]] = finished.report
-    return results
-
-
-def on_lab(lab: netlab_lib.Lab, plan: list[dict[str, Any]], *, label: str, scratch: Path) -> list[dict[str, Any]]:
-    plan_file, out = scratch / f"{label}_plan.json", scratch / f"{label}.json"
-    plan_file.write_text(json.dumps(plan))
-    runs = launch_torchrun(
-        lab,
-        ["-m", MODULE, "--worker-plan", str(plan_file), "--worker-out", str(out)],
-        timeout=LAUNCH_TIMEOUT_S,
-        threads=1,
-        log_dir=scratch / f"{label}_logs",
-    )
-    check_runs(runs, label)
-    print("\n".join(line for line in runs[0].output.splitlines() if "ms/step" in line), flush=True)
-    results: list[dict[str, Any]] = json.loads(out.read_text())
-    return results
+    )  # fmt: skip
+    print("\n".join(line for line in finished.output.splitlines() if "ms/step" in line), flush=True)
+    return list(finished.report)
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -183,10 +163,10 @@ def measurement(
         "rate_gbps": rate,
         "achieved_gbps": achieved,
         "config": config,
-        "measured_ms": statistics.median(medians),
+        "measured_ms": median(medians),
         "measured_per_round_ms": medians,
         "built_bytes": sorted({tuple(r.get("built_bytes") or ()) for r in runs}),
-        "final_loss": statistics.median(r["losses"][-1] for r in runs if r["losses"]),
+        "final_loss": median([r["losses"][-1] for r in runs if r["losses"]]),
     }
 
 
@@ -281,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_mgpu.whatif import load_profile
     from lightning_mgpu.whatif.measure import measure_costs
 
-    reason = netlab_lib.lab_unavailable()
+    reason = network.lab_unavailable()
     if reason is not None:
         raise SystemExit(f"bench.whatif needs the network lab: {reason}")
     scratch = Path(tempfile.mkdtemp(prefix="whatif_"))
@@ -295,8 +275,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fit_item(m, cfgs[0], steps=args.profile_steps, warmup=args.warmup, profile_dir=scratch / f"loop1_{m}")
         for m in args.models
     ]
-    profiles2 = {r["model"]: r for r in on_loopback(plan2, nproc=2, label="profile_2ranks", scratch=scratch)}
-    profiles1 = {r["model"]: r for r in on_loopback(plan1, nproc=1, label="profile_1rank", scratch=scratch)}
+    profiles2 = {r["model"]: r for r in measure(plan2, nproc=2, label="profile_2ranks", scratch=scratch)}
+    profiles1 = {r["model"]: r for r in measure(plan1, nproc=1, label="profile_1rank", scratch=scratch)}
     costs = {}
     for model in args.models:
         run0 = load_profile(profiles2[model]["profile"], parameters=profiles2[model]["gradients"])
@@ -306,8 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     links: dict[float, dict[str, Any]] = {}
     profiles_at: dict[str, dict[str, Any]] = {}
     sweeps: dict[float, dict[str, Any]] = {}
-    netlab_lib.handle_signals()
-    with netlab_lib.Lab(nodes=2, gbps=args.rates[0]) as lab:
+    network.handle_signals()
+    with network.Lab(nodes=2, gbps=args.rates[0]) as lab:
         for rate in args.rates:
             lab.set_rates(rate)
             probe = lab.measure_link(0, 1, seconds=args.probe_seconds)
@@ -316,13 +296,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not args.skip_bench_comm:
                 sweep_max = min(args.sweep_max_mib, max(1, int(32 * rate))) * 1024 * 1024
                 item = {"kind": "allreduce", "min_bytes": 4096, "max_bytes": sweep_max, "iters": 5, "warmup": 1}
-                sweeps[rate] = on_lab(lab, [item], label=f"allreduce_{rate:g}", scratch=scratch)[0]
+                sweeps[rate] = measure([item], label=f"allreduce_{rate:g}", scratch=scratch, lab=lab)[0]
             steps = args.steps if args.steps is not None else STEPS.get(rate, 12)
             for round_index in range(args.rounds):
                 plan = []
                 for model in args.models:
-                    shift = round_index % len(cfgs)
-                    for config in cfgs[shift:] + cfgs[:shift]:
+                    for config in round_order(cfgs, round_index, scheme="rotate"):
                         plan.append(fit_item(model, config, steps=steps, warmup=args.warmup))
                     if round_index == 0 and rate == PROFILE_RATE:
                         plan.append(
@@ -334,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 profile_dir=scratch / f"lab_{model}",
                             )
                         )
-                for result in on_lab(lab, plan, label=f"rate_{rate:g}_round{round_index}", scratch=scratch):
+                for result in measure(plan, label=f"rate_{rate:g}_round{round_index}", scratch=scratch, lab=lab):
                     if result.get("profile_dir"):
                         profiles_at[result["model"]] = result
                     else:
@@ -384,10 +363,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     def floats(text: str) -> list[float]:
         return [float(part) for part in text.split(",") if part.strip()]
 
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", type=lambda t: [m for m in t.split(",") if m], default=list(MODELS))
+    parser = cli.parser(__doc__)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {MODELS}")
     parser.add_argument("--rates", type=floats, default=list(RATES), help="lab link rates, Gbit/s")
     parser.add_argument(
         "--caps", type=floats, default=list(CAPS), help="bucket sizes measured besides the default (MiB)"
@@ -412,11 +389,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
-    args = parser.parse_args(argv)
-    apply_quick(args, argv, QUICK)
-    unknown = set(args.models) - set(MODELS)
-    if unknown:
-        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+    args = cli.finish(parser, argv, QUICK)
+    args.models = cli.names(args.models, MODELS, "--models", parser)
     return args
 
 

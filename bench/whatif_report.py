@@ -7,12 +7,12 @@ Pure reporting over the JSON ``bench.whatif`` writes (re-run on a saved result w
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import print_table
+from bench.harness.report import print_table, save_figure, subplots
+from bench.harness.stats import median
 
 MEDIAN_TARGET_PCT = 10.0
 WORST_TARGET_PCT = 20.0
@@ -28,13 +28,13 @@ def summarize_errors(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(r["error_pct"]) for r in rows]
     if not errors:
         return {"n": 0}
-    median, worst = statistics.median(errors), max(errors)
+    middle, worst = median(errors), max(errors)
     return {
         "n": len(errors),
-        "median_abs_error_pct": median,
+        "median_abs_error_pct": middle,
         "worst_abs_error_pct": worst,
         "worst": max(rows, key=lambda r: abs(r["error_pct"]))["config"],
-        "meets_targets": median <= MEDIAN_TARGET_PCT and worst <= WORST_TARGET_PCT,
+        "meets_targets": middle <= MEDIAN_TARGET_PCT and worst <= WORST_TARGET_PCT,
         "targets": {"median_pct": MEDIAN_TARGET_PCT, "worst_pct": WORST_TARGET_PCT},
     }
 
@@ -83,12 +83,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Predicted against measured step time, log-log, the y = x line and the 10% / 20% bands."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 6))
+    fig, ax = subplots(figsize=(6.5, 6))
     markers = {"loopback_profile": "o", "profile_at_1gbps": "s", "one_rank_plus_bench_comm": "^"}
     short = {
         "loopback_profile": "2-rank loopback profile",
@@ -124,11 +119,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     )
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: Sequence[str] = tuple(sys.argv[1:])) -> None:

@@ -1,7 +1,7 @@
 """What one rank of ``bench/whatif.py`` runs: timed fits (some profiled) and an all-reduce sweep.
 
-Launched by ``bench.whatif`` on loopback (``bench.launcher``: ``torch.distributed.run
---standalone``) or as two nodes of the network lab (``bench.netlab_lib.launch_torchrun``)::
+Launched by ``bench.whatif`` through :func:`bench.harness.launch.launch_plan`, on loopback
+(``torch.distributed.run --standalone``) or as two nodes of the network lab::
 
     python -m torch.distributed.run ... -m bench.whatif_worker --worker-plan PLAN.json --worker-out OUT.json
 
@@ -9,7 +9,7 @@ Launched by ``bench.whatif`` on loopback (``bench.launcher``: ``torch.distribute
 
 * ``{"kind": "fit", "model": "mlp", "bucket_cap_mb": null | MiB, "compression": null | "fp16" |
   "bf16" | "powersgd", "powersgd_rank": 1, "steps": N, "warmup": W, "profile_dir": null | DIR}``:
-  ``TunedDDPStrategy`` trains ``W + N`` steps of one of bench/buckets.py's models
+  ``TunedDDPStrategy`` trains ``W + N`` steps of one of bench/models.py's models
   (``mlp``, ``cnn``, ``char_lm``); step time from ``on_train_batch_start`` to
   ``on_train_batch_end`` on rank 0 (the span ``CommProfiler`` calls a step); with
   ``profile_dir``, ``CommProfiler`` profiles every step after the warm-up and writes
@@ -27,17 +27,18 @@ Rank 0 writes the list of results to ``--worker-out``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from bench.harness import worker
+from bench.harness.stats import median
+from bench.models import fit
 
 WHATIF_SEED = 0
 
@@ -45,42 +46,17 @@ WHATIF_SEED = 0
 def fit_once(item: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
 
-    from bench.buckets import BATCH, build
     from lightning_mgpu import CommProfiler, TunedDDPStrategy
-
-    model, data, loss_fn = build(item["model"])
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-            self.losses: list[float] = []
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
-            loss = loss_fn(self.model(inputs), targets)
-            self.losses.append(float(loss.detach()))
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     options: dict[str, Any] = {"bucket_cap_mb": item.get("bucket_cap_mb"), "compression": item.get("compression")}
     if item.get("compression") == "powersgd":
         options.update(powersgd_rank=int(item.get("powersgd_rank", 1)), powersgd_start_iter=2)
     strategy = TunedDDPStrategy(**options)
     warmup, steps = int(item["warmup"]), int(item["steps"])
-    record: dict[str, Any] = {"starts": [], "step_ms": [], "gradients": None}
+    record: dict[str, Any] = {"gradients": None}
 
-    class Clock(L.Callback):
-        def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
-            record["starts"].append(time.perf_counter_ns())
-
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            record["step_ms"].append((time.perf_counter_ns() - record["starts"][-1]) / 1e6)
-
+    class Gradients(L.Callback):
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             ddp = trainer.strategy.model
             layout = trainer.strategy.bucket_layout  # type: ignore[attr-defined]  # None after teardown: read it now
@@ -94,7 +70,7 @@ def fit_once(item: dict[str, Any]) -> dict[str, Any]:
             ]
             record["built_bytes"] = [b.bytes for b in layout]
 
-    callbacks: list[L.Callback] = [Clock()]
+    callbacks: list[L.Callback] = [Gradients()]
     if item.get("profile_dir"):
         callbacks.append(
             CommProfiler(
@@ -106,38 +82,21 @@ def fit_once(item: dict[str, Any]) -> dict[str, Any]:
                 export_dir=item["profile_dir"],
             )
         )
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=local,
-        num_nodes=int(os.environ["WORLD_SIZE"]) // local,
-        strategy=strategy,
-        max_steps=warmup + steps,
-        max_epochs=-1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    module = Module()
-    trainer.fit(module, DataLoader(data, batch_size=BATCH[item["model"]]))
-    timed = record["step_ms"][warmup:]
+    done = fit(item["model"], strategy, warmup + steps, callbacks=callbacks)
+    timed = done.step_ms[warmup:]
     result = {
         **item,
-        "world_size": trainer.world_size,
-        "step_ms": record["step_ms"],
-        "median_ms": statistics.median(timed) if timed else float("nan"),
-        "losses": module.losses,
+        "world_size": done.trainer.world_size,
+        "step_ms": done.step_ms,
+        "median_ms": median(timed) if timed else float("nan"),
+        "losses": done.module.losses(),
         "gradients": record["gradients"],
         "built_bytes": record.get("built_bytes"),
         "profile": None,
     }
-    if item.get("profile_dir") and trainer.global_rank == 0:
+    if item.get("profile_dir") and done.trainer.global_rank == 0:
         path = Path(item["profile_dir"]) / "comm_profile.json"
         result["profile"] = json.loads(path.read_text()) if path.is_file() else None
-    del trainer, module, strategy
-    gc.collect()
     return result
 
 
@@ -178,24 +137,19 @@ def main() -> None:
     parser.add_argument("--worker-plan", type=Path, required=True)
     parser.add_argument("--worker-out", type=Path, required=True)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    import logging
-
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    worker.start(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(WHATIF_SEED)
-    results = []
-    for item in json.loads(args.worker_plan.read_text()):
-        result = allreduce_sweep(item) if item["kind"] == "allreduce" else fit_once(item)
-        results.append(result)
-        if int(os.environ.get("RANK", "0")) == 0 and item["kind"] == "fit":
-            label = f"{item['model']} cap={item.get('bucket_cap_mb')} {item.get('compression') or 'plain'}"
-            print(f"  {label:<32} {result['median_ms']:9.1f} ms/step", flush=True)
-    if int(os.environ.get("RANK", "0")) == 0:
-        args.worker_out.write_text(json.dumps(results))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+    def run(item: dict[str, Any]) -> dict[str, Any]:
+        return allreduce_sweep(item) if item["kind"] == "allreduce" else fit_once(item)
+
+    def describe(item: dict[str, Any], result: dict[str, Any], _: float) -> str:
+        if item["kind"] != "fit":
+            return f"  all-reduce sweep over {result['world_size']} ranks"
+        label = f"{item['model']} cap={item.get('bucket_cap_mb')} {item.get('compression') or 'plain'}"
+        return f"  {label:<32} {result['median_ms']:9.1f} ms/step"
+
+    worker.run_plan(args.worker_plan, args.worker_out, run, describe)
 
 
 if __name__ == "__main__":

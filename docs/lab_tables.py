@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.netlab_report import headline_ms, headline_speedup
+from bench.netlab_sweep import headline_ms, headline_speedup
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 

@@ -129,7 +129,7 @@ def test_profiler_overhead_separate_launches_quick_run(tmp_path: Path) -> None:
 
 
 def test_median_confidence_interval_uses_binomial_order_statistics() -> None:
-    from bench.profiler_overhead import median_ci
+    from bench.harness.stats import median_ci
 
     # Binomial(12, 1/2): P(X <= 2) = 79/4096 <= 0.025 < P(X <= 3): the 3rd and 10th values.
     assert median_ci(list(range(12))) == (2, 9)

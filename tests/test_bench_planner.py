@@ -56,7 +56,7 @@ def test_planner_quick_run(tmp_path: Path) -> None:
     assert sources == {
         "char-LM transformer (recipes/char_lm)": "profiled",
         "CNN (recipes/image_classifier)": "profiled",
-        "8M MLP (bench/common.py)": "profiled",
+        "8M MLP (bench/models.py)": "profiled",
         "transformer (GPT-2-medium-like)": "synthetic",
         "cnn (ResNet-50-like)": "synthetic",
         "mlp (one huge layer)": "synthetic",

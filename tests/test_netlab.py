@@ -17,9 +17,9 @@ from typing import Sequence
 
 import pytest
 
-from bench import netlab_lib
-from bench.netlab_launch import node_env, torchrun_argv
-from bench.netlab_lib import Lab, LabError, parse_gbps, remove_stale, tbf_rate
+from bench.harness.launch import rank_env, torchrun_argv
+from bench.labs import network
+from bench.labs.network import Lab, LabError, parse_gbps, remove_stale, tbf_rate
 
 
 class FakeRunner:
@@ -100,13 +100,13 @@ def test_a_failure_half_way_removes_what_was_made() -> None:
 
 
 def test_the_lab_refuses_clearly_where_it_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netlab_lib.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
-    assert "tc" in (netlab_lib.lab_unavailable() or "") and "iproute2" in (netlab_lib.lab_unavailable() or "")
+    monkeypatch.setattr(network.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    assert "tc" in (network.lab_unavailable() or "") and "iproute2" in (network.lab_unavailable() or "")
     with pytest.raises(LabError, match="cannot build the network lab: the tc command"):
         Lab(2, 1.0).build()
-    monkeypatch.setattr(netlab_lib.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
-    monkeypatch.setattr(netlab_lib.os, "geteuid", lambda: 1000)
-    assert "root" in (netlab_lib.lab_unavailable() or "") and "uid 1000" in (netlab_lib.lab_unavailable() or "")
+    monkeypatch.setattr(network.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(network.os, "geteuid", lambda: 1000)
+    assert "root" in (network.lab_unavailable() or "") and "uid 1000" in (network.lab_unavailable() or "")
 
 
 def test_rates_and_node_counts_are_checked() -> None:
@@ -124,7 +124,7 @@ def test_rates_and_node_counts_are_checked() -> None:
 
 def test_each_node_runs_torchrun_static_with_gloo_on_its_link() -> None:
     lab = Lab(2, 1.0, runner=FakeRunner())
-    argv = torchrun_argv(lab, 1, ["train.py", "--x"], nproc_per_node=2, port=29555)
+    argv = torchrun_argv(["train.py", "--x"], nproc_per_node=2, lab=lab, node=1, port=29555)
     assert argv[:4] == ["ip", "netns", "exec", lab.nodes[1].namespace]
     for flag in (
         "--nnodes=2",
@@ -136,7 +136,7 @@ def test_each_node_runs_torchrun_static_with_gloo_on_its_link() -> None:
     ):
         assert flag in argv
     assert argv[-2:] == ["train.py", "--x"]
-    env = node_env(lab, 1, threads=3, extra={"FOO": "1"})
+    env = rank_env(threads=3, lab=lab, node=1, extra={"FOO": "1"})
     assert env["GLOO_SOCKET_IFNAME"] == lab.nodes[1].interface and env["OMP_NUM_THREADS"] == "3" and env["FOO"] == "1"
     assert "MASTER_ADDR" not in env and "RANK" not in env
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netlab_lib import lab_unavailable
+from bench.labs.network import lab_unavailable
 from bench.netlab_sweep import LOSSY, OPTIONS
 from tests.conftest import REPO, SCRIPTS, run_python
 

@@ -30,8 +30,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from bench.netlab_launch import check_runs, launch_torchrun, node_env
-from bench.netlab_lib import Lab, LabError, lab_unavailable, remove_stale
+from bench.harness.launch import check, rank_env, run
+from bench.labs.network import Lab, LabError, lab_unavailable, remove_stale
 from tests.conftest import REPO, SCRIPTS, TORCHRUN_2, cpu_env, run_python
 
 pytestmark = [pytest.mark.multiprocess]
@@ -89,7 +89,7 @@ def test_the_link_is_shaped_and_measured_and_the_lab_leaves_nothing_behind() -> 
 KEEP_ALIVE = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from bench.netlab_lib import Lab, handle_signals
+from bench.labs.network import Lab, handle_signals
 handle_signals()
 with Lab(2, 0.1) as lab:
     print(" ".join(node.namespace for node in lab.nodes), flush=True)
@@ -141,7 +141,7 @@ def runs(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     lab_dir, loop_dir = tmp_path_factory.mktemp("lab"), tmp_path_factory.mktemp("loopback")
     script = [str(SCRIPTS / "netlab_fit.py"), "--configs", ",".join(CONFIGS)]
     before = lab.traffic(0)
-    check_runs(launch_torchrun(lab, [*script, "--out-dir", str(lab_dir)], timeout=150, log_dir=lab_dir), "lab run")
+    check(run([*script, "--out-dir", str(lab_dir)], nproc_per_node=1, lab=lab, timeout=150, log_dir=lab_dir), "lab run")
     after = lab.traffic(0)
     run_python([*TORCHRUN_2, *script, "--out-dir", str(loop_dir)], cwd=loop_dir, timeout=150)
     return {
@@ -193,7 +193,9 @@ def test_a_multi_node_run_without_torchrun_rendezvous_across_the_link(lab: Lab, 
     port = str(29000 + os.getpid() % 1000)
     children = []
     for node in range(2):
-        env = node_env(lab, node, extra={"MASTER_ADDR": lab.master_addr, "MASTER_PORT": port, "NODE_RANK": str(node)})
+        env = rank_env(
+            lab=lab, node=node, extra={"MASTER_ADDR": lab.master_addr, "MASTER_PORT": port, "NODE_RANK": str(node)}
+        )
         env = {**cpu_env(), **env}
         argv = [sys.executable, str(SCRIPTS / "fit_tiny.py"), "--out", str(tmp_path / f"node{node}.json")]
         argv += ["--devices", "1", "--num-nodes", "2", "--steps", "4"]

@@ -24,7 +24,7 @@ from tests.conftest import destroy_default_group
 
 from lightning_mgpu.tuning.buckets import MIB  # noqa: E402
 
-# The 8M MLP of bench/common.py (1024 -> 2048 -> 2048 -> 1024 -> 256), gradients in ready order.
+# The 8M MLP of bench/models.py (1024 -> 2048 -> 2048 -> 1024 -> 256), gradients in ready order.
 MLP_READY_BYTES = [
     256 * 4,
     256 * 1024 * 4,

@@ -78,6 +78,30 @@ def test_the_ratio_interval_brackets_a_known_ratio_and_needs_enough_steps() -> N
         statistics.ratio_interval([0.0], baseline, confidence=0.9)
 
 
+def test_p90_is_the_nearest_rank_and_quantiles_interpolate() -> None:
+    """The package's one p90 (comm_profile.json's and the benchmarks'): an observed value, never interpolated."""
+    ten = [float(v) for v in range(10, 0, -1)]
+    assert statistics.p90(ten) == 9.0  # the 9th of 10 in order, where interpolation would say 9.1
+    assert statistics.quantile(ten, 0.9) == pytest.approx(9.1)
+    assert statistics.p90([float(v) for v in range(1, 12)]) == 10.0 and statistics.p90([5.0]) == 5.0
+    with pytest.raises(ValueError, match="no values"):
+        statistics.p90([])
+
+
+def test_round_order_alternates_or_rotates_configurations_against_drift() -> None:
+    assert [statistics.round_order("AB", r) for r in range(4)] == [["A", "B"], ["B", "A"]] * 2  # ABBA
+    assert [statistics.round_order("ABC", r, scheme="rotate") for r in range(4)] == [
+        ["A", "B", "C"],
+        ["B", "C", "A"],
+        ["C", "A", "B"],
+        ["A", "B", "C"],
+    ]
+    assert statistics.round_order([], 3, scheme="rotate") == []
+    assert plan.visit_order(3, 2) == [(0, 0), (1, 0), (2, 0), (2, 1), (1, 1), (0, 1)]  # the tuner's rounds
+    with pytest.raises(ValueError, match="scheme"):
+        statistics.round_order("AB", 0, scheme="shuffle")  # type: ignore[arg-type]
+
+
 def test_one_outlier_does_not_move_the_estimate() -> None:
     baseline = [100.0 + i for i in range(8)]
     with_outlier = [90.0 + i for i in range(7)] + [900.0]

@@ -39,7 +39,7 @@ from lightning_mgpu.whatif.records import Gradient
 
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[1]
-# The 8M MLP of bench/common.py in DDP's order (last layer first), as DDP bucketed it by default.
+# The 8M MLP of bench/models.py in DDP's order (last layer first), as DDP bucketed it by default.
 MLP_BUCKETS = [
     [[256], [256, 1024]],
     [[1024], [1024, 2048], [2048], [2048, 2048], [2048], [2048, 1024]],

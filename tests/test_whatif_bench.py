@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netlab_lib import lab_unavailable
+from bench.labs.network import lab_unavailable
 from tests.conftest import REPO, run_python
 
 pytestmark = pytest.mark.bench

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from lightning_mgpu.tuning.buckets import DEFAULT_GRID_MB
+from lightning_mgpu.tuning.statistics import round_order
 
 DDP_UNTIMED_STEPS = 2
 """Steps after a re-wrap that DDP itself makes slow: its first iteration and its bucket rebuild."""
@@ -143,11 +144,11 @@ class Plan:
 
 def visit_order(num_candidates: int, rounds: int) -> list[tuple[int, int]]:
     """(candidate, round) pairs: 0..n-1, then n-1..0, and so on."""
-    order: list[tuple[int, int]] = []
-    for round_index in range(rounds):
-        sequence = range(num_candidates) if round_index % 2 == 0 else range(num_candidates - 1, -1, -1)
-        order.extend((candidate, round_index) for candidate in sequence)
-    return order
+    return [
+        (candidate, round_index)
+        for round_index in range(rounds)
+        for candidate in round_order(range(num_candidates), round_index)
+    ]
 
 
 def _visits(num_candidates: int, settings: TuningSettings, measure: int) -> tuple[Visit, ...]:
@@ -206,7 +207,7 @@ def extension_visits(
 ) -> tuple[Visit, ...]:
     """One more round over ``contenders``: ascending in even rounds, descending in odd ones (as the
     planned rounds alternate), each visit re-wrapped unless it continues the previous candidate."""
-    ordered = sorted(set(contenders), reverse=round_index % 2 == 1)
+    ordered = round_order(sorted(set(contenders)), round_index)
     visits = []
     for candidate in ordered:
         rewrap = candidate != previous

@@ -1,5 +1,11 @@
 """How sure can the bucket tuner be that one layout is faster than another? Distribution-free answers.
 
+This module is also the one definition of every figure the package and its benchmarks
+(``bench/``) report from step times: the median (:func:`statistics.median`), the p90
+(:func:`p90`: nearest rank, always an observed time, as ``comm_profile.json`` reports it),
+quartiles (:func:`quantile`: interpolated) and the order in which a measurement visits its
+configurations round after round against drift (:func:`round_order`).
+
 Step times on a shared machine are not normal: most steps sit near a floor, a few are far
 slower (another job, the allocator, the OS). A mean and a t-interval would let those few
 steps decide. The figures here assume nothing about the distribution:
@@ -14,8 +20,9 @@ steps decide. The figures here assume nothing about the distribution:
   ("+-4%"): what a single step's time scatters by.
 
 Timed steps of one candidate are not strictly independent (the machine's load drifts). The
-tuner's interleaved rounds (A B C, C B A) spread a drift over every candidate, and the
-decision rule asks for the whole interval to clear the threshold, not only the estimate.
+tuner's interleaved rounds (A B C, C B A: :func:`round_order`) spread a drift over every
+candidate, and the decision rule asks for the whole interval to clear the threshold, not only
+the estimate.
 
 Pure Python, no torch.
 """
@@ -25,7 +32,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,40 @@ def quantile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def p90(values: Sequence[float]) -> float:
+    """The 90th percentile by nearest rank: the smallest value with at least 90% of all values at or below it.
+
+    Always an observed value (a step that really took that long), unlike an interpolated one.
+    """
+    if not values:
+        raise ValueError("p90 of no values")
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)])
+
+
+def round_order(
+    items: Sequence[T], round_index: int, *, scheme: Literal["alternate", "rotate"] = "alternate"
+) -> list[T]:
+    """The order in which round ``round_index`` of an interleaved measurement visits ``items``.
+
+    Whatever the machine's load does over a measurement, interleaving keeps it from favouring
+    one configuration:
+
+    * ``"alternate"``: as given in even rounds, reversed in odd ones (A B C, C B A, ...; ABBA
+      for two): over each pair of rounds a linear drift weighs the same on every item;
+    * ``"rotate"``: shifted by one each round (A B C, B C A, C A B, ...): every item takes every
+      position once in ``len(items)`` rounds (what separate launches, each paying its own start,
+      want).
+    """
+    ordered = list(items)
+    if scheme == "alternate":
+        return ordered[::-1] if round_index % 2 else ordered
+    if scheme == "rotate":
+        shift = round_index % max(1, len(ordered))
+        return ordered[shift:] + ordered[:shift]
+    raise ValueError(f"scheme must be 'alternate' or 'rotate', got {scheme!r}")
 
 
 def spread(values: Sequence[float]) -> float:

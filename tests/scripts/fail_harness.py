@@ -21,10 +21,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from bench.harness.launch import rank_env
 from tests import warm
 
 SCRIPT = Path(__file__).with_name("fail_fit.py")
-REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.5")
 _INJECTED = re.compile(r"\[fail_fit\] injecting (\w+) \(pid (\d+)\) at ([0-9.]+)")
 
@@ -66,27 +66,8 @@ class Job:
 
 
 def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for key in (
-        "LOCAL_RANK",
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "NODE_RANK",
-        "TORCHELASTIC_RUN_ID",
-        "GLOO_SOCKET_IFNAME",
-    ):
-        env.pop(key, None)
-    env.update(
-        CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
-        WANDB_MODE="offline",
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-    )
-    env.update(extra or {})
-    return env
+    """A launched job's environment: no variables of a surrounding launch, one thread, no GPU, W&B offline."""
+    return rank_env(threads=1, extra={"CUDA_VISIBLE_DEVICES": "", **(extra or {})})
 
 
 def launch(

@@ -1,6 +1,6 @@
 """Every strategy and callback of the package, one small fit each, in one process: for the lab's tests.
 
-Run under torchrun, as two "nodes" of ``bench/netlab_lib.py``'s lab or on loopback::
+Run under torchrun, as two "nodes" of ``bench/labs/network.py``'s lab or on loopback::
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/scripts/netlab_fit.py \\
         --out-dir OUT --configs ddp_tuned,fp16,auto

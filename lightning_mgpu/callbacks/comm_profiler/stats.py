@@ -26,7 +26,6 @@ profile ("not measured" on the console) and are not logged at all.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from dataclasses import replace
@@ -34,6 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from lightning_mgpu.comm.bandwidth import algbw_gbps, bus_factor
 from lightning_mgpu.comm.timing import StepBreakdown, StepTimeline, step_breakdown
+from lightning_mgpu.tuning.statistics import p90 as statistics_p90
 
 RankMedians = dict[str, float]
 """One rank's medians over some profiled steps (:func:`rank_medians`)."""
@@ -45,11 +45,8 @@ def median(values: Sequence[float]) -> float:
 
 
 def p90(values: Sequence[float]) -> float:
-    """The 90th percentile (nearest rank), 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)])
+    """The 90th percentile (:func:`lightning_mgpu.tuning.statistics.p90`: nearest rank), 0.0 for no values."""
+    return statistics_p90(values) if values else 0.0
 
 
 _TIMES = (

@@ -18,7 +18,7 @@ with the kernel's own network stack, so that the same training script runs as N 
 * :meth:`Lab.measure_link`: the rate actually achieved, by a raw TCP transfer between two
   nodes (a tbf at 10 Gbit/s on a busy 2-core machine gives less than it promises: every
   result states the measured rate beside the configured one);
-* :func:`bench.netlab_launch.launch_torchrun`: any training script as N nodes, one
+* :func:`bench.harness.launch.run`: any training script as N nodes, one
   ``torchrun --nnodes=N --node-rank=i --master-addr=<node 0> --rdzv-backend=static`` per
   namespace, with ``GLOO_SOCKET_IFNAME`` set to that namespace's link.
 
@@ -28,11 +28,19 @@ namespaces of a run killed with SIGKILL are removed by a lab built 10 minutes la
 once by ``python -m bench.netlab --cleanup`` (:func:`remove_stale`).
 Building needs root and the ``ip`` and ``tc`` commands: :func:`lab_unavailable` says why not.
 
-No torch import here. The probe is :mod:`bench.netlab_probe`, the launcher :mod:`bench.netlab_launch`.
+No torch import here: this module is also the link's probe, started inside two nodes by
+:meth:`Lab.measure_link` (it starts in a blink)::
+
+    ip netns exec NODE1 python -m bench.labs.network --receive 127.78.0.2 29001 125000000
+    ip netns exec NODE0 python -m bench.labs.network --send 127.78.0.2 29001 125000000
+
+The receiver prints ``{"bytes": ..., "seconds": ...}`` timed from the first chunk to the last
+(connection set-up is no part of a link's rate).
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -40,24 +48,20 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
+
+from bench import REPO_ROOT, pythonpath_with_repo
 
 PREFIX = "nlab"
 SUBNET = "127.78.0"
 """Node i has ``127.78.0.<i+1>``: loopback range, never a private or public address."""
 BURST = "256kb"
 LATENCY = "50ms"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def repo_on_pythonpath() -> str:
-    """This process's ``PYTHONPATH`` with the repository first: what a child needs to import ``bench``."""
-    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(?:n\d+|sw)$")
@@ -290,52 +294,24 @@ class Lab:
         self.created.append(name)
         self._ip(name, "ip", "link", "set", "lo", "up")
 
+    def _veth(self, end: str, namespace: str, peer: str, peer_namespace: str) -> None:
+        """A veth pair: ``end`` inside ``namespace``, ``peer`` inside ``peer_namespace`` (names hold no spaces)."""
+        self.runner(f"ip link add {end} netns {namespace} type veth peer name {peer} netns {peer_namespace}".split())
+
     def _build(self) -> None:
         for node in self.nodes:
             self._namespace(node.namespace)
             self._ip(node.namespace, "sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1")
         if self.switch is None:
             a, b = self.nodes
-            self.runner(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    a.interface,
-                    "netns",
-                    a.namespace,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    b.interface,
-                    "netns",
-                    b.namespace,
-                ]
-            )
+            self._veth(a.interface, a.namespace, b.interface, b.namespace)
         else:
             self._namespace(self.switch)
             self._ip(self.switch, "ip", "link", "add", "br0", "type", "bridge")
             self._ip(self.switch, "ip", "link", "set", "br0", "up")
             for node in self.nodes:
                 assert node.switch_port is not None
-                self.runner(
-                    [
-                        "ip",
-                        "link",
-                        "add",
-                        node.interface,
-                        "netns",
-                        node.namespace,
-                        "type",
-                        "veth",
-                        "peer",
-                        "name",
-                        node.switch_port,
-                        "netns",
-                        self.switch,
-                    ]
-                )
+                self._veth(node.interface, node.namespace, node.switch_port, self.switch)
                 self._ip(self.switch, "ip", "link", "set", node.switch_port, "master", "br0")
                 self._ip(self.switch, "ip", "link", "set", node.switch_port, "up")
         for node in self.nodes:
@@ -385,6 +361,11 @@ class Lab:
             counters[name] = int(self._ip(self.nodes[node].namespace, "cat", path).strip())
         return counters
 
+    def measure_both_ways(self, seconds: float = 1.0) -> dict[str, Any]:
+        """The link between nodes 0 and 1, each way: ``{"configured_gbps", "measured_gbps": [0->1, 1->0]}``."""
+        there, back = self.measure_link(0, 1, seconds=seconds), self.measure_link(1, 0, seconds=seconds)
+        return {"configured_gbps": min(self.rates[:2]), "measured_gbps": [there.gbps, back.gbps]}
+
     def measure_link(
         self, source: int = 0, destination: int = 1, *, seconds: float = 1.0, timeout: float = 60
     ) -> LinkMeasurement:
@@ -392,8 +373,8 @@ class Lab:
         total = int(min(self.rates[source], self.rates[destination]) * 1e9 / 8 * seconds)
         total = max(total, 1 << 20)
         port = 29000 + secrets.randbelow(2000)
-        probe = [sys.executable, "-m", "bench.netlab_probe"]
-        env = {**os.environ, "PYTHONPATH": repo_on_pythonpath()}
+        probe = [sys.executable, "-m", "bench.labs.network"]
+        env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
         receiver = subprocess.Popen(
             [
                 *self.nodes[destination].exec_prefix(),
@@ -443,3 +424,60 @@ def handle_signals() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ----------------------------------------------------------------------------- the link probe (inside a node)
+def _receive(host: str, port: int, total: int) -> dict[str, Any]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, port))
+        server.listen(1)
+        server.settimeout(30)
+        connection, _ = server.accept()
+        with connection:
+            buffer = bytearray(1 << 20)
+            received, first, start = 0, 0, 0.0
+            while received < total:
+                count = connection.recv_into(buffer)
+                if count == 0:
+                    break
+                if received == 0:  # time from the first chunk: connection set-up is no part of the rate
+                    start, first = time.perf_counter(), count
+                received += count
+            elapsed = time.perf_counter() - start
+    return {"bytes": received - first, "seconds": elapsed}
+
+
+def _send(host: str, port: int, total: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            connection = socket.create_connection((host, port), timeout=30)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with connection:
+        chunk = b"\0" * (1 << 20)
+        sent = 0
+        while sent < total:
+            sent += connection.send(chunk[: min(len(chunk), total - sent)])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="the network lab's link probe (run inside a node by Lab.measure_link)")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--receive", nargs=3, metavar=("HOST", "PORT", "BYTES"))
+    group.add_argument("--send", nargs=3, metavar=("HOST", "PORT", "BYTES"))
+    args = parser.parse_args(argv)
+    if args.receive:
+        host, port, total = args.receive
+        print(json.dumps(_receive(host, int(port), int(total))))
+    else:
+        host, port, total = args.send
+        _send(host, int(port), int(total))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,23 +1,34 @@
-"""Step-time comparisons by launches: each configuration its own launch, in rounds that rotate the order.
+"""Configurations interleaved over rounds, so that a machine's drifting load favours none of them.
 
-Shared by ``bench.overhead`` and ``bench.profiler_overhead``: the options every launch-based
-benchmark takes (:func:`parse_args`), one launch of a configuration's worker
-(:func:`launch_config`), rounds of launches in an order rotated by one each round so that
-drift in machine load favours no configuration (:func:`run_rounds`), the check that every
-launch built the same DDP buckets (:func:`check_same_buckets`), the per-configuration summary
-(:func:`summarize_rounds`) and the ratios against their limits (:func:`compare`).
+The rule is the package's (:func:`lightning_mgpu.tuning.statistics.round_order`, the bucket
+tuner's too); the benchmarks use it two ways:
+
+* **separate launches** (:func:`run_rounds`): every configuration its own ``torch.distributed.run``
+  launch, the order *rotated* each round so that every configuration takes every position
+  (``overhead``, ``fp16_safety``, ``profiler_overhead --method launches``; ``buckets``, ``netlab
+  --sweep`` and ``whatif`` rotate the fits inside each round's launch the same way);
+* **inside one process** (:func:`schedule`): fits back to back, the order *alternating* (ABC CBA,
+  ABBA for two), so that neighbours share the machine's state of the moment
+  (``doctor_overhead``, ``profiler_overhead``, ``pipeline``).
+
+For separate launches this module also has the options those benchmarks share
+(:func:`parse_args`), the check that every launch built the same DDP buckets
+(:func:`check_same_buckets`), the per-configuration summary (:func:`summarize_rounds`) and the
+ratios against their limits, round by round too (:func:`compare`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence, TypeVar
 
-from bench import launcher
-from bench.common import apply_quick, summarize
+from bench.harness import cli, launch
+from bench.harness.stats import against, center, median, paired_ratios
+from lightning_mgpu.tuning.statistics import round_order
+
+T = TypeVar("T")
 
 ROUNDS = 5
 STEPS = 100  # timed steps per launch
@@ -25,6 +36,17 @@ WARMUP = 10  # untimed steps first; DDP rebuilds its buckets at the start of ste
 BATCH_SIZE = 64  # per process
 QUICK = {"rounds": 1, "steps": 10, "warmup": 2}
 LAUNCH_TIMEOUT_S = 900
+
+
+def schedule(
+    configs: Sequence[T], rounds: int, *, scheme: Literal["alternate", "rotate"] = "alternate", first: int = 0
+) -> list[tuple[int, int, T]]:
+    """``(round, position, configuration)`` of every visit, rounds ``first .. first + rounds - 1``."""
+    return [
+        (round_index, position, config)
+        for round_index in range(first, first + rounds)
+        for position, config in enumerate(round_order(configs, round_index, scheme=scheme))
+    ]
 
 
 def launch_config(
@@ -42,15 +64,7 @@ def launch_config(
         "--batch-size", str(args.batch_size), "--accelerator", args.accelerator, "--threads", str(args.threads),
         *extra_args,
     ]  # fmt: skip  # each option beside its value
-    finished = launcher.launch(
-        module,
-        worker_args,
-        nproc=args.nproc,
-        threads=args.threads,
-        report=scratch / f"{label}.json",
-        label=label,
-        timeout=args.launch_timeout,
-    )
+    finished = launch.launch(module, worker_args, scratch=scratch, label=label, **launch.options(args))
     report: dict[str, Any] = finished.report
     report["launch_wall_s"] = finished.wall_s
     return report
@@ -60,19 +74,17 @@ def run_rounds(module: str, configs: tuple[str, ...], args: argparse.Namespace) 
     """``args.rounds`` rounds, each launching ``module``'s worker for every configuration once, in a rotated order."""
     launches: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
-        for round_index in range(args.rounds):
-            order = configs[round_index % len(configs) :] + configs[: round_index % len(configs)]
-            for position, config in enumerate(order):
-                label = f"round{round_index + 1}_{config}"
-                report = launch_config(module, config, args, Path(scratch), label)
-                report.update(label=label, round=round_index, position=position)
-                launches.append(report)
-                check_same_buckets(launches)
-                print(
-                    f"round {round_index + 1}/{args.rounds}  {config:<18} step median {report['step']['median']:8.2f} ms"
-                    f"  p90 {report['step']['p90']:8.2f} ms  iteration {report['iteration']['median']:8.2f} ms"
-                    f"  ({report['launch_wall_s']:.1f} s)"
-                )
+        for round_index, position, config in schedule(configs, args.rounds, scheme="rotate"):
+            label = f"round{round_index + 1}_{config}"
+            report = launch_config(module, config, args, Path(scratch), label)
+            report.update(label=label, round=round_index, position=position)
+            launches.append(report)
+            check_same_buckets(launches)
+            print(
+                f"round {round_index + 1}/{args.rounds}  {config:<18} step median {report['step']['median']:8.2f} ms"
+                f"  p90 {report['step']['p90']:8.2f} ms  iteration {report['iteration']['median']:8.2f} ms"
+                f"  ({report['launch_wall_s']:.1f} s)"
+            )
     return launches
 
 
@@ -95,15 +107,14 @@ def summarize_rounds(launches: list[dict[str, Any]], configs: tuple[str, ...]) -
     summary: dict[str, dict[str, Any]] = {}
     for config in configs:
         mine = [launch for launch in launches if launch["config"] == config]
-        medians = [launch["step"]["median"] for launch in mine]
-        center = summarize(medians)["median"]
+        middle, spread, relative = center([launch["step"]["median"] for launch in mine])
         summary[config] = {
             "launches": len(mine),
-            "step_ms_median": center,
-            "step_ms_p90": summarize([launch["step"]["p90"] for launch in mine])["median"],
-            "step_ms_spread": [min(medians), max(medians)],
-            "relative_spread": (max(medians) - min(medians)) / center,
-            "iteration_ms_median": summarize([launch["iteration"]["median"] for launch in mine])["median"],
+            "step_ms_median": middle,
+            "step_ms_p90": median([launch["step"]["p90"] for launch in mine]),
+            "step_ms_spread": spread,
+            "relative_spread": relative,
+            "iteration_ms_median": median([launch["iteration"]["median"] for launch in mine]),
         }
     return summary
 
@@ -119,18 +130,13 @@ def compare(
     targets = {}
     for (numerator, denominator), limit in limits.items():
         ratio = summary[numerator][f"{measure}_ms_median"] / summary[denominator][f"{measure}_ms_median"]
-        per_round = []
-        for round_index in sorted({launch["round"] for launch in launches}):
-            medians = {l["config"]: l[measure]["median"] for l in launches if l["round"] == round_index}
-            per_round.append(medians[numerator] / medians[denominator])
+        per_round = paired_ratios(launches, numerator, denominator, lambda launch: launch[measure]["median"])
         targets[f"{numerator}/{denominator}"] = {
-            "ratio": ratio,
+            **against(ratio, limit),
             "measure": measure,
             "step_ratio": summary[numerator]["step_ms_median"] / summary[denominator]["step_ms_median"],
             # End to end: counts Lightning's per-batch broadcast, which the step span leaves out.
             "iteration_ratio": summary[numerator]["iteration_ms_median"] / summary[denominator]["iteration_ms_median"],
-            "limit": limit,
-            "met": ratio <= limit,
             "ratio_per_round": per_round,
             # The noise floor: when either spread is wider than the margin, "met" is luck.
             # One launch per configuration has no spread to judge by: None.
@@ -144,41 +150,28 @@ def compare(
 def parse_args(
     argv: Optional[Sequence[str]] = None,
     *,
-    description: str,
+    doc: Optional[str],
     default_out: Path,
     workers: tuple[str, ...],
     extend: Optional[Callable[[argparse.ArgumentParser], None]] = None,
     quick: Optional[dict[str, Any]] = None,
 ) -> argparse.Namespace:
-    """The options every launch-based benchmark shares; ``extend`` adds a script's own, ``workers`` are
-    the configurations its worker accepts and ``quick`` the values ``--quick`` sets (:data:`QUICK`)."""
+    """The options every benchmark of separate launches shares; ``extend`` adds a script's own, ``workers``
+    are the configurations its worker accepts and ``quick`` the values ``--quick`` sets (:data:`QUICK`)."""
     quick = QUICK if quick is None else quick
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.parser(doc)
     parser.add_argument(
         "--rounds", type=int, default=ROUNDS, help="rounds of one launch per configuration (%(default)s)"
     )
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per launch (%(default)s)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before them, >= 2 (%(default)s)")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"per rank ({BATCH_SIZE})")
-    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick} unless given explicitly")
-    parser.add_argument("--out", type=Path, default=default_out, help="JSON report (%(default)s)")
-    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl")
-    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per launch (2)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (cores // nproc)")
-    parser.add_argument("--launch-timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds per launch")
+    cli.add_launch_options(parser, out=default_out, quick=quick, timeout=LAUNCH_TIMEOUT_S)
     # Internal: set by `launch_config` for the processes torch.distributed.run starts.
     parser.add_argument("--worker", choices=workers, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     if extend is not None:
         extend(parser)
-    args = parser.parse_args(argv)
-
-    apply_quick(args, argv, quick)
-    if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
-    for name in ("rounds", "steps", "batch_size", "nproc", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args = cli.finish(parser, argv, quick, positive=("rounds", "steps", "batch_size", "nproc", "threads"))
     if args.steps < 2:
         parser.error(f"--steps must be >= 2 (the iteration time needs two step starts), got {args.steps}")
     if args.warmup < 2:
