@@ -179,6 +179,8 @@ class HangWatch:
                 run.on_signal = run.on_signal or on_signal
                 run.on_report = run.on_report or on_report
                 run.log_dir = run.log_dir or log_dir
+                if signals:
+                    self._signals.start()
                 return True
             try:
                 channel = Channel.open(store, own_client=True)
