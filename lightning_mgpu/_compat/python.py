@@ -27,3 +27,19 @@ _CURRENT_FRAMES = guarded(
 def thread_frame(ident: int) -> "_FrameType | None":
     """The innermost frame of the thread ``ident`` (``threading.get_ident()`` numbering), or None if it ended."""
     return _sys._current_frames().get(ident)
+
+
+import os as _os
+
+_EXIT = guarded(
+    "os",
+    "_exit",
+    required=True,
+    why="a hung rank ends its process at once: its main thread is blocked in C++ (a collective) and cannot be "
+    "unwound by sys.exit from the watch's thread",
+)
+
+
+def exit_now(code: int) -> None:
+    """End this process at once with status ``code`` (no cleanup: flush what must be said first)."""
+    _os._exit(code)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, TextIO
 
 import torch.distributed as dist
 
+from lightning_mgpu._compat.python import exit_now
 from lightning_mgpu.comm.distributed import process_gone, this_process
 from lightning_mgpu.watch import collectives
 from lightning_mgpu.watch.channel import Channel
@@ -105,18 +106,20 @@ def _interval(timeout: float) -> float:
 
 class HangWatch:
     """One process's hang watch (see the module docstring). ``exit``, ``clock``, ``sleep``, ``sampler``,
-    ``output``: stand-ins for tests."""
+    ``output``: stand-ins for tests; ``threaded=False``: no thread, the test calls :meth:`tick`."""
 
     def __init__(
         self,
         *,
-        exit: Callable[[int], Any] = os._exit,
+        exit: Callable[[int], Any] = exit_now,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         sampler: Optional[Callable[[], Sample]] = None,
         output: Optional[TextIO] = None,
+        threaded: bool = True,
     ) -> None:
         self.heartbeat = Heartbeat()
+        self._threaded = threaded
         self._exit, self._clock, self._sleep = exit, clock, sleep
         self._sampler = sampler
         self._output = output
@@ -230,7 +233,7 @@ class HangWatch:
         self._signals.stop()
 
     def _ensure_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if not self._threaded or (self._thread is not None and self._thread.is_alive()):
             return
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="lightning_mgpu hang watch", daemon=True)
