@@ -18,7 +18,7 @@ from the same Lightning hooks, so each mechanism works the same way under ``ddp_
   no child rank left running after the launching process fails.
 * **Hangs that end in seconds, saying where** (:mod:`lightning_mgpu.watch`): with ``hang_timeout``
   set, every rank's watch starts at ``setup`` (any Trainer call: fit, validate, test, predict) and
-  stops at teardown. The same fit callback feeds it the phases (:class:`~lightning_mgpu.watch.hooks.PhaseHooks`),
+  stops at teardown. The same fit callback (:class:`WatchedFitBoundaries` then) feeds it the phases,
   a checkpoint save says so here, and a preemption signal that arrives while the main thread is
   blocked in a collective reaches :class:`.preemption.Preemption` through the watch's thread. On a
   hang one rank prints the report, writes ``hang_report.json`` to the log directory and the
@@ -55,10 +55,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class FitBoundaries(PhaseHooks, Callback):
+class FitBoundaries(Callback):
     """The strategy's own callback for one Trainer call (see the module docstring): runs the reliability mechanisms
-    at the boundaries a strategy has no hook for, and tells the hang watch each phase. Last in
-    ``trainer.callbacks`` while the call runs."""
+    at the boundaries a strategy has no hook for. Last in ``trainer.callbacks`` while the call runs."""
 
     def __init__(self, reliability: "Reliability") -> None:
         self.reliability = reliability
@@ -66,9 +65,18 @@ class FitBoundaries(PhaseHooks, Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not in_accumulation_window(trainer):
             self.reliability.preemption.at_step_boundary(trainer)
+
+
+class WatchedFitBoundaries(PhaseHooks, FitBoundaries):
+    """:class:`FitBoundaries` that also tells the hang watch each phase (the one used while the watch runs)."""
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        PhaseHooks.on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx)
+        FitBoundaries.on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx)
 
 
 class Reliability:
@@ -94,8 +102,6 @@ class Reliability:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.preemption.attach(trainer, strategy)
-        self._trainer, self._boundaries = trainer, FitBoundaries(self)
-        _callbacks(trainer).append(self._boundaries)
         if self.hang_timeout is not None and strategy.world_size > 1:
 
             def to_loggers(report: dict[str, Any]) -> None:
@@ -113,6 +119,10 @@ class Reliability:
                 on_signal=self.preemption.notify if fitting else None,
                 on_report=to_loggers,
             )
+        if fitting or self._watching:
+            boundaries = WatchedFitBoundaries if self._watching else FitBoundaries
+            self._trainer, self._boundaries = trainer, boundaries(self)
+            _callbacks(trainer).append(self._boundaries)
 
     def on_train_start(self) -> None:
         self.preemption.on_train_start()
