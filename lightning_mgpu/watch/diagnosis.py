@@ -142,7 +142,8 @@ def diagnose(states: Sequence[RankState], verdict: Verdict) -> Diagnosis:
 
 
 def _died(states: Sequence[RankState], verdict: Verdict, by_rank: dict[int, RankState]) -> Optional[Diagnosis]:
-    lost = verdict.dead + verdict.unresponsive
+    # A rank that died past the end of its run (e.g. its collective after fit failed) is uneven batches' doing.
+    lost = [rank for rank in verdict.dead + verdict.unresponsive if by_rank[rank].watching or by_rank[rank].missing]
     if not lost:
         return None
     parts = []
@@ -188,7 +189,8 @@ def _uneven(states: Sequence[RankState], verdict: Verdict, by_rank: dict[int, Ra
     ends = ", ".join(
         f"rank {s.rank} ran {s.batches_done} training batches"
         + (f" ({s.batches} per epoch)" if s.batches is not None else "")
-        + (f", now {s.doing}{_at(s)}" if s.phase != "train_epoch_end" else "")
+        + (f", then {s.doing}{_at(s)}" if s.phase != "train_epoch_end" else "")
+        + (" (its process has ended since)" if s.gone else "")
         for s in short
     )
     behind = "; ".join(

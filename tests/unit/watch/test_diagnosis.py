@@ -74,6 +74,15 @@ def test_uneven_batches_a_rank_past_its_run() -> None:
     assert "use_distributed_sampler=True" in found.fix
 
 
+def test_uneven_batches_when_the_short_rank_has_died_after_its_run() -> None:
+    """Its collective after fit failed against the others' training ones (gloo may say so): still uneven batches."""
+    short = state(1, "after_run", idle=40.0, watching=False, batches=3, batches_done=3, gone=True, site=at(99))
+    long = state(0, "data_fetch", idle=20.0, batches_done=3, collective=collective("broadcast", 14))
+    found = diagnose(*judged(long, short))  # type: ignore[arg-type]
+    assert found.cause == "uneven-batches" and found.culprits == [1]
+    assert "(its process has ended since)" in found.summary
+
+
 def test_uneven_batches_loaders_of_different_lengths() -> None:
     short = state(1, "train_epoch_end", idle=25.0, batches=3, batches_done=3, collective=collective("all_reduce", 8))
     long = in_backward(0)
