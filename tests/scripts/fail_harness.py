@@ -1,6 +1,6 @@
 """Launch tests/scripts/fail_fit.py under a launcher, with a deadline, and record how the job ended.
 
-Used by tests/test_reliability_*.py. Every launch runs in its own session: when it ends (or its
+Used by tests/test_reliability_*.py (and, with ``script=``, the hang scenarios of tests/dist/watch/). Every launch runs in its own session: when it ends (or its
 deadline passes) whatever is left of it is found by session id, reported and killed, so a test
 can neither hang nor leave processes behind.
 """
@@ -78,10 +78,11 @@ def launch(
     launcher: Sequence[str] = (),
     timeout: float = 150,
     env: Optional[dict[str, str]] = None,
+    script: Path = SCRIPT,
 ) -> Job:
-    """``python [LAUNCHER] fail_fit.py --out-dir OUT FLAGS`` in its own session (warm: ``tests/warm.py``), killed at
-    ``timeout``."""
-    command = [sys.executable, *launcher, str(SCRIPT), "--out-dir", str(out_dir), *flags]
+    """``python [LAUNCHER] SCRIPT --out-dir OUT FLAGS`` (``fail_fit.py`` unless told) in its own session (warm:
+    ``tests/warm.py``), killed at ``timeout``."""
+    command = [sys.executable, *launcher, str(script), "--out-dir", str(out_dir), *flags]
     started = time.perf_counter()
     process = warm.start(
         command, cwd=out_dir.parent, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

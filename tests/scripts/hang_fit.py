@@ -15,6 +15,7 @@ back in training).
 Scenarios (the odd rank is ``--rank``, default 0 for a collective only it calls, else 1):
 
   none        a clean fit (with ``--slow-step S``: one step of the odd rank takes S seconds of work)
+  (any)       with ``--sigterm-after S``: S seconds after the stall the job gets SIGTERM (a preemption)
   barrier     ``trainer.strategy.barrier()`` under ``if self.global_rank == ...`` in training_step
   sync_dist   ``self.log(..., sync_dist=True)`` under a rank condition
   uneven      the odd rank's loader has half the batches; after fit every rank saves a checkpoint
@@ -34,6 +35,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,9 +92,10 @@ class Numbers(Dataset):
 
 
 class Net(L.LightningModule):
-    def __init__(self, scenario: str, odd: int, slow_step_s: float) -> None:
+    def __init__(self, scenario: str, odd: int, slow_step_s: float, sigterm_after_s: float) -> None:
         super().__init__()
         self.scenario, self.odd, self.slow_step_s = scenario, odd, slow_step_s
+        self.sigterm_after_s = sigterm_after_s
         self.layer = nn.Linear(8, 1)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -105,6 +108,8 @@ class Net(L.LightningModule):
         odd = self.global_rank == self.odd
         if odd and self.scenario in ("barrier", "sync_dist", "sleep", "sigkill"):
             stalled(self.scenario, self.global_rank)
+            if self.sigterm_after_s:
+                preempt_later(self.sigterm_after_s, self.global_rank)
         if self.scenario == "barrier":
             if self.global_rank == self.odd:
                 self.trainer.strategy.barrier()  # only this rank waits here
@@ -140,15 +145,26 @@ class Net(L.LightningModule):
         return DataLoader(Numbers(batches * BATCH, stuck=False, rank=self.global_rank), batch_size=BATCH)
 
 
+def preempt_later(seconds: float, rank: int) -> None:
+    """SIGTERM to the whole job ``seconds`` from now, as a scheduler preempts it (every rank blocked by then)."""
+
+    def preempt() -> None:
+        time.sleep(seconds)
+        print(f"[hang_fit] rank {rank} sends SIGTERM to the job at {time.time():.3f}", file=sys.stderr, flush=True)
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+
+
 def busy_for(seconds: float) -> None:
-    """A step that works (a quarter of a core) for ``seconds``: legitimately slow, never stuck."""
+    """A step that works (a third of a core) for ``seconds``: legitimately slow, never stuck."""
     end = time.monotonic() + seconds
     a = torch.randn(96, 96)
     while time.monotonic() < end:
         started = time.monotonic()
         while time.monotonic() - started < 0.05:
             a = torch.tanh(a @ a)
-        time.sleep(0.15)
+        time.sleep(0.1)
 
 
 class Report(L.Callback):
@@ -170,6 +186,9 @@ def main() -> None:
     )
     parser.add_argument("--hang-timeout", type=float, default=20.0)
     parser.add_argument("--slow-step", type=float, default=0.0, help="none: seconds of one slow step of the odd rank")
+    parser.add_argument(
+        "--sigterm-after", type=float, default=0.0, help="SIGTERM to the job this long after the stall (preemption)"
+    )
     parser.add_argument("--stock", action="store_true", help='strategy="ddp" with DistributedDoctor(hang_timeout=...)')
     parser.add_argument("--wandb", action="store_true", help="a WandbLogger (offline) under OUT")
     parser.add_argument("--num-nodes", type=int, default=1)
@@ -209,7 +228,7 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     print(f"[hang_fit] rank {trainer.global_rank} pid {os.getpid()} starts at {time.time():.3f}", file=sys.stderr)
-    trainer.fit(Net(args.scenario, odd, args.slow_step))
+    trainer.fit(Net(args.scenario, odd, args.slow_step, args.sigterm_after))
     if args.scenario == "uneven":
         if trainer.global_rank == odd:
             stalled("uneven", trainer.global_rank)  # out of batches, while the others still train
