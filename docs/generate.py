@@ -63,6 +63,7 @@ def _blocks() -> dict[str, Block]:
         "bench-planner-timing": bench_tables.planner_timing,
         "bench-comm": bench_tables.bench_comm,
         "bench-soak": bench_tables.soak,
+        "bench-watch-overhead": bench_tables.watch_overhead,
         "lab-buckets": lab_tables.buckets,
         "lab-headlines": lab_tables.headlines,
         "lab-sweep": partial(lab_tables.sweep, "netlab_sweep"),

@@ -150,6 +150,11 @@ class HangWatch:
         return self._watching
 
     @property
+    def beats(self) -> int:
+        """States this watch has published (its thread's ticks, and the main thread's rare ones)."""
+        return self._beat
+
+    @property
     def timeout(self) -> Optional[float]:
         return self._run.timeout if self._run is not None and self._watching else None
 
