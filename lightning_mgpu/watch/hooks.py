@@ -13,7 +13,7 @@ from typing import Any, Optional
 from lightning_mgpu.watch.heartbeat import Heartbeat
 from lightning_mgpu.watch.watcher import the_watch
 
-__all__ = ["PhaseHooks", "log_dir_of", "stage_of"]
+__all__ = ["PhaseHooks", "local_ranks", "log_dir_of", "stage_of"]
 
 
 def _count(value: Any) -> Optional[int]:
@@ -42,6 +42,13 @@ def log_dir_of(trainer: Any) -> Optional[str]:
             return str(directory)
     root = getattr(trainer, "default_root_dir", None)
     return None if root is None else str(root)
+
+
+def local_ranks(trainer: Any) -> range:
+    """The ranks of this machine if ranks are numbered node by node (Lightning's and torchrun's way)."""
+    per_node = max(1, int(trainer.world_size) // max(1, int(trainer.num_nodes)))
+    first = int(trainer.node_rank) * per_node
+    return range(first, first + per_node)
 
 
 def stage_of(trainer: Any) -> Optional[str]:

@@ -42,8 +42,10 @@ def build(
     exit_code: Optional[int],
     signum: Optional[int] = None,
     failure: bool = False,
+    log_dir: Optional[str] = None,
 ) -> dict[str, Any]:
-    """The report as data; ``failure``: made after a collective failed (a rank left), not by the watch's timeout."""
+    """The report as data; ``failure``: made after a collective failed (a rank left), not by the watch's timeout;
+    ``log_dir``: where :func:`write` will put it (the text says so)."""
     report: dict[str, Any] = {
         "version": REPORT_VERSION,
         "kind": "failure" if failure else "hang",
@@ -52,6 +54,7 @@ def build(
         "reported_by": reporter,
         "signal": None if signum is None else signal_name(signum),
         "exit_code": exit_code,
+        "path": str(Path(log_dir) / REPORT_FILE) if log_dir else None,
         "verdict": verdict.as_dict(),
         "diagnosis": diagnosis.as_dict(),
         "ranks": [state.as_dict(with_stack=True) for state in sorted(states, key=lambda s: s.rank)],
@@ -94,7 +97,7 @@ def text(report: dict[str, Any]) -> str:
     verdict, diagnosis = report["verdict"], report["diagnosis"]
     timeout = verdict["timeout_s"]
     if report["kind"] == "failure":
-        title = f"{MARK} A RANK LEFT THE JOB (a collective failed on rank {report['reported_by']})"
+        title = f"{MARK} A RANK LEFT THE JOB (seen by rank {report['reported_by']})"
     else:
         blocked = ranks_text(verdict["blocked"]) if verdict["blocked"] else "no rank"
         title = f"{MARK} HANG: no progress for {timeout:g} s on {blocked}"
@@ -106,7 +109,7 @@ def text(report: dict[str, Any]) -> str:
         lines += _rank_lines(state)
     lines.append(_wrap(f"Likely cause ({diagnosis['cause']}): {diagnosis['summary']}"))
     lines.append(_wrap(f"Fix: {diagnosis['fix']}"))
-    tail = f"Every rank's stack: {REPORT_FILE} in the run's log directory."
+    tail = f"Every rank's stack: {report['path'] or REPORT_FILE + ' (not written: no log directory)'}."
     if report["exit_code"] is not None:
         tail += f" Every rank now exits with status {report['exit_code']}."
     lines.append(tail)

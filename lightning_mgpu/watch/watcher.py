@@ -19,6 +19,11 @@ Every tick (``interval`` seconds, 1 s for any ``hang_timeout`` of 10 s or more) 
 4. while watching, once its own rank has idled a while, reads every rank's state, judges
    (:func:`~.verdict.judge`) and, on a hang, declares it.
 
+While watching, it also looks (by pid) for the ranks on its machine: one whose process ended in the
+middle of the run is reported at once (which rank, where it was last), before Lightning's launcher, which
+kills its rank 0 within 5 s of seeing a child die, could take the report with it; the job then ends by
+the failed collective (gloo) or, where that never comes (NCCL), by the hang verdict.
+
 Concluding, on every rank: publish the final state with the main thread's stack; the reporter (rank 0,
 or the first to claim it when rank 0 does not within ``CLAIM_WAIT_S``) gathers those, diagnoses
 (:mod:`.diagnosis`), prints the one report, writes ``hang_report.json`` to the log directory, hands
@@ -30,17 +35,18 @@ with status :data:`HANG_EXIT_CODE`, or 128 + the signal's number after a preempt
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 import torch.distributed as dist
 
 from lightning_mgpu._compat.python import exit_now
-from lightning_mgpu.comm.distributed import process_gone, this_process
+from lightning_mgpu.comm.distributed import PEER_LOST, process_gone, this_process
 from lightning_mgpu.watch import collectives
 from lightning_mgpu.watch.channel import Channel
 from lightning_mgpu.watch.diagnosis import diagnose
@@ -98,6 +104,8 @@ class Run:
     on_report: Optional[Callable[[dict[str, Any]], None]] = None
     """Called on the reporting rank with the report (e.g. to write it to the loggers); must not raise."""
     owners: set[str] = field(default_factory=set)
+    neighbours: tuple[int, ...] = ()
+    """Ranks that may run on this machine (their processes are looked for; a wrong guess is harmless)."""
 
 
 def _interval(timeout: float) -> float:
@@ -139,6 +147,8 @@ class HangWatch:
         self._signal: Optional[int] = None
         self._store_failures = 0
         self._concluding = False
+        self._neighbour_pids: dict[int, int] = {}
+        self._left_reported = False
         self._here = this_process().rsplit(" ", 1)[0]
         self.concluded: Optional[int] = None
         """The exit status this watch ended its process with (for tests whose ``exit`` returns)."""
@@ -171,6 +181,7 @@ class HangWatch:
         signals: tuple[int, ...] = (),
         on_signal: Optional[Callable[[int], None]] = None,
         on_report: Optional[Callable[[dict[str, Any]], None]] = None,
+        neighbours: Sequence[int] = (),
     ) -> bool:
         """Watch the run that starts now on this rank; False (nothing started) without a store or a second rank.
 
@@ -195,11 +206,14 @@ class HangWatch:
                 main_channel = Channel.open(store, own_client=False)
             except _STORE_ERRORS:
                 return False
-            self._run = Run(rank, world_size, timeout, log_dir, signals, on_signal, on_report, {owner})
+            self._run = Run(
+                rank, world_size, timeout, log_dir, signals, on_signal, on_report, {owner}, tuple(neighbours)
+            )
             self._channel, self._main_channel = channel, main_channel
             self.heartbeat.reset(stage=stage)
             self._progress = Progress(now=self._clock())
             self._seen, self._signal, self._store_failures = {}, None, 0
+            self._neighbour_pids, self._left_reported = {}, False
             self._watching = True
         collectives.install(self.heartbeat)
         if signals:
@@ -248,6 +262,8 @@ class HangWatch:
 
     def note_failure(self, error: BaseException) -> None:
         """This rank's run is failing with ``error``: say so to the others now (the process may be gone by the next tick)."""
+        if self._concluding:  # the hang's report is out or on its way; this is the others leaving
+            return
         first = (str(error).strip().splitlines() or [""])[0][:200]
         self.heartbeat.failure = f"{type(error).__name__}: {first}" if first else type(error).__name__
         self.heartbeat.enter_phase("failed")
@@ -257,16 +273,25 @@ class HangWatch:
         """After a collective failed because a peer left: the report naming the ranks that left and where they were,
         printed by the first rank to get here (the text is returned on every rank; None when no rank is seen gone)."""
         run, channel = self._run, self._main_channel
-        if run is None or channel is None or not self._watching:
-            return None
+        if run is None or channel is None or not self._watching or self._concluding:
+            return None  # concluding: the collective failed because the others are leaving after the hang's report
+        return self._report_left(run, channel, self._state(self._sample(), idle=0.0, run=run))
+
+    def _report_left(self, run: Run, channel: Channel, mine: RankState) -> Optional[str]:
+        """The ranks that left the run (process gone, or failed on their own), where each was: reported once per job."""
         try:
+            if channel.declared() is not None:  # a hang was declared: the ranks leave because of it
+                return None
             beats = channel.beats(run.world_size)
         except _STORE_ERRORS:
             return None
         states = self._states_from(beats, run, now=None)
-        mine = self._state(self._sample(), idle=0.0, run=run)
         states[run.rank] = mine
-        lost = [s.rank for s in states.values() if s.rank != run.rank and (s.gone or s.failure)]
+        lost = [
+            s.rank
+            for s in states.values()
+            if s.rank != run.rank and (s.gone or (s.failure and not any(m in s.failure for m in PEER_LOST)))
+        ]
         if not lost:
             return None
         verdict = Verdict(False, [], lost, [], run.timeout)
@@ -279,6 +304,7 @@ class HangWatch:
             hang_timeout=run.timeout,
             exit_code=None,
             failure=True,
+            log_dir=run.log_dir,
         )
         try:
             first = channel.claim("failure/reporter", run.rank) == run.rank
@@ -290,6 +316,33 @@ class HangWatch:
             self._hand_over(run, report)
         text: str = report["text"]
         return text
+
+    def _neighbour_left(self, run: Run, channel: Channel) -> bool:
+        """Whether a rank on this machine ended its process in the middle of the run (looked up by pid: cheap, every
+        tick). Under Lightning's launcher rank 0 is its ranks' parent, and Lightning kills it within 5 s of seeing a
+        child die: this sees the death within a tick, so the report comes first."""
+        for rank in run.neighbours:
+            if rank == run.rank or self._neighbour_pids.get(rank) == 0:
+                continue
+            pid = self._neighbour_pids.get(rank)
+            if pid is None:
+                state = self._beat_of(channel, rank)
+                if state is not None:  # 0: on another machine (or pid namespace), not ours to look for
+                    self._neighbour_pids[rank] = state.pid if state.host == self._here else 0
+                continue
+            if process_gone(pid):
+                last = self._beat_of(channel, rank)
+                if last is not None and last.watching and last.phase not in ("after_run", "teardown"):
+                    return True
+                self._neighbour_pids[rank] = 0  # it finished its run: gone is no news
+        return False
+
+    @staticmethod
+    def _beat_of(channel: Channel, rank: int) -> Optional[RankState]:
+        key = f"beat/{rank}"
+        if not channel.store.check([key]):
+            return None
+        return RankState.from_dict(json.loads(channel.store.get(key)))
 
     # ------------------------------------------------------------------ the thread
 
@@ -355,6 +408,9 @@ class HangWatch:
             return False
         if not self._watching:
             return dist.is_available() and dist.is_initialized()
+        if not self._left_reported and self._neighbour_left(run, channel):
+            self._left_reported = True
+            self._report_left(run, channel, state)
         timeout = min(run.timeout, PREEMPTION_GRACE_S) if self._signal is not None else run.timeout
         if idle >= min(timeout / 2, 5.0) and now >= self._next_read:
             self._next_read = now + max(_interval(timeout), min(timeout / 10, 5.0))
@@ -522,6 +578,7 @@ class HangWatch:
             hang_timeout=run.timeout,
             exit_code=code,
             signum=int(signum) if signum else None,
+            log_dir=run.log_dir,
         )
         self._say(report["text"])
         write(report, run.log_dir)

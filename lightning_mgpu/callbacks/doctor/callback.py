@@ -64,7 +64,7 @@ from lightning_mgpu.callbacks.doctor.rule import Check, CheckKind, RankReport, W
 from lightning_mgpu.callbacks.doctor.rules import RULES, WATCHES, validate_rule_ids
 from lightning_mgpu.comm.distributed import gather_objects, lost_peer
 from lightning_mgpu.watch import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
-from lightning_mgpu.watch.hooks import PhaseHooks, log_dir_of, stage_of
+from lightning_mgpu.watch.hooks import PhaseHooks, local_ranks, log_dir_of, stage_of
 from lightning_mgpu.watch.report import send_to_loggers
 from lightning_mgpu.watch.watcher import the_watch
 
@@ -404,6 +404,7 @@ class DistributedDoctor(L.Callback):
             stage=stage_of(trainer),
             log_dir=log_dir_of(trainer),
             on_report=to_loggers,
+            neighbours=local_ranks(trainer),
         )
         # Our strategies feed the watch from their own callback; any other strategy gets ours.
         if self._watching and getattr(trainer.strategy, "hang_timeout", None) is None:

@@ -47,7 +47,7 @@ from lightning_mgpu.strategies.parts.checkpoint_io import (
     replace_atomically,
 )
 from lightning_mgpu.strategies.parts.preemption import Preemption
-from lightning_mgpu.watch.hooks import PhaseHooks, log_dir_of, stage_of
+from lightning_mgpu.watch.hooks import PhaseHooks, local_ranks, log_dir_of, stage_of
 from lightning_mgpu.watch.report import send_to_loggers
 from lightning_mgpu.watch.watcher import the_watch
 
@@ -118,6 +118,7 @@ class Reliability:
                 signals=self.preemption.signals if fitting else (),
                 on_signal=self.preemption.notify if fitting else None,
                 on_report=to_loggers,
+                neighbours=local_ranks(trainer),
             )
         if fitting or self._watching:
             boundaries = WatchedFitBoundaries if self._watching else FitBoundaries

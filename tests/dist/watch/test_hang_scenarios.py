@@ -18,6 +18,7 @@ launch is importing, then waiting 20 s for the timeout: they overlap), once per 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -30,6 +31,7 @@ import pytest
 
 from bench.harness.launch import NodeRun, run
 from bench.labs.network import Lab, LabError, lab_unavailable
+from docs import hang_tables
 from tests.scripts.fail_harness import Job, launch_all
 from tests.scripts.hang_fit import site_line
 
@@ -168,7 +170,7 @@ def test_the_hang_ends_promptly_on_every_rank(jobs: dict[str, Job], name: str) -
         # Rank 0's collective failed when rank 1's connections closed: it raises (1), unless Lightning's child
         # watcher, seeing its child killed, kills it first (-9); the report was out before either.
         assert job.returncode in (1, -signal.SIGKILL), job.describe()
-        assert "killed by SIGKILL" in job.output, job.describe()
+        assert "killed by SIGKILL" in job.output or "terminated with code -9" in job.output, job.describe()
         return
     assert job.returncode == status, job.describe()  # the launching process: rank 0
     # Every rank leaves with the hang's status; a rank that had died already (uneven batches: the short rank's
@@ -253,3 +255,33 @@ def test_across_two_nodes_of_the_network_lab(lab_run: LabRun) -> None:
     assert sum(log.count("HANG: no progress for") for log in logs) == 1, described
     for rank, log in enumerate(logs):  # each node's one rank left with the hang's status
         assert re.search(rf"rank {rank}: the job hangs .*exiting with status {HANG_EXIT}", log), described
+
+
+def test_the_docs_show_the_reports_this_code_prints(jobs: dict[str, Job]) -> None:
+    """docs/hangs.md shows a recorded report per scenario (bench/results/hang_reports.json); this run's must read the
+    same, numbers aside. ``MGPU_RECORD_HANG_REPORTS=1`` records this run's instead (then ``python -m docs.generate``)."""
+    current = {
+        name: hang_tables.normalized(reported(jobs[name])["text"], log_dir=str(jobs[name].out_dir))
+        for name in hang_tables.SCENARIOS
+    }
+    if os.environ.get("MGPU_RECORD_HANG_REPORTS"):
+        recorded = {
+            "recorded_by": "MGPU_RECORD_HANG_REPORTS=1 pytest tests/dist/watch/test_hang_scenarios.py",
+            "hang_timeout": HANG_TIMEOUT,
+            "reports": {name: {"text": text} for name, text in current.items()},
+        }
+        hang_tables.RECORDED.write_text(json.dumps(recorded, indent=1, ensure_ascii=False) + "\n")
+        return
+    recorded = hang_tables.load()
+    stale = [
+        name
+        for name, text in current.items()
+        if hang_tables.masked(text) != hang_tables.masked(recorded["reports"][name]["text"])
+    ]
+    assert not stale, (
+        f"docs/hangs.md's reports of {stale} are stale: this code reports them differently. Record this run's with "
+        "MGPU_RECORD_HANG_REPORTS=1 pytest tests/dist/watch/test_hang_scenarios.py, then python -m docs.generate.\n"
+        + "\n\n".join(
+            f"--- {name} now:\n{current[name]}\n--- recorded:\n{recorded['reports'][name]['text']}" for name in stale
+        )
+    )

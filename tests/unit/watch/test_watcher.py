@@ -187,3 +187,42 @@ def test_a_rank_that_left_is_named_after_the_collective_fails(ranks: tuple[Rank,
     assert rank0.output.getvalue().count("A RANK LEFT THE JOB") == 1
     assert rank1.watch.report_failure(RuntimeError("Connection closed by peer")) is None  # rank 0 is alive: no one left
     assert rank0.exits == []
+
+
+def test_a_neighbour_that_dies_mid_run_is_reported_within_a_tick(tmp_path: Path) -> None:
+    """Before a parent's child watcher (Lightning kills rank 0 within 5 s of a dead child) can take the report away."""
+    store, clock = dist.HashStore(), Clock()
+    rank0 = Rank(0, store, clock, tmp_path, neighbours=(0, 1))
+    rank1 = Rank(1, store, clock, tmp_path)
+    try:
+        rank1.frames = [Frame(TRAIN, 90, "main"), Frame(TRAIN, 81, "training_step")]
+        rank1.watch.tick()
+        rank0.watch.tick()  # learns rank 1's pid (alive: this very process)
+        assert "A RANK LEFT THE JOB" not in rank0.output.getvalue()
+        channel: Channel = rank0.watch._main_channel  # type: ignore[assignment]
+        channel.publish(1, {**json.loads(channel.store.get("beat/1")), "pid": NO_SUCH_PID})
+        rank0.watch._neighbour_pids[1] = NO_SUCH_PID  # as if it had read that pid from the start
+        rank0.watch.tick()
+        text = rank0.output.getvalue()
+        assert text.count("A RANK LEFT THE JOB (seen by rank 0)") == 1 and "/project/train.py:81" in text
+        rank0.watch.tick()
+        assert rank0.output.getvalue().count("A RANK LEFT THE JOB") == 1 and rank0.exits == []  # once, no exit
+    finally:
+        rank0.watch.stop()
+        rank1.watch.stop()
+
+
+def test_a_neighbour_that_finished_its_run_is_no_news(tmp_path: Path) -> None:
+    store, clock = dist.HashStore(), Clock()
+    rank0 = Rank(0, store, clock, tmp_path, neighbours=(0, 1))
+    rank1 = Rank(1, store, clock, tmp_path)
+    try:
+        rank1.watch.finish("test")  # its last beat: past the end of its run
+        channel: Channel = rank0.watch._main_channel  # type: ignore[assignment]
+        channel.publish(1, {**json.loads(channel.store.get("beat/1")), "pid": NO_SUCH_PID})
+        rank0.watch._neighbour_pids[1] = NO_SUCH_PID
+        rank0.watch.tick()
+        assert "A RANK LEFT" not in rank0.output.getvalue()
+    finally:
+        rank0.watch.stop()
+        rank1.watch.stop()
