@@ -7,13 +7,13 @@ bucket by the power of two that maps its largest magnitude over all ranks to 2**
 sum can overflow and small values keep their bits. Gradients that are inf/NaN already, and values
 still too small after scaling, are reported (``end_step``, ``TunedDDPStrategy.compression_stats``).
 
-In-process on a one-rank gloo group here; the 2-rank fit is in ``test_fp16_compression_on_two_ranks_*``.
+In-process on a one-rank gloo group here; the 2-rank fit and the group teardown run are in
+tests/dist/comm/test_fp16_safety.py.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu.comm.compression import ScaledFp16Allreduce, resolve_compression
-from tests.scripts.fail_harness import launch_all
 from tests.scripts.group_teardown import Bucket
 
 
@@ -196,55 +195,6 @@ def test_a_fit_with_huge_gradients_stays_finite_and_reports_its_peak(tmp_path: P
     stats = strategy.compression_stats
     assert stats is not None and stats["steps"] == 4 and stats["nonfinite_steps"] == 0 and stats["peak"] > 65504
     assert TunedDDPStrategy(compression="bf16").compression_stats is None
-
-
-# ----------------------------------------------------------------------------- 2 ranks
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(400)
-def test_fp16_compression_on_two_ranks_with_huge_gradients_matches_fp32(tmp_path: Path) -> None:
-    """2 gloo ranks, gradients above 65504 (loss x 1e7, Adam): ours ends near the float32 run, torch's hook on NaN."""
-    common = ["--steps", "8", "--loss-scale", "1e7"]
-    jobs = launch_all(
-        {
-            "fp32": {"out_dir": tmp_path / "fp32", "flags": common},
-            "fp16": {
-                "out_dir": tmp_path / "fp16",
-                "flags": [*common, "--strategy-kwargs", json.dumps({"compression": "fp16"})],
-            },
-            "torch": {"out_dir": tmp_path / "torch", "flags": [*common, "--torch-fp16-hook"]},
-        }
-    )
-    for job in jobs.values():
-        assert job.returncode == 0 and not job.timed_out, job.describe()
-    reference = jobs["fp32"].tensors(0)["params"]
-    for rank in (0, 1):
-        ours = jobs["fp16"].tensors(rank)["params"]
-        assert torch.isfinite(ours).all()
-        # float16 keeps 11 bits of each value: Adam, which normalises every element, can move a near-zero
-        # gradient's element the other way (by up to 2 x lr per step); the rest follows the float32 run.
-        difference = (ours - reference).abs()
-        assert float(difference.mean()) < 1e-4 and float((difference > 2e-3).float().mean()) < 1e-3, difference.max()
-        stats = jobs["fp16"].rank(rank)["package_state"]
-        assert stats["compression"] == "fp16"
-        assert torch.isnan(jobs["torch"].tensors(rank)["params"]).any()  # the defect this guards against
-    assert torch.equal(jobs["fp16"].tensors(0)["params"], jobs["fp16"].tensors(1)["params"])  # ranks agree
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_destroying_the_group_right_after_a_hook_ran_does_not_abort_the_process() -> None:
-    """gloo frees a hook's callback on its worker thread: a callback holding the group's last reference made the
-    group join that thread from inside it (``Resource deadlock avoided``, SIGABRT). It took a pytest worker
-    with it; the script aborted in 5 runs of 5 before the fix."""
-    from tests.conftest import run_python
-
-    repo = Path(__file__).resolve().parents[1]
-    done = run_python(["-m", "tests.scripts.group_teardown", "--rounds", "300"], cwd=repo, timeout=150, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(": 300 rounds") == 3 and done.stdout.count(": 60 rounds") == 2, done.stdout
-    assert done.stdout.rstrip().endswith("retired groups freed"), done.stdout
 
 
 def test_buckets_numbered_alike_keep_their_own_scales(one_rank_group: None) -> None:
