@@ -28,7 +28,7 @@ from lightning_mgpu.callbacks.comm_profiler import advice, report
 from lightning_mgpu.strategies.parts.ddp_model import BucketInfo
 from lightning_mgpu.whatif import PRESETS
 from tests.scripts.models import MLPRegressor
-from tests.test_whatif import mlp_profile
+from tests.helpers.whatif import mlp_profile
 
 STEPS = 6
 

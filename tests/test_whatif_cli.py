@@ -18,7 +18,7 @@ from lightning_mgpu.whatif import load_profile
 from lightning_mgpu.whatif.compression import plan_bucket
 from lightning_mgpu.whatif.measure import measure_costs
 from lightning_mgpu.whatif.records import Gradient
-from tests.test_whatif import MLP_BUCKETS, mlp_profile
+from tests.helpers.whatif import MLP_BUCKETS, mlp_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
