@@ -1,7 +1,7 @@
 """CommProfiler and DistributedDoctor on 2 real CPU ranks under stock ``ddp``, FSDP2 and PowerSGD (issue 18).
 
 * stock ``DDPStrategy``: the profiler times the buckets itself and agrees with DDP's own timers
-  within 15%, as under ``ddp_tuned`` (``tests/test_comm_profiler_dist.py``);
+  within 15%, as under ``ddp_tuned`` (``tests/dist/callbacks/comm_profiler/test_comm_profiler.py``);
 * ``ModelParallelStrategy`` (FSDP2, ``fully_shard``): what the profiler cannot see is null /
   "not measured", never 0, and the doctor says which rules it did not check;
 * PowerSGD: the bytes on the wire are what its hook sent (ranks x shapes), not the gradient's.
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, run_python
-from tests.test_comm_profiler_dist import profile_run
+from tests.helpers.comm_profiler import profile_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

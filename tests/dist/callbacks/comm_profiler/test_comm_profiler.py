@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, SCRIPTS, run_python
+from tests.conftest import REPO
+from tests.helpers.comm_profiler import WARMUP, profile_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
-WARMUP = 3
 DESIGN_SUMMARY_KEYS = {
     "steps",
     "step_ms",
@@ -42,15 +42,6 @@ LOGGED = {
     "comm/busbw_gbps",
     "comm/straggler_ms",
 }
-
-
-def profile_run(tmp_path: Path, *flags: str) -> dict[str, Any]:
-    out = tmp_path / "result.json"
-    args = [str(SCRIPTS / "fit_profiled.py"), "--out", str(out), "--warmup", str(WARMUP), *flags]
-    proc = run_python(args, cwd=tmp_path, timeout=180)
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["stdout"] = proc.stdout + proc.stderr
-    return result
 
 
 @pytest.fixture(scope="module")
