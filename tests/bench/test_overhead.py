@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_python
+from tests.conftest import REPO as REPO_ROOT, run_python
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"raw", "ddp", "ddp_tuned"}
 MLP_PARAMETERS = 8_656_128
 
@@ -126,14 +125,3 @@ def test_profiler_overhead_separate_launches_quick_run(tmp_path: Path) -> None:
     target = report["targets"]["ddp_tuned+profiler/ddp_tuned"]
     assert target["measure"] == "iteration" and target["met"] == (target["ratio"] <= target["limit"])
     assert "CommProfiler cost, separate launches" in completed.stdout
-
-
-def test_median_confidence_interval_uses_binomial_order_statistics() -> None:
-    from bench.harness.stats import median_ci
-
-    # Binomial(12, 1/2): P(X <= 2) = 79/4096 <= 0.025 < P(X <= 3): the 3rd and 10th values.
-    assert median_ci(list(range(12))) == (2, 9)
-    assert median_ci([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # n = 5 cannot reach 95%: the range
-    assert median_ci(list(range(100)))[0] < 49.5 < median_ci(list(range(100)))[1]
-    with pytest.raises(ValueError):
-        median_ci([])

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import REPO as REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"ddp_tuned", "fp16_torch", "fp16_scaled", "fp16_exchanged", "fp16_checked", "fp16_skip"}
 
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import REPO as REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"ours", "dp", "blockpartition", "ds_params", "params_minmax", "uniform"}
 DISTRIBUTIONS = {"uniform", "lognormal", "few_huge", "lognormal+cuts"}
 
