@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests import conftest
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "char_lm"
 BATCH_SIZE, EPOCHS, STEPS_PER_EPOCH = 32, 3, 7  # 240 windows // 32
 EXPECTED_STEPS = EPOCHS * STEPS_PER_EPOCH

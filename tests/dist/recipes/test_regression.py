@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from tests import conftest
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "regression"
 SEED = 0
 NUM_SAMPLES, BATCH_SIZE, EPOCHS = 256, 32, 2
