@@ -1,13 +1,12 @@
-"""``lightning-mgpu whatif`` in-process (flags, table, ``--json``, sweep PNG, errors), the compression
-costs measured with torch, and, in a fresh interpreter, that the command imports no torch when it
-does not measure."""
+"""``lightning-mgpu whatif`` in-process (flags, table, ``--json``, sweep PNG, errors) and the compression
+costs measured with torch. That the command imports no torch when it does not measure is checked in a
+fresh interpreter: tests/dist/cli/test_whatif_cli.py.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,10 @@ from lightning_mgpu.whatif.compression import plan_bucket
 from lightning_mgpu.whatif.measure import measure_costs
 from lightning_mgpu.whatif.records import Gradient
 from tests.helpers.whatif import MLP_BUCKETS, mlp_profile
+from tests.conftest import REPO
+from tests.helpers import cli
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def profile(tmp_path: Path) -> Path:
-    path = tmp_path / "comm_profile.json"
-    path.write_text(json.dumps(mlp_profile()))
-    return path
+profile = cli.profile  # a fixture, shared with tests/dist/cli/test_whatif_cli.py
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
@@ -154,24 +148,6 @@ def test_measured_costs_cover_every_compressed_shape_and_feed_the_plan() -> None
     assert set(costs.gloo_ms_per_mib) == {"float32", "float16", "bfloat16"}  # gloo in-process, two threads
     assert 0 < costs.allreduce_overhead_ms < 100
     assert all(value > 0 for value in costs.gloo_ms_per_mib.values())
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_whatif_without_measuring_imports_no_torch(profile: Path) -> None:
-    code = (
-        "import sys\n"
-        "from lightning_mgpu.cli import main\n"
-        f"main(['whatif', {str(profile)!r}, '--link', '1gbe', '--costs', 'none', '--json'])\n"
-        "try:\n"
-        "    main(['whatif', '--help'])\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, sorted(sys.modules)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=100)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout[: done.stdout.index("usage:")])["predicted"]["world_size"] == 2
 
 
 def test_docs_list_every_preset_with_the_figures_the_code_uses() -> None:
