@@ -1,4 +1,7 @@
-"""`lightning-mgpu plan`: a model factory and a sample shape in, one plan per balance mode out (in-process cases: tests/unit/cli/test_cli_plan.py)."""
+"""`lightning-mgpu plan`: a model factory and a sample shape in, one plan per balance mode out.
+
+The in-process cases: tests/unit/cli/test_cli_plan.py.
+"""
 
 from __future__ import annotations
 

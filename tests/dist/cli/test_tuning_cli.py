@@ -1,4 +1,7 @@
-"""``lightning-mgpu tune``: a real 2-rank sweep (bad input, answered before anything starts: tests/unit/cli/test_tuning_cli.py)."""
+"""``lightning-mgpu tune``: a real 2-rank sweep.
+
+Bad input, answered before anything starts: tests/unit/cli/test_tuning_cli.py.
+"""
 
 from __future__ import annotations
 

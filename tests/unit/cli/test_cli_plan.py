@@ -1,4 +1,7 @@
-"""`lightning-mgpu plan` in-process: bad input, file targets, split points (the command run for real: tests/dist/cli/test_cli_plan.py)."""
+"""`lightning-mgpu plan` in-process: bad input, file targets, split points.
+
+The command run for real: tests/dist/cli/test_cli_plan.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``lightning-mgpu doctor``'s checks in-process: fix sentences, masked secrets, the environment, launchers, master, limits, the text report.
+"""``lightning-mgpu doctor``'s checks in-process: fix sentences, masked secrets, the environment,
+launchers, master address and port, limits, the text report.
 
 The command for real (JSON shape, exit codes, a hung all_reduce): tests/dist/cli/test_doctor_cli.py.
 """

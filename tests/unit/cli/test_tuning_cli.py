@@ -1,4 +1,7 @@
-"""``lightning-mgpu tune``: bad input answered before anything starts (a real 2-rank sweep: tests/dist/cli/test_tuning_cli.py)."""
+"""``lightning-mgpu tune``: bad input answered before anything starts.
+
+A real 2-rank sweep: tests/dist/cli/test_tuning_cli.py.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ test only watches how it is called):
 
 * LightningCLI/jsonargparse fills in every default of ``DistributedDataParallel``'s signature:
   the reserved arguments at their defaults (``output_device=None``, ...) are accepted, real
-  values still refused; every public class parses from a YAML ``class_path`` without ``init_args``;
+  values still refused (every public class parsed from a YAML ``class_path`` without ``init_args``,
+  which starts a process: tests/dist/strategies/test_lightning_parity.py);
 * a backend name is accepted at construction and checked at setup, so a backend registered
   after the strategy was built works (an unknown one: ``tests/test_reliability_input.py``);
 * ``init_process_group`` receives exactly what stock ``DDPStrategy`` passes (no ``store=``),
@@ -14,7 +15,7 @@ test only watches how it is called):
 * every strategy name mirrors Lightning's (``ddp_tuned_find_unused_parameters_true``, ...) and
   resolves through ``Trainer(strategy=NAME)`` with its preset.
 
-The 2-rank LightningCLI fits are in ``tests/test_lightning_cli_dist.py``.
+The 2-rank LightningCLI fits are in ``tests/dist/strategies/test_lightning_cli.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from unittest import mock
 
 import lightning as L
@@ -33,24 +34,14 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_mgpu
-from lightning_mgpu import CommProfiler, DistributedDoctor, HybridParallelStrategy, TunedDDPStrategy
+from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu.strategies.parts.options import TUNED_STRATEGY_NAMES, ddp_default
 from tests.conftest import destroy_default_group
+from tests.helpers import strategies
+
+clean_process = strategies.clean_process  # a fixture, shared with tests/dist/strategies/test_lightning_parity.py
 
 jsonargparse = pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the dev extra)")
-
-
-@pytest.fixture
-def clean_process() -> Iterator[dict[str, str]]:
-    """The environment before the test (yielded); afterwards no process group and the same environment."""
-    environ = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GLOO_SOCKET_IFNAME"):
-        os.environ.pop(key, None)
-    yield dict(os.environ)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        destroy_default_group()  # freed on the main thread: tests/conftest.py
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 # ----------------------------------------------------------------------------- DDP's defaults, as jsonargparse fills them
@@ -95,111 +86,6 @@ def test_a_flag_whose_ddp_default_is_none_accepts_none_and_refuses_other_non_boo
             TunedDDPStrategy(broadcast_buffers=None)
     with pytest.raises(ValueError, match=r"static_graph must be True or False, got None"):
         TunedDDPStrategy(static_graph=None)
-
-
-# jsonargparse resolves stub types through typeshed_client, which asks a child interpreter for its
-# sys.path: parsing a LightningCLI config starts a process, so these tests are in the multiprocess lane.
-
-YAML_CLASSES = {
-    "strategy": ["lightning_mgpu.TunedDDPStrategy", "lightning_mgpu.HybridParallelStrategy"],
-    "callbacks": ["lightning_mgpu.CommProfiler", "lightning_mgpu.DistributedDoctor"],
-}
-
-
-def _parse_cli(tmp_path: Path, config: str, *extra: str) -> Any:
-    from lightning.pytorch.cli import LightningCLI
-
-    path = tmp_path / "config.yaml"
-    path.write_text(config)
-    return LightningCLI(
-        BoringModel,
-        run=False,
-        save_config_callback=None,
-        args=["--config", str(path), *extra],
-        trainer_defaults={"logger": False, "enable_checkpointing": False, "enable_progress_bar": False},
-    )
-
-
-@pytest.mark.parametrize("class_path", YAML_CLASSES["strategy"])
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_a_strategy_from_yaml_without_init_args_builds(
-    tmp_path: Path, class_path: str, clean_process: dict[str, str]
-) -> None:
-    config = f"trainer:\n  accelerator: cpu\n  devices: 2\n  strategy:\n    class_path: {class_path}\n"
-    cli = _parse_cli(tmp_path, config)
-    assert type(cli.trainer.strategy).__name__ == class_path.rsplit(".", 1)[-1]
-    # the same instance stock defaults would give: DDP's own defaults, nothing reserved passed on
-    assert not {"output_device", "device_ids", "bucket_cap_mb_list"} & set(cli.trainer.strategy.user_ddp_kwargs)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_init_args_and_the_callbacks_from_yaml_reach_the_objects(tmp_path: Path, clean_process: dict[str, str]) -> None:
-    config = """\
-trainer:
-  accelerator: cpu
-  devices: 2
-  strategy:
-    class_path: lightning_mgpu.TunedDDPStrategy
-    init_args:
-      bucket_cap_mb: 5
-      compression: fp16
-      find_unused_parameters: true
-  callbacks:
-    - class_path: lightning_mgpu.CommProfiler
-      init_args:
-        warmup_steps: 2
-        profile_every: null
-    - class_path: lightning_mgpu.DistributedDoctor
-      init_args:
-        strict: true
-        disable: [batchnorm-without-sync]
-"""
-    cli = _parse_cli(tmp_path, config)
-    strategy = cli.trainer.strategy
-    assert isinstance(strategy, TunedDDPStrategy)
-    assert strategy.bucket_cap_mb == 5 and strategy.compression == "fp16"
-    assert strategy.user_ddp_kwargs["find_unused_parameters"] is True
-    profiler = next(c for c in cli.trainer.callbacks if isinstance(c, CommProfiler))
-    doctor = next(c for c in cli.trainer.callbacks if isinstance(c, DistributedDoctor))
-    assert profiler.schedule.warmup_steps == 2 and profiler.schedule.profile_every is None
-    assert doctor.strict is True and "batchnorm-without-sync" in str(doctor.disabled)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_hybrid_init_args_from_yaml(tmp_path: Path, clean_process: dict[str, str]) -> None:
-    config = """\
-trainer:
-  accelerator: cpu
-  devices: 4
-  strategy:
-    class_path: lightning_mgpu.HybridParallelStrategy
-    init_args:
-      devices_per_replica: 2
-      balance: [2, 3]
-      microbatches: 4
-      schedule: 1f1b
-      split_points: null
-"""
-    cli = _parse_cli(tmp_path, config)
-    strategy = cli.trainer.strategy
-    assert isinstance(strategy, HybridParallelStrategy)
-    assert strategy.devices_per_replica == 2 and strategy.microbatches == 4
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_a_registered_name_on_the_command_line_and_a_class_path_flag_both_work(
-    tmp_path: Path, clean_process: dict[str, str]
-) -> None:
-    config = "trainer:\n  accelerator: cpu\n  devices: 2\n"
-    by_name = _parse_cli(tmp_path, config, "--trainer.strategy", "ddp_tuned_find_unused_parameters_true")
-    assert isinstance(by_name.trainer.strategy, TunedDDPStrategy)
-    assert by_name.trainer.strategy.user_ddp_kwargs == {"find_unused_parameters": True}
-    by_class = _parse_cli(tmp_path, config, "--trainer.strategy.class_path", "lightning_mgpu.TunedDDPStrategy")
-    assert isinstance(by_class.trainer.strategy, TunedDDPStrategy)
 
 
 # ----------------------------------------------------------------------------- the process-group backend
