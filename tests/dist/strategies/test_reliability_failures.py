@@ -8,7 +8,7 @@ collective ``timeout`` can end. Every cell of the grid is not run (that would ta
 every failure kind, both strategies, both failing ranks and the three launchers (Lightning's
 own ``python train.py``, ``start_method="spawn"``, ``torchrun``) each appear at least once.
 ``SIGKILL`` of rank 1 (ddp_tuned) and rank 0 (hybrid) under Lightning's launcher are the
-killed runs of tests/test_reliability_resume.py, checked there with the same rules.
+killed runs of tests/dist/strategies/test_reliability_resume.py, checked there with the same rules.
 
 The launches run in a module fixture, two at a time (most of a launch is importing torch or
 waiting for the failure to be noticed): ~80 s on 2 cores.

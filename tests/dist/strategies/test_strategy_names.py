@@ -2,7 +2,7 @@
 
 ``ddp_tuned_notebook_find_unused_parameters_true`` stacks both presets of the new names: the fork
 launcher (as Lightning's ``ddp_notebook``) and ``find_unused_parameters=True``. Every name's preset is
-checked in process by ``tests/test_lightning_parity.py``.
+checked in process by ``tests/unit/strategies/test_lightning_parity.py``.
 """
 
 from __future__ import annotations

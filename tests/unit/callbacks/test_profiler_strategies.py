@@ -3,7 +3,7 @@
 In process, one rank (a real gloo group of one: DDP still runs its communication hook):
 
 * under Lightning's own ``DDPStrategy`` the profiler registers its timed hook itself and measures
-  the buckets (the 2-rank agreement with DDP's own timers: ``tests/test_profiler_strategies_dist.py``);
+  the buckets (the 2-rank agreement with DDP's own timers: ``tests/dist/callbacks/test_profiler_strategies.py``);
 * a user's ``ddp_comm_wrapper`` is kept and composed with ours, and given back after fit;
 * with ``profile_every=None`` and fewer profiled steps than ``every_n_steps``, ``comm/*`` still
   reaches the logger, at the end of fit;

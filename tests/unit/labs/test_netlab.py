@@ -3,7 +3,7 @@
 What a lab is made of (names, addresses, shaping on both ends), what happens when a command
 fails half-way (everything made so far is removed), the refusal when it cannot be built, the
 torchrun command per node and the stale-namespace sweep. The real thing, with namespaces, is
-tests/test_netlab_dist.py.
+tests/dist/labs/test_netlab.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 In process: the launching process's children are stand-ins with a fixed ``poll()``. The real
 launches (a rank that fails, closes its connections and is slow to exit; a killed rank; a stuck
-one) are in ``tests/test_reliability_failures.py``.
+one) are in ``tests/dist/strategies/test_reliability_failures.py``.
 """
 
 from __future__ import annotations

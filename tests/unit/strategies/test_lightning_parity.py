@@ -8,7 +8,7 @@ test only watches how it is called):
   values still refused (every public class parsed from a YAML ``class_path`` without ``init_args``,
   which starts a process: tests/dist/strategies/test_lightning_parity.py);
 * a backend name is accepted at construction and checked at setup, so a backend registered
-  after the strategy was built works (an unknown one: ``tests/test_reliability_input.py``);
+  after the strategy was built works (an unknown one: ``tests/unit/repo/test_reliability_input.py``);
 * ``init_process_group`` receives exactly what stock ``DDPStrategy`` passes (no ``store=``),
   while rank 0's rendezvous server listens on the loopback interface only during the call;
 * nothing is left in ``os.environ`` that stock ``DDPStrategy`` does not leave;
@@ -234,7 +234,7 @@ def test_setup_environment_and_setup_without_teardown_leave_nothing_stock_ddp_do
 @pytest.mark.parametrize("strategy_class", [DDPStrategy, TunedDDPStrategy])
 def test_a_checkpoint_io_plugin_is_the_strategys_checkpoint_io(strategy_class: type) -> None:
     """Lightning's ``test_accelerator_specific_checkpoint_io``: the plugin object itself, not a wrapper or a copy
-    (``tests/test_checkpoint_integrity.py``: it still writes atomically)."""
+    (``tests/unit/strategies/test_checkpoint_integrity.py``: it still writes atomically)."""
     from lightning.pytorch.plugins import TorchCheckpointIO
 
     ckpt_plugin = TorchCheckpointIO()

@@ -85,7 +85,7 @@ def test_bad_arguments_name_the_argument_and_value(kwargs: dict[str, Any], names
 
 
 def test_auto_is_accepted_and_starts_from_ddps_default() -> None:
-    # Tuning itself is tested in tests/test_tuning*.py.
+    # Tuning itself is tested in tests/unit/tuning/ and tests/dist/tuning/.
     strategy = TunedDDPStrategy(bucket_cap_mb="auto")
     assert strategy.auto and strategy.bucket_cap_mb == 25.0 and strategy.ddp_kwargs == {}
 

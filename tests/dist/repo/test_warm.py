@@ -3,7 +3,8 @@
 One probe script reports what a process sees of itself (argv, ``__main__``, ``sys.path[0]``, working
 directory, environment, session, stdin), run warm and cold with the same arguments: the reports must
 match except for the process ids. Exit codes, deaths by signal, separate and merged output, timeouts
-and the fallbacks to a cold start are checked on the warm handle.
+and the fallbacks to a cold start are checked on the warm handle. That the fast lane cannot start
+one: tests/unit/repo/test_warm.py.
 """
 
 from __future__ import annotations
@@ -19,41 +20,10 @@ from typing import Any
 import pytest
 
 from tests import warm
-from tests.conftest import REPO, ProcessStartedInFastTest, cpu_env
+from tests.conftest import REPO, cpu_env
+from tests.helpers import repo
 
-PROBE = """
-import json, os, sys
-import __main__
-report = {
-    "argv": sys.argv,
-    "main_file": getattr(__main__, "__file__", None),
-    "main_spec": getattr(getattr(__main__, "__spec__", None), "name", None),
-    "path0": sys.path[0],
-    "cwd": os.getcwd(),
-    "env": os.environ.get("PROBE_VALUE"),
-    "session_leader": os.getsid(0) == os.getpid(),
-    "stdin_empty": sys.stdin.read() == "",
-    "sibling_importable": __import__("importlib.util").util.find_spec("probe_sibling") is not None,
-}
-print(json.dumps(report))
-print("to stderr", file=sys.stderr)
-code = int(os.environ.get("PROBE_EXIT", "0"))
-if os.environ.get("PROBE_RAISE"):
-    raise RuntimeError("raised in the probe")
-if os.environ.get("PROBE_SIGNAL"):
-    os.kill(os.getpid(), int(os.environ["PROBE_SIGNAL"]))
-sys.exit(code)
-"""
-
-
-@pytest.fixture
-def probe(tmp_path: Path) -> Path:
-    package = tmp_path / "probe_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "probe.py").write_text(PROBE)
-    (package / "probe_sibling.py").write_text("VALUE = 'beside the script'\n")
-    return package / "probe.py"
+probe = repo.probe  # a fixture, shared with tests/unit/repo/test_warm.py
 
 
 def _run(command: list[str], cwd: Path, **env: str) -> tuple[Any, int, str, str]:
@@ -153,8 +123,3 @@ def test_code_and_other_start_time_settings_start_cold(probe: Path, tmp_path: Pa
     # output the handle would not read the way the tests do: cold, with Popen's own handling
     with warm.start(script, cwd=tmp_path, env=cpu_env(), stdout=subprocess.DEVNULL) as cold:
         assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 0
-
-
-def test_the_fast_lane_cannot_start_a_warm_process(probe: Path, tmp_path: Path) -> None:
-    with pytest.raises(ProcessStartedInFastTest):
-        warm.start([sys.executable, str(probe)], cwd=tmp_path, env=cpu_env())
