@@ -21,6 +21,8 @@ import os, sys, time
 from pathlib import Path
 Path(sys.argv[1], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
 if sys.argv[2] == "fail" and os.environ["RANK"] == "1":
+    while not Path(sys.argv[1], "rank0.pid").exists():  # give up only once rank 0 is up: that is what is tested
+        time.sleep(0.05)
     print("rank 1 gives up", flush=True)
     sys.exit(3)
 time.sleep(120)
