@@ -2,7 +2,7 @@
 
 * :mod:`bench.labs.network`: N "nodes" (network namespaces) joined by rate-limited links
   (veth + ``tc tbf``, loopback-range addresses); ``python -m bench.netlab`` runs any script
-  or the benchmarks across it, ``tests/test_netlab_dist.py`` the package.
+  or the benchmarks across it, ``tests/dist/labs/test_netlab.py`` the package.
 
 A lab needs root; each says why it cannot be built (``lab_unavailable``), gives every run
 unique names, and is always torn down (``with``, ``atexit``, SIGTERM/SIGHUP/SIGINT), the
