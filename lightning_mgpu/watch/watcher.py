@@ -149,6 +149,8 @@ class HangWatch:
         self._concluding = False
         self._neighbour_pids: dict[int, int] = {}
         self._left_reported = False
+        self._left_printed = False
+        self._left_lock = threading.Lock()  # the watch thread (a neighbour gone) and the main thread (a failed collective)
         self._here = this_process().rsplit(" ", 1)[0]
         self.concluded: Optional[int] = None
         """The exit status this watch ended its process with (for tests whose ``exit`` returns)."""
@@ -213,7 +215,7 @@ class HangWatch:
             self.heartbeat.reset(stage=stage)
             self._progress = Progress(now=self._clock())
             self._seen, self._signal, self._store_failures = {}, None, 0
-            self._neighbour_pids, self._left_reported = {}, False
+            self._neighbour_pids, self._left_reported, self._left_printed = {}, False, False
             self._watching = True
         collectives.install(self.heartbeat)
         if signals:
@@ -306,14 +308,16 @@ class HangWatch:
             failure=True,
             log_dir=run.log_dir,
         )
-        try:
-            first = channel.claim("failure/reporter", run.rank) == run.rank
-        except _STORE_ERRORS:
-            first = True
-        if first:
-            self._say(report["text"])
-            write(report, run.log_dir)
-            self._hand_over(run, report)
+        with self._left_lock:  # once per job, and once per rank: its watch thread may have seen the death first
+            try:
+                first = not self._left_printed and channel.claim("failure/reporter", run.rank) == run.rank
+            except _STORE_ERRORS:
+                first = not self._left_printed
+            if first:
+                self._left_printed = True
+                self._say(report["text"])
+                write(report, run.log_dir)
+                self._hand_over(run, report)
         text: str = report["text"]
         return text
 

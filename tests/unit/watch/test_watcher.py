@@ -207,6 +207,9 @@ def test_a_neighbour_that_dies_mid_run_is_reported_within_a_tick(tmp_path: Path)
         assert text.count("A RANK LEFT THE JOB (seen by rank 0)") == 1 and "/project/train.py:81" in text
         rank0.watch.tick()
         assert rank0.output.getvalue().count("A RANK LEFT THE JOB") == 1 and rank0.exits == []  # once, no exit
+        # Then its collective fails (the dead rank's connections closed): the same news, not printed again.
+        assert rank0.watch.report_failure(RuntimeError("Connection closed by peer")) is not None
+        assert rank0.output.getvalue().count("A RANK LEFT THE JOB") == 1
     finally:
         rank0.watch.stop()
         rank1.watch.stop()
