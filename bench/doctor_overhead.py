@@ -125,7 +125,11 @@ def fit_once(config: str, args: argparse.Namespace, device: torch.device) -> dic
         _time_doctor(doctor, check_ms, hook_us)
     # The timer's callback comes first: its batch-end stamp comes before the doctor's batch-end work.
     lightning_config = BASE if config == DOCTOR else config
-    beats = the_watch().beats
+    if config == UNWATCHED:
+        # A watched fit's watch thread goes on ticking after its run while the process group lives (a rank past its
+        # run still tells the others where it is): without this, the next "unwatched" fit would pay the ticks too.
+        the_watch().stop()
+    beats, ticking = the_watch().beats, the_watch().ticking
     training.train_lightning(
         lightning_config, args, dataset, timer, device, total_steps, widths=widths, callbacks=[doctor] if doctor else []
     )
@@ -133,6 +137,7 @@ def fit_once(config: str, args: argparse.Namespace, device: torch.device) -> dic
         "config": config,
         "world_size": world_size,
         "watch_beats": the_watch().beats - beats,  # states the hang watch published during the fit (0: it was off)
+        "watch_ticking_before": ticking,  # the watch thread of an earlier fit still running when this one started
         "step": summarize(timer.step_ms(skip=args.warmup)),
         "iteration": summarize(timer.iteration_ms(skip=args.warmup)),
         "check_ms": check_ms,

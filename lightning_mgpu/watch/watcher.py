@@ -150,7 +150,9 @@ class HangWatch:
         self._neighbour_pids: dict[int, int] = {}
         self._left_reported = False
         self._left_printed = False
-        self._left_lock = threading.Lock()  # the watch thread (a neighbour gone) and the main thread (a failed collective)
+        self._left_lock = (
+            threading.Lock()
+        )  # the watch thread (a neighbour gone) and the main thread (a failed collective)
         self._here = this_process().rsplit(" ", 1)[0]
         self.concluded: Optional[int] = None
         """The exit status this watch ended its process with (for tests whose ``exit`` returns)."""
@@ -165,6 +167,12 @@ class HangWatch:
     def beats(self) -> int:
         """States this watch has published (its thread's ticks, and the main thread's rare ones)."""
         return self._beat
+
+    @property
+    def ticking(self) -> bool:
+        """Whether the watch thread runs (it goes on after a run while the process group lives: see :meth:`finish`)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     @property
     def timeout(self) -> Optional[float]:
