@@ -506,7 +506,9 @@ def watch_overhead() -> str:
     ]
     quick = " A smoke run (`--quick`): not a measurement." if r["settings"].get("quick") else ""
     note = (
-        f"Limit {r['limit']:.2f}: {'met' if r['met'] else 'not met'}. {r['settings']['schedule']}, "
+        f"Limit {r['limit']:.2f}: {'met' if r['met'] else 'not met'}"
+        f"{'' if high <= r['limit'] else ' (the interval reaches past it: not conclusive)'}. "
+        f"{r['settings']['schedule']}, "
         f"{r['settings']['pairs']} pairs × {r['settings']['steps']} timed steps; {_machine(r)}; {command}.{quick}"
     )
     return f"{table(('measure', 'value'), rows)}\n\n{note}"
