@@ -109,3 +109,23 @@ def test_the_loggers_that_take_text_get_it() -> None:
     ((tag, text),) = board.experiment.texts
     assert tag == "lightning_mgpu/hang_report" and "HANG: no progress" in text
     assert board.experiment.flushed == 1 and board.saved == 1
+
+
+def test_the_docs_staleness_check_ignores_timing_and_the_racy_rank_but_not_a_changed_report() -> None:
+    """docs/hangs.md's reports are compared with each run's (tests/dist/watch): numbers, the log directory, the host
+    and the title may differ; the SIGKILL report's rank 0 (in its collective, or failing already) may too."""
+    from docs import hang_tables
+
+    recorded = hang_tables.load()["reports"]
+    sigkill = recorded["sigkill"]["text"]
+    now = sigkill.replace("LOG_DIR", "/tmp/run7").replace("on vm)", "on ci-runner-3)").replace("batch 2/6", "batch 3/7")
+    assert hang_tables.masked(hang_tables.normalized(now, log_dir="/tmp/run7")) == hang_tables.masked(sigkill)
+    lines = sigkill.splitlines()
+    failing = "  rank 0: failing with an exception [failed: RuntimeError: Connection closed by peer [127.0.0.1]:5]"
+    other = "\n".join([lines[0], failing, *[line for line in lines[1:] if not line.startswith("  rank 0:")]])
+    other = other.replace("; rank 0 waits for it in vain.", ".")
+    assert hang_tables.masked(other, racy_rank=0) == hang_tables.masked(sigkill, racy_rank=0)
+    assert hang_tables.masked(other) != hang_tables.masked(sigkill)  # only where the race is named
+    barrier = recorded["barrier"]["text"]
+    moved = barrier.replace("hang_fit.py:115 in go_wrong", "hang_fit.py:115 in training_step")
+    assert hang_tables.masked(moved) != hang_tables.masked(barrier)
