@@ -420,13 +420,21 @@ class HangWatch:
             return False
         if not self._watching:
             return dist.is_available() and dist.is_initialized()
-        if not self._left_reported and self._neighbour_left(run, channel):
+        try:  # a store that fails now and then costs this tick's reading, never the watch
+            left = not self._left_reported and self._neighbour_left(run, channel)
+        except _STORE_ERRORS:
+            left = False
+        if left:
             self._left_reported = True
             self._report_left(run, channel, state)
         timeout = min(run.timeout, PREEMPTION_GRACE_S) if self._signal is not None else run.timeout
         if idle >= min(timeout / 2, 5.0) and now >= self._next_read:
             self._next_read = now + max(_interval(timeout), min(timeout / 10, 5.0))
-            states = self._states_from(channel.beats(run.world_size), run, now=now)
+            try:
+                beats = channel.beats(run.world_size)
+            except _STORE_ERRORS:
+                return True
+            states = self._states_from(beats, run, now=now)
             states[run.rank] = state
             verdict = judge(list(states.values()), timeout=timeout, silent_limit=self._silent_limit(run))
             if verdict.hang:

@@ -229,3 +229,26 @@ def test_a_neighbour_that_finished_its_run_is_no_news(tmp_path: Path) -> None:
     finally:
         rank0.watch.stop()
         rank1.watch.stop()
+
+
+def test_a_store_that_fails_between_publishing_and_reading_costs_a_tick_not_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, clock = dist.HashStore(), Clock()
+    rank0 = Rank(0, store, clock, tmp_path, neighbours=(0, 1))
+    rank1 = Rank(1, store, clock, tmp_path)
+    try:
+        rank1.watch.tick()
+        rank0.watch._neighbour_pids[1] = NO_SUCH_PID  # gone: its beat is read next
+        clock.now += 30.0  # idle long enough to read every rank's state too
+
+        def failing(*args: Any) -> Any:
+            raise dist.DistStoreError("the store went away for a moment")
+
+        monkeypatch.setattr(HangWatch, "_beat_of", staticmethod(failing))
+        monkeypatch.setattr(Channel, "beats", failing)
+        assert rank0.watch.tick() is True
+        assert rank0.exits == [] and "stopped" not in rank0.output.getvalue()
+    finally:
+        rank0.watch.stop()
+        rank1.watch.stop()
