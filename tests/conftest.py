@@ -95,6 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(SITE) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
+    # Each pytest-xdist worker computes on its share of the cores: torch's default (a thread per core in
+    # every worker) oversubscribes them, and a tiny backward then waits on the other worker's threads.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def _lanes_by_directory(items: list[pytest.Item]) -> None:
