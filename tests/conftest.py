@@ -218,15 +218,21 @@ def free_port() -> int:
 
 
 def run_python(
-    args: Sequence[str], *, cwd: Path, timeout: float, env: Optional[dict[str, str]] = None, check: bool = True
+    args: Sequence[str],
+    *,
+    cwd: Path,
+    timeout: float,
+    env: Optional[dict[str, str]] = None,
+    check: bool = True,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` (warm where it can be: ``tests/warm.py``); fail the test with the child's output if it
-    hangs, or fails and ``check``."""
+    """Run ``python ARGS`` (warm where it can be unless ``cold``: ``tests/warm.py``); fail the test with the child's
+    output if it hangs, or fails and ``check``."""
     cmd = [sys.executable, *args]
     # Own session: on a timeout the whole process group goes (Lightning's launcher starts
     # the other ranks as children; killing only the direct child would leave them running).
     with warm.start(
-        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cold=cold
     ) as child:
         try:
             stdout, stderr = child.communicate(timeout=timeout)
