@@ -80,9 +80,12 @@ def launch(
     timeout: float = 150,
     env: Optional[dict[str, str]] = None,
     script: Path = SCRIPT,
+    cold: bool = True,
 ) -> Job:
     """``python [LAUNCHER] SCRIPT --out-dir OUT FLAGS`` (``fail_fit.py`` unless told) in its own session, killed at
-    ``timeout``; cold, as a user's shell starts it (these are the tests of launching, failing and being preempted)."""
+    ``timeout``; cold, as a user's shell starts it (these are the tests of launching, failing and being preempted),
+    unless ``cold=False`` (tests of what a run does, not of how it starts: the top process forks from the worker's
+    zygote, ``tests/warm.py``; the launcher's other ranks still start cold)."""
     command = [sys.executable, *launcher, str(script), "--out-dir", str(out_dir), *flags]
     started = time.perf_counter()
     process = warm.start(
@@ -92,7 +95,7 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cold=True,
+        cold=cold,
     )
     timed_out = False
     try:

@@ -131,6 +131,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
             "flags": (*flags, "--hang-timeout", str(HANG_TIMEOUT)),
             "script": SCRIPT,
             "timeout": 200,
+            "cold": False,  # rank 0 forks from the worker's warm interpreter (its import is most of a job's CPU)
         }
         for name, (flags, _, _, _) in SCENARIOS.items()
     }
@@ -139,6 +140,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
         "flags": ("--scenario", "none", "--slow-step", str(SLOW_STEP_S), "--hang-timeout", str(HANG_TIMEOUT)),
         "script": SCRIPT,
         "timeout": 200,
+        "cold": False,
     }
     launched = launch_all(specs, workers=len(specs))
     lab.join(timeout=240)
