@@ -27,12 +27,14 @@ both ranks.
 (from the repository root: see ``bench/__init__.py``; Lightning's launcher starts the other
 rank with the same ``python -m bench.soak`` command.)
 
-What grows by design: CommProfiler keeps the figures of its last ``history`` = 10,000 profiled
-steps (for its medians), so during the first half of the run every rank gains one small object
-per step, up to that bound. "Flat" is judged on the second half (from step 10,000, once that
-buffer is full, to the end): each rank must grow by less than ``FLAT_MIB`` MiB and
-``FLAT_OBJECTS`` tracked objects there, which a leak of one object, or ~400 bytes, per step
-would exceed. Runs shorter than twice the history get no verdict.
+What grows by design: CommProfiler keeps the figures of its last ``history`` profiled steps (for
+its medians and its per-bucket table: a few small objects each). Its default windows profile 20
+of every 200 steps, so its default history (10,000 profiled steps) would still be filling at the
+end of a 20,000-step run (about 2,000 profiled) and hide a leak; the soak gives it
+``history=HISTORY`` (500), full by step ~5,000. "Flat" is judged on the second half (from step
+``steps // 2`` to the end): each rank must grow by less than ``FLAT_MIB`` MiB and ``FLAT_OBJECTS``
+tracked objects there, which a leak of one object, or ~400 bytes, per step would exceed. Runs
+shorter than ``JUDGED_STEPS`` get no verdict.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def validation_every(steps: int) -> int:
 
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.25, 0.50, 0.60, 0.75, 0.90)
-HISTORY = 10_000  # CommProfiler's default: figures of the last 10,000 steps are kept
+HISTORY = 500  # CommProfiler(history=...): profiled steps kept, full by step ~5,000 with the default windows
+JUDGED_STEPS = 20_000  # the second half of a run this long starts well after that
 FLAT_MIB = 4.0
 FLAT_OBJECTS = 2_000
 DEFAULT_OUT = RESULTS / "soak.json"
@@ -160,8 +163,8 @@ class MemoryProbe(L.Callback):
 def report(
     ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path, *, hang_reports: int = 0
 ) -> dict[str, Any]:
-    judged = steps >= 2 * HISTORY
-    from_step = HISTORY if judged else steps // 2
+    judged = steps >= JUDGED_STEPS
+    from_step = steps // 2
     per_rank = []
     for rank in ranks:
         samples = rank["samples"]
@@ -182,7 +185,7 @@ def report(
             }
         )
     flat = all(r["window_growth_mib"] < FLAT_MIB and r["window_gc_objects_growth"] < FLAT_OBJECTS for r in per_rank)
-    verdict = ("flat" if flat else "growing") if judged else f"no verdict (fewer than {2 * HISTORY:,} steps)"
+    verdict = ("flat" if flat else "growing") if judged else f"no verdict (fewer than {JUDGED_STEPS:,} steps)"
     result = {
         "benchmark": "soak",
         "command": "python -m bench.soak" + ("" if steps == STEPS else f" --steps {steps}"),
@@ -191,7 +194,7 @@ def report(
         "elapsed_s": elapsed_s,
         "steps_per_s": steps / elapsed_s if elapsed_s else None,
         "callbacks": {
-            "CommProfiler": f"defaults (every_n_steps=50, history={HISTORY})",
+            "CommProfiler": f"defaults but history={HISTORY} (windows of 20 steps every 200, every_n_steps=50)",
             "DistributedDoctor": "defaults (check_every_n_batches=100)",
         },
         "watch": {
@@ -270,7 +273,7 @@ def main() -> None:
         val_check_interval=validation_every(steps),
         limit_val_batches=VALIDATION_BATCHES,
         num_sanity_val_steps=0,
-        callbacks=[CommProfiler(), DistributedDoctor(), probe, saves],
+        callbacks=[CommProfiler(history=HISTORY), DistributedDoctor(), probe, saves],
         default_root_dir=str(root),  # where a hang report would go
         logger=False,
         enable_progress_bar=False,

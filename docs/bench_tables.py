@@ -459,7 +459,7 @@ def soak() -> str:
                 f"{rank['start_rss_mib']:.1f} MiB",
                 f"{middle:.1f} MiB" if middle is not None else "–",
                 f"{rank['end_rss_mib']:.1f} MiB",
-                f"+{rank['window_growth_mib']:.2f} MiB, +{rank['window_gc_objects_growth']:,} objects",
+                f"{rank['window_growth_mib']:+.2f} MiB, {rank['window_gc_objects_growth']:+,} objects",
             )
         )
     window = r["ranks"][0]["window"]
@@ -471,8 +471,9 @@ def soak() -> str:
         f"steps {window['from_step']:,}–{window['to_step']:,}",
     )
     note = (
-        f"{r['steps']:,} steps on {len(r['ranks'])} ranks with {' and '.join(code(c) for c in r['callbacks'])} "
-        f"at their defaults, {r['elapsed_s']:.0f} s; verdict: {r['verdict']}. {_machine(r)}."
+        f"{r['steps']:,} steps on {len(r['ranks'])} ranks with "
+        + ", ".join(f"{code(name)}: {how}" for name, how in r["callbacks"].items())
+        + f"; {r['elapsed_s']:.0f} s; verdict: {r['verdict']}. {_machine(r)}."
     )
     watch = r.get("watch")  # runs from before the hang watch have no such entry
     if watch is not None:
