@@ -544,11 +544,13 @@ class Cluster:
         script: str,
         options: Sequence[str] = (),
         *,
+        args: Sequence[str] = (),
         workdir: Optional[Path] = None,
         env: Optional[Mapping[str, str]] = None,
         name: str = "lab",
     ) -> Job:
-        """``sbatch`` a batch script (its text; ``#SBATCH`` lines are read as usual, ``options`` override them).
+        """``sbatch`` a batch script (its text; ``#SBATCH`` lines are read as usual, ``options`` override them;
+        ``args`` are the script's own arguments).
 
         The job runs in ``workdir`` (default: the cluster's ``jobs/``), its output appended to
         ``<workdir>/<cluster name>-<job id>.out`` across requeues (job ids restart at 1 in every cluster); the job's environment is :meth:`client_env` plus ``env``.
@@ -558,7 +560,7 @@ class Cluster:
         path = self.directory / "jobs" / f"{name}-{secrets.token_hex(4)}.sh"
         path.write_text(script if script.startswith("#!") else "#!/bin/bash\n" + script)
         argv = ["sbatch", "--parsable", f"--job-name={name}", f"--chdir={workdir}", "--open-mode=append"]
-        argv += [f"--output={workdir}/{self.name}-%j.out", *options, str(path)]
+        argv += [f"--output={workdir}/{self.name}-%j.out", *options, str(path), *args]
         job_id = self.client(argv, env=env).strip().split(";")[0]
         if not job_id.isdigit():
             raise LabError(f"sbatch gave no job id: {job_id!r}")

@@ -10,9 +10,17 @@ do not depend on the loader's position: each is drawn from a generator seeded by
 and the rank, so an attempt that resumed at step S takes exactly the steps S+1.. of an uninterrupted
 run. SGD with momentum: the optimizer's state must come back too.
 
-``--slow-after K --step-sleep S``: from step K on, every step sleeps S seconds (so a signal sent after
-the marker lands in the middle of training); rank 0 creates ``OUT/reached-<attempt>`` once step K is
-done. Every rank writes ``OUT/attempt<a>-rank<r>.json`` when its fit ends, however it ends (a
+``--slow-after K --step-sleep S``: from step K on, every step of the attempts ``--slow-attempts``
+(``0``: the first) sleeps S seconds, so that a signal sent after the marker lands in the middle of
+training, or that a job preempted by its time limit cannot finish before the limit's signal;
+rank 0 creates ``OUT/reached-<attempt>`` once step K is done.
+
+A SLURM signal that comes while the script is still starting (``--signal=USR1@T`` gives the first
+one 60 - T seconds into a one-minute job at the earliest, and starting a rank on a loaded 2-core
+machine can take that long) would end the process with the signal's default action before any
+handler exists: the script notes such a signal as soon as it starts (until the Trainer's ``setup``,
+just before the Trainer installs its own handlers) and sends it to itself again once they are in
+(``on_train_start``), where the strategy handles it as if it came then. Every rank writes ``OUT/attempt<a>-rank<r>.json`` when its fit ends, however it ends (a
 requeued job's attempt ``a`` is ``SLURM_RESTART_COUNT``): the step it started at and ended at, its
 loss at every step it took, and how it ended (``completed``, or the exit status / exception). A rank
 killed by SIGKILL writes nothing.
@@ -20,21 +28,25 @@ killed by SIGKILL writes nothing.
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
-import json
-import os
 import signal
-import time
-from pathlib import Path
-from typing import Any
 
-import lightning as L
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+EARLY: list[int] = []
+signal.signal(signal.SIGUSR1, lambda signum, _: EARLY.append(signum))  # before the slow imports: see the docstring
 
-import lightning_mgpu  # noqa: F401  (registers strategy="ddp_tuned")
+import argparse  # noqa: E402
+import faulthandler  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import lightning_mgpu  # noqa: E402, F401  (registers strategy="ddp_tuned")
 
 
 class Indices(Dataset[int]):
@@ -71,6 +83,15 @@ class Pace(L.Callback):
         self.marker = out_dir / f"reached-{attempt}"
         self.slow_after, self.sleep_s = slow_after, sleep_s
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Just before the Trainer installs its handlers: it installs none for a signal that already has one.
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if EARLY:  # a signal that came during start-up, now that the handlers are in
+            print(f"rank {trainer.global_rank}: SIGUSR1 came while starting; sending it again", flush=True)
+            signal.raise_signal(signal.SIGUSR1)
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.slow_after:
             if trainer.global_rank == 0 and not self.marker.exists():
@@ -85,9 +106,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--slow-after", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--slow-attempts", default="0", help="comma-separated attempts that sleep (0)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stuck rank's stacks: scancel --signal=USR2
     attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    slow = str(attempt) in args.slow_attempts.split(",")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(5, verbose=False)
     model = Net()
@@ -98,13 +121,14 @@ def main() -> None:
         strategy=args.strategy,
         max_steps=args.steps,
         default_root_dir=args.out_dir / "root",
-        callbacks=[Pace(args.out_dir, args.slow_after, args.step_sleep, attempt)],
+        callbacks=[Pace(args.out_dir, args.slow_after, args.step_sleep if slow else 0.0, attempt)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     record: dict[str, Any] = {"attempt": attempt, "rank": int(os.environ["SLURM_PROCID"]), "start_step": None}
+    record["early_signal"] = bool(EARLY)
     record["started"] = time.time()
 
     class Start(L.Callback):
