@@ -3,9 +3,11 @@
 A 2-node job (the SLURM lab, :mod:`bench.labs.slurm`: one rank per node, gloo across the link)
 fits ``tests/scripts/cluster_fit.py`` (``--requeue``, Lightning's ``auto_requeue``), and is preempted:
 
-* ``time_limit``: by its time limit, with SLURM's warning ``--time=1 --signal=USR1@40``, again and
-  again (the first attempts are paced so that they cannot finish inside one minute; the last runs
-  free): the job must get through every cycle and complete;
+* ``time_limit``: by its time limit, with SLURM's warning ``--time=1 --signal=USR1@5``, twice in a
+  row (the first two runs are paced so that they cannot finish inside one minute; the third runs
+  free): the job must get through every cycle and complete. slurmctld looks at time limits every
+  30 s and sends the warning at the first look that finds less than T + 30 s left, so ``@5`` comes
+  25-55 s into a one-minute job, and the limit itself one look (30 s) later at the earliest;
 * ``scancel_usr1``: ``scancel --signal=USR1`` (the same signal, sent by hand) once the fit passed a step;
 * ``requeue``: ``scontrol requeue`` once the fit passed a step: SLURM's SIGTERM to every task (then
   SIGKILL ``KillWait`` seconds later) and the job queued again, as when a higher-priority job preempts it.
@@ -15,7 +17,7 @@ its loss at every step) and the checkpoints left: whether every rank stopped at 
 step was saved, where the next attempt resumed, how many steps were redone, whether every loss
 equals the uninterrupted run's at the same step, and whether the job completed.
 
-    python -m bench.cluster_preemption           # bench/results/cluster_preemption.json (root; ~4 min)
+    python -m bench.cluster_preemption           # bench/results/cluster_preemption.json (root; ~10 min)
     python -m bench.cluster_preemption --quick   # smoke run: one repeat, stock ddp without the time-limit case
 
 Run from the repository root as root (the lab needs it); ``docs/cluster.md``'s table is generated from the
@@ -44,13 +46,17 @@ WAYS = ("time_limit", "scancel_usr1", "requeue")
 SCRIPT = "tests.scripts.cluster_fit"
 STEPS = 300
 MARKER_STEP = 10
-TIME_LIMIT = ["--time=1", "--signal=USR1@40"]
+TIME_LIMIT = ["--time=1", "--signal=USR1@5"]
 TIME_LIMIT_PREEMPTIONS = 2
 """The time-limit case's first attempts run paced (0.2 s a step, 60 s for 300 steps: more than any
-attempt gets before the warning, which comes 20-50 s after the start: slurmctld checks limits every
-30 s), so the job is preempted exactly this many times before an attempt runs free and completes."""
-QUICK = {"repeats": 1, "ddp_ways": "scancel_usr1,requeue"}
-JOB_TIMEOUT_S = 300.0
+attempt gets before the warning, which comes 25-55 s after the start), so the job is preempted
+exactly this many times before an attempt runs free and completes."""
+QUICK = {"repeats": 1, "ddp_ways": "scancel_usr1,requeue", "timeout": 400.0}
+TIMEOUT_S = 1200.0
+HANG_S = 60.0
+"""How long after its signal a job may take to be requeued before it counts as hung and is cancelled: stock
+``ddp`` saves its checkpoint from inside Lightning's signal handler, whose collective can meet another
+collective on the other rank and wait forever."""
 
 
 @dataclass
@@ -63,6 +69,8 @@ class Case:
     out: Path
     job: Optional[Job] = None
     signalled_at: Optional[float] = None
+    hung: bool = False
+    """Not requeued within :data:`HANG_S` of the signal: cancelled (stock ``ddp``'s handler can deadlock)."""
 
     @property
     def label(self) -> str:
@@ -106,7 +114,8 @@ def drive(cluster: Cluster, cases: Sequence[Case], *, timeout: float) -> None:
     for case in rest:
         submit(cluster, case)
     pending = [c for c in rest if c.way in ("scancel_usr1", "requeue")]
-    while pending:
+    signalled: list[Case] = []
+    while pending or signalled:
         for case in list(pending):
             assert case.job is not None
             if _marker(case):
@@ -116,9 +125,19 @@ def drive(cluster: Cluster, cases: Sequence[Case], *, timeout: float) -> None:
                     case.job.requeue()
                 case.signalled_at = time.time()
                 pending.remove(case)
+                signalled.append(case)
             elif case.job.state().done or time.monotonic() > deadline:
                 pending.remove(case)  # ended before it could be preempted: the analysis says so
-        time.sleep(0.1)
+        for case in list(signalled):
+            assert case.job is not None and case.signalled_at is not None
+            state = case.job.state()
+            if state.restarts or state.done:
+                signalled.remove(case)
+            elif time.time() - case.signalled_at > HANG_S:
+                case.hung = True
+                case.job.cancel()
+                signalled.remove(case)
+        time.sleep(0.2)
     for case in cases:
         assert case.job is not None
         try:
@@ -155,8 +174,8 @@ def analyse(case: Case, reference: dict[int, dict[str, float]], ranks: int = 2) 
     records = _records(case.out)
     saved = _saved_steps(case.out)
     attempts = []
-    for attempt in sorted(records):
-        ranks_seen = records[attempt]
+    for attempt in range(max([state.restarts, *records]) + 1):  # an attempt whose ranks were all killed left nothing
+        ranks_seen = records.get(attempt, {})
         attempts.append(
             {
                 "attempt": attempt,
@@ -165,8 +184,8 @@ def analyse(case: Case, reference: dict[int, dict[str, float]], ranks: int = 2) 
                 "outcome": [ranks_seen.get(r, {}).get("outcome", "killed (no record)") for r in range(ranks)],
                 "resumed_from": ranks_seen.get(0, {}).get("resumed_from"),
                 "early_signal": any(ranks_seen.get(r, {}).get("early_signal") for r in range(ranks)),
-                "started": min(rec["started"] for rec in ranks_seen.values()),
-                "ended": max(rec["ended"] for rec in ranks_seen.values()),
+                "started": min((rec["started"] for rec in ranks_seen.values()), default=None),
+                "ended": max((rec["ended"] for rec in ranks_seen.values()), default=None),
             }
         )
     preemptions = []
@@ -182,7 +201,21 @@ def analyse(case: Case, reference: dict[int, dict[str, float]], ranks: int = 2) 
                 "resumed_at": resumed,
                 "redone_steps": None if None in stopped or resumed is None else max(stopped) - resumed,
                 "outcome": before["outcome"],
-                "requeue_gap_s": after["started"] - before["ended"],
+                "requeue_gap_s": None
+                if None in (after["started"], before["ended"])
+                else after["started"] - before["ended"],
+            }
+        )
+    if case.hung:  # signalled, never requeued: a preemption that saved nothing usable and resumed nowhere
+        preemptions.append(
+            {
+                "stopped_at": attempts[-1]["end_step"],
+                "same_step": False,
+                "saved_step": max(saved.values(), default=None),
+                "resumed_at": None,
+                "redone_steps": None,
+                "outcome": [f"hung: cancelled {HANG_S:g} s after the signal"] * ranks,
+                "requeue_gap_s": None,
             }
         )
     exact = bool(records) and all(
@@ -208,6 +241,7 @@ def analyse(case: Case, reference: dict[int, dict[str, float]], ranks: int = 2) 
         "exact": exact,
         "completed": completed,
         "signal_to_stopped_s": signal_to_stopped,
+        "hung": case.hung,
     }
 
 
@@ -235,6 +269,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "exact": sum(bool(r["exact"]) for r in runs),
                     "completed": sum(bool(r["completed"]) for r in runs),
                     "outcomes": sorted({o for p in preemptions for o in p["outcome"]}),
+                    "hung": sum(bool(r["hung"]) for r in runs),
                 }
             )
     return lines
@@ -308,7 +343,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--ddp-ways", default=",".join(WAYS), help=f"ways stock ddp is preempted ({','.join(WAYS)}; quick: two)"
     )
-    parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds for everything (%(default)s)")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds for everything (%(default)s)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the jobs run (a temporary directory)")
     args = cli.finish(parser, argv, QUICK, positive=("repeats",))
     unknown = set(args.ddp_ways.split(",")) - set(WAYS)

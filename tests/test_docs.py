@@ -41,7 +41,7 @@ def test_the_readme_is_a_front_page() -> None:
 def test_every_test_a_page_names_exists() -> None:
     missing = []
     for page in generate.documents():
-        for file, name in re.findall(r"(tests/test_\w+\.py)(?:::(test_\w+))?", page.read_text()):
+        for file, name in re.findall(r"(tests/(?:\w+/)*test_\w+\.py)(?:::(test_\w+))?", page.read_text()):
             path = REPO / file
             if not path.is_file() or (name and not re.search(rf"^def {name}\(", path.read_text(), flags=re.MULTILINE)):
                 missing.append(f"{page.relative_to(REPO)}: {file}{'::' + name if name else ''}")

@@ -15,23 +15,24 @@ run. SGD with momentum: the optimizer's state must come back too.
 training, or that a job preempted by its time limit cannot finish before the limit's signal;
 rank 0 creates ``OUT/reached-<attempt>`` once step K is done.
 
-A SLURM signal that comes while the script is still starting (``--signal=USR1@T`` gives the first
-one 60 - T seconds into a one-minute job at the earliest, and starting a rank on a loaded 2-core
-machine can take that long) would end the process with the signal's default action before any
-handler exists: the script notes such a signal as soon as it starts (until the Trainer's ``setup``,
-just before the Trainer installs its own handlers) and sends it to itself again once they are in
-(``on_train_start``), where the strategy handles it as if it came then. Every rank writes ``OUT/attempt<a>-rank<r>.json`` when its fit ends, however it ends (a
-requeued job's attempt ``a`` is ``SLURM_RESTART_COUNT``): the step it started at and ended at, its
-loss at every step it took, and how it ended (``completed``, or the exit status / exception). A rank
-killed by SIGKILL writes nothing.
+A SLURM signal that came while the script is still starting (slurmctld checks time limits every
+30 s, so ``--signal=USR1@T`` may come up to 30 s before T seconds are left, and starting a rank
+on a loaded 2-core machine has taken 20 s) would end the process with the signal's default action
+before any handler exists. So the script blocks SIGUSR1 in its first line and unblocks it when the
+first batch starts: a signal that came meanwhile stays pending and reaches the handlers then, as if
+it came at that moment (``early_signal`` in the record says so).
+
+Every rank writes ``OUT/attempt<a>-rank<r>.json`` when its fit ends, however it ends (a requeued
+job's attempt ``a`` is ``SLURM_RESTART_COUNT``): the step it started at and ended at, its loss at
+every step it took, and how it ended (``completed``, or the exit status / exception). A rank killed
+by SIGKILL writes nothing.
 """
 
 from __future__ import annotations
 
 import signal
 
-EARLY: list[int] = []
-signal.signal(signal.SIGUSR1, lambda signum, _: EARLY.append(signum))  # before the slow imports: see the docstring
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # before the slow imports: see the docstring
 
 import argparse  # noqa: E402
 import faulthandler  # noqa: E402
@@ -77,20 +78,19 @@ class Net(L.LightningModule):
 
 
 class Pace(L.Callback):
-    """Slow steps from ``slow_after`` on; rank 0 marks that the step was reached."""
+    """Slow steps from ``slow_after`` on; rank 0 marks that the step was reached; SIGUSR1 unblocked at the first batch."""
 
     def __init__(self, out_dir: Path, slow_after: int, sleep_s: float, attempt: int) -> None:
         self.marker = out_dir / f"reached-{attempt}"
         self.slow_after, self.sleep_s = slow_after, sleep_s
+        self.early_signal = False
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Just before the Trainer installs its handlers: it installs none for a signal that already has one.
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if EARLY:  # a signal that came during start-up, now that the handlers are in
-            print(f"rank {trainer.global_rank}: SIGUSR1 came while starting; sending it again", flush=True)
-            signal.raise_signal(signal.SIGUSR1)
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, []):  # the first batch: every handler is in
+            self.early_signal = signal.SIGUSR1 in signal.sigpending()
+            if self.early_signal:
+                print(f"rank {trainer.global_rank}: SIGUSR1 came while starting; delivered now", flush=True)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.slow_after:
@@ -121,14 +121,13 @@ def main() -> None:
         strategy=args.strategy,
         max_steps=args.steps,
         default_root_dir=args.out_dir / "root",
-        callbacks=[Pace(args.out_dir, args.slow_after, args.step_sleep if slow else 0.0, attempt)],
+        callbacks=[pace := Pace(args.out_dir, args.slow_after, args.step_sleep if slow else 0.0, attempt)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     record: dict[str, Any] = {"attempt": attempt, "rank": int(os.environ["SLURM_PROCID"]), "start_step": None}
-    record["early_signal"] = bool(EARLY)
     record["started"] = time.time()
 
     class Start(L.Callback):
@@ -148,6 +147,7 @@ def main() -> None:
         raise
     finally:
         record.update(end_step=trainer.global_step, losses=model.losses, outcome=outcome, ended=time.time())
+        record["early_signal"] = pace.early_signal
         path = args.out_dir / f"attempt{attempt}-rank{record['rank']}.json"
         path.write_text(json.dumps(record))
     if torch.distributed.is_initialized():

@@ -4,7 +4,7 @@ The module runs ``python -m bench.cluster_preemption --quick`` on its cluster (t
 analysis that write ``bench/results/cluster_preemption.json`` and the table in docs/cluster.md):
 jobs of ``tests/scripts/cluster_fit.py`` with ``--requeue``, preempted
 
-* by their time limit (``--time=1 --signal=USR1@40``), twice in a row before a run completes;
+* by their time limit (``--time=1 --signal=USR1@5``), twice in a row before a run completes;
 * by ``scancel --signal=USR1`` once past step 10;
 * by ``scontrol requeue`` (SIGTERM to every task) once past step 10;
 
@@ -13,7 +13,9 @@ with 128 + the signal, the job requeues, the next run resumes at exactly that st
 every run equals the uninterrupted run's at the same step, and the job completes; through two
 time-limit preemptions in a row too. Stock ``ddp``, the measured reference (not fixed here): on a
 plain requeue it saves nothing and starts again from step 0; on SIGUSR1 it saves in the signal
-handler while training goes on, so the step it resumes at is not the one it stopped at.
+handler while training goes on (the step it resumes at is not always the one it stopped at), and
+that save's barrier can deadlock against the other rank's all-reduce (the job then hangs until
+cancelled).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _describe(row: dict[str, Any]) -> str:
     )
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("way", cluster_preemption.WAYS)
 def test_ddp_tuned_stops_every_rank_at_one_step_saves_it_requeues_and_resumes_exactly(
     result: dict[str, Any], way: str
@@ -73,7 +75,7 @@ def test_ddp_tuned_stops_every_rank_at_one_step_saves_it_requeues_and_resumes_ex
         assert row["signal_to_stopped_s"] is not None and row["signal_to_stopped_s"] < 30
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_stock_ddp_on_a_plain_requeue_saves_nothing_and_starts_again_from_step_zero(result: dict[str, Any]) -> None:
     row = _row(result, "ddp", "requeue")
     assert row["restarts"] == 1 and row["checkpoints"] == {}, _describe(row)
@@ -81,15 +83,22 @@ def test_stock_ddp_on_a_plain_requeue_saves_nothing_and_starts_again_from_step_z
     assert preemption["resumed_at"] == 0 and preemption["redone_steps"] == max(preemption["stopped_at"]) > 0
 
 
-@pytest.mark.timeout(420)
-def test_stock_ddp_on_sigusr1_saves_in_the_handler_and_requeues(result: dict[str, Any]) -> None:
-    """Measured, not asserted to fail: Lightning saves from inside its signal handler, on every rank at whatever
-    point each is, while the fit goes on until SLURM's SIGTERM; what came of it is in the JSON and the docs."""
+@pytest.mark.timeout(480)
+def test_stock_ddp_on_sigusr1_saves_from_its_handler_and_either_redoes_steps_or_hangs(result: dict[str, Any]) -> None:
+    """Measured, not fixed: Lightning saves from inside its signal handler, on every rank at whatever point each is
+    (the save's barrier can meet the other rank's gradient all-reduce: a deadlock, cancelled by the benchmark),
+    while the fit goes on until SLURM's SIGTERM; which of the two happened is in the JSON and the docs."""
     row = _row(result, "ddp", "scancel_usr1")
-    assert row["restarts"] >= 1, _describe(row)  # rank 0's handler ran scontrol requeue
+    assert row["checkpoints"], _describe(row)  # the handler got as far as saving on rank 0
+    if row["hung"]:
+        assert row["restarts"] == 0 and not row["completed"], _describe(row)
+    else:
+        assert row["restarts"] >= 1 and row["completed"] and row["exact"], _describe(row)
+        (preemption,) = row["preemptions"]
+        assert preemption["resumed_at"] == preemption["saved_step"] <= max(preemption["stopped_at"]), _describe(row)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_the_report_summarises_every_case_for_the_docs(result: dict[str, Any]) -> None:
     lines = {(line["strategy"], line["preempted_by"]): line for line in result["summary"]}
     assert set(lines) == {("ddp_tuned", way) for way in cluster_preemption.WAYS} | {
