@@ -14,9 +14,9 @@ thing, on one machine, in about a second:
 * the settings that make it work without cgroups and fast enough for tests:
   ``proctrack/linuxproc``, ``task/none``, ``select/cons_tres`` (``CR_CPU``: jobs run side by
   side), ``SlurmdParameters=config_overrides`` (more CPUs declared than the machine has, so
-  several tests' jobs run at once), ``AuthInfo=cred_expire=10`` and
-  ``SchedulerParameters=sched_interval=2,bf_interval=1`` (a requeued job starts again ~12 s
-  later instead of ~150 s);
+  several tests' jobs run at once), ``AuthInfo=cred_expire=5`` (the least SLURM accepts) and
+  ``SchedulerParameters=sched_interval=2,bf_interval=1``: a requeued job starts again ~7 s later
+  instead of ~2 minutes; ``KillWait`` is SLURM's default, 30 s;
 * every daemon runs under a reaper of its own (``python -m bench.labs.slurm --reap -- DAEMON``,
   a child subreaper): ``slurmd`` detaches each ``slurmstepd``, and where PID 1 reaps nothing (this
   workplace's VMs) every finished job step would otherwise stay a zombie;

@@ -80,7 +80,9 @@ def test_stock_ddp_on_a_plain_requeue_saves_nothing_and_starts_again_from_step_z
     row = _row(result, "ddp", "requeue")
     assert row["restarts"] == 1 and row["checkpoints"] == {}, _describe(row)
     (preemption,) = row["preemptions"]
-    assert preemption["resumed_at"] == 0 and preemption["redone_steps"] == max(preemption["stopped_at"]) > 0
+    assert preemption["resumed_at"] == 0, _describe(row)
+    if None not in preemption["stopped_at"]:  # None: the rank hung in Lightning's SIGTERM handler, SIGKILLed
+        assert preemption["redone_steps"] == max(preemption["stopped_at"]) > 0, _describe(row)
 
 
 @pytest.mark.timeout(480)
