@@ -245,6 +245,17 @@ def analyse(case: Case, reference: dict[int, dict[str, float]], ranks: int = 2) 
     }
 
 
+def _last_step(preemption: dict[str, Any]) -> Optional[int]:
+    """The last step any rank of a preempted run finished (None: no rank left a record)."""
+    steps = [step for step in preemption["stopped_at"] if step is not None]
+    return max(steps) if steps else None
+
+
+def _most_redone(redone: list[Optional[int]]) -> Optional[int]:
+    """The most steps a resumed run redid; None when some preemption left that unknown (no record, or hung)."""
+    return None if None in redone else max(redone, default=0)  # type: ignore[type-var]
+
+
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per strategy and way of preempting, over the repeats (the table in docs/cluster.md)."""
     lines = []
@@ -262,10 +273,10 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "preemptions": len(preemptions),
                     "same_step": sum(bool(p["same_step"]) for p in preemptions),
                     "saved_stopped_step": sum(
-                        p["saved_step"] is not None and p["saved_step"] == max(p["stopped_at"]) for p in preemptions
+                        p["saved_step"] is not None and p["saved_step"] == _last_step(p) for p in preemptions
                     ),
                     "resumed_where_stopped": sum(p["redone_steps"] == 0 for p in preemptions),
-                    "max_redone_steps": max((p["redone_steps"] or 0 for p in preemptions), default=0),
+                    "max_redone_steps": _most_redone([p["redone_steps"] for p in preemptions]),
                     "exact": sum(bool(r["exact"]) for r in runs),
                     "completed": sum(bool(r["completed"]) for r in runs),
                     "outcomes": sorted({o for p in preemptions for o in p["outcome"]}),

@@ -256,7 +256,9 @@ def cluster_preemption() -> str:
                 f"{line['same_step']}/{count}",
                 f"{line['saved_stopped_step']}/{count}",
                 f"{line['resumed_where_stopped']}/{count}",
-                str(line["max_redone_steps"]),
+                "unknown (a run left no record, or hung)"
+                if line["max_redone_steps"] is None
+                else str(line["max_redone_steps"]),
                 f"{line['exact']}/{runs}",
                 f"{line['completed']}/{runs}",
                 _exits(line["outcomes"]),

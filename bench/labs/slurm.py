@@ -61,7 +61,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from bench import REPO_ROOT, pythonpath_with_repo
 from bench.labs import network
@@ -233,7 +233,9 @@ class Job:
                 )
             time.sleep(poll_s)
 
-    def wait_until(self, predicate: Any, timeout: float, *, what: str = "the condition", poll_s: float = 0.2) -> None:
+    def wait_until(
+        self, predicate: Callable[[], bool], timeout: float, *, what: str = "the condition", poll_s: float = 0.2
+    ) -> None:
         """Wait until ``predicate()`` is true; :class:`LabError` (the job cancelled) past ``timeout`` or if the job
         ends first."""
         deadline = time.monotonic() + timeout
@@ -451,7 +453,7 @@ class Cluster:
         idle = {name for line in states.splitlines() for name in _expand(line.split()[0]) if line.split()[1] == "idle"}
         return idle >= set(self.hostnames)
 
-    def _wait_for(self, ready: Any, what: str, timeout: float = START_TIMEOUT_S) -> None:
+    def _wait_for(self, ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
             dead = [(label, child.returncode) for label, child in self._daemons if child.poll() is not None]
