@@ -89,7 +89,7 @@ def merge(nodes: Sequence[NodeChecks]) -> list[Check]:
     return merged
 
 
-def _version(check: dict[str, Any]) -> str:
+def _release(check: dict[str, Any]) -> str:
     return str(check["value"]).split()[0] if check.get("value") else "?"
 
 
@@ -102,7 +102,7 @@ def check_nodes(nodes: Sequence[NodeChecks]) -> Check:
     differing = []
     for name in (*VERSIONED, "lightning_mgpu"):
         by_node = {
-            node.hostname: node.package if name == "lightning_mgpu" else _version(_find(node, name)) for node in nodes
+            node.hostname: node.package if name == "lightning_mgpu" else _release(_find(node, name)) for node in nodes
         }
         if len(set(by_node.values())) > 1:
             differing.append(f"{name} " + ", ".join(f"{version} on {host}" for host, version in by_node.items()))
