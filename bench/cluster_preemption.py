@@ -108,9 +108,13 @@ def drive(cluster: Cluster, cases: Sequence[Case], *, timeout: float) -> None:
     rest = [c for c in cases if c.way != "time_limit"]
     for case in first:
         submit(cluster, case)
-    for case in first:
+    for case in first:  # training (any attempt past its first step), requeued, or ended: the rest may start
         assert case.job is not None
-        case.job.wait_until(lambda c=case: _marker(c), max(1.0, deadline - time.monotonic()), what="the first step")
+        while not any(case.out.glob("reached-*")) and time.monotonic() < deadline:
+            state = case.job.state()
+            if state.done or state.restarts:
+                break
+            time.sleep(0.2)
     for case in rest:
         submit(cluster, case)
     pending = [c for c in rest if c.way in ("scancel_usr1", "requeue")]
