@@ -3,7 +3,7 @@
 #               (all GPUs; 2 CPU processes over gloo when there is none)
 #   make test   set up, then run the whole test suite (CI: .ci/run) on 2 pytest-xdist workers
 # and the developer's loop after every edit:
-#   make test-fast  in-process tests only (no `multiprocess`, no `bench` marker), under a minute
+#   make test-fast  the in-process tests only (tests/unit/; tests/dist/ and tests/bench/ start processes)
 # TORCH picks the torch build: the default is the pinned CPU wheel; GPU users
 # run e.g. `make demo TORCH=torch` (or `TORCH="torch --index-url ..."`).
 PYTHON ?= python3
@@ -41,9 +41,9 @@ test: setup
 	echo "$(BIN)/mypy:"; cat $(VENV)/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
-# tests/conftest.py fails any test here that starts a process: it must be marked multiprocess.
+# tests/conftest.py fails any test here that starts a process: it belongs in tests/dist/.
 test-fast: setup
-	$(BIN)/python -m pytest -q $(XDIST) -m "not multiprocess and not bench"
+	$(BIN)/python -m pytest -q $(XDIST) tests/unit
 
 clean:
 	rm -rf $(VENV) lightning_logs wandb .pytest_cache

@@ -14,7 +14,7 @@ garbage collector tracks (after a collection) at the first step, at 1%, 5%, 10%,
 both ranks.
 
     python -m bench.soak                  # 20,000 steps, a few minutes on 2 cores
-    python -m bench.soak --quick          # 400 steps, a smoke run (tests/test_reliability_soak.py)
+    python -m bench.soak --quick          # 400 steps, a smoke run (tests/bench/test_soak.py)
     python -m bench.soak --steps 100000 --out /tmp/soak.json
 
 (from the repository root: see ``bench/__init__.py``; Lightning's launcher starts the other

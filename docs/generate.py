@@ -6,7 +6,7 @@
 A generated block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated -->``
 (each marker on a line of its own); ``NAME`` picks the function in :data:`BLOCKS` that writes
 it. Edit the source (the code, or re-run the benchmark), never the block: the next run of this
-command would put the source's text back. ``tests/test_docs.py`` runs the check in-process.
+command would put the source's text back. ``tests/unit/repo/test_docs.py`` runs the check in-process.
 """
 
 from __future__ import annotations

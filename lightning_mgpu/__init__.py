@@ -18,7 +18,8 @@ from lightning_mgpu import _registration
 from lightning_mgpu._version import __version__
 
 # Every name registered, in registration order (strategies/parts/options.py: TUNED_STRATEGY_NAMES, then hybrid);
-# written out so that reading it imports no torch. tests/test_lightning_parity.py keeps it equal to the registry.
+# written out so that reading it imports no torch. tests/unit/strategies/test_lightning_parity.py keeps it equal to
+# the registry.
 STRATEGY_NAMES = (
     "ddp_tuned",
     "ddp_tuned_spawn",

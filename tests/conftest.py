@@ -1,11 +1,14 @@
-"""The two test lanes' rules, and shared helpers for tests that start real processes.
+"""The test lanes' rules, and shared helpers for tests that start real processes.
 
-Lanes: ``make test-fast`` runs ``-m "not multiprocess and not bench"`` (in-process tests only,
-the loop after every edit); ``make test`` runs everything. A test that starts a process
-(subprocess, torchrun, ``mp.spawn``, Lightning's launcher with ``devices>1``, the CLI in a
-child) must be marked ``multiprocess`` and carry its own ``timeout`` ceiling. Both rules are
-enforced here rather than trusted: an unmarked test that starts a process fails (in either
-lane) naming the fix, and a ``multiprocess`` test without a ``timeout`` is a collection error.
+Lanes, by directory (each mirrors the package: ``comm``, ``strategies``, ``placement``, ...):
+``tests/unit/`` holds the in-process tests (``make test-fast``, the loop after every edit),
+``tests/dist/`` the tests that start processes (marked ``multiprocess`` here, by their directory) and
+``tests/bench/`` the benchmarks' smoke runs (marked ``bench``); ``make test`` runs all three. A test
+that starts a process (subprocess, torchrun, ``mp.spawn``, Lightning's launcher with ``devices>1``,
+the CLI in a child) belongs in ``tests/dist/`` and carries its own ``timeout`` ceiling. These rules
+are enforced here rather than trusted: a test under ``tests/unit/`` that starts a process fails
+naming the fix, one marked ``multiprocess`` or ``bench`` there, or a test file outside the three
+lanes, is a collection error, and so is a ``multiprocess`` test without a ``timeout``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ RECIPES = REPO / "recipes"
 TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 # Markers of tests that may start processes; everything else is the fast lane's.
 PROCESS_MARKERS = ("multiprocess", "bench")
+LANES = {"unit": None, "dist": "multiprocess", "bench": "bench"}
+"""The directories of ``tests/`` that hold test files, and the marker each gives its tests."""
 
 
 class ProcessStartedInFastTest(RuntimeError):
@@ -92,9 +97,42 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
 
 
+def _lanes_by_directory(items: list[pytest.Item]) -> None:
+    """Mark each test by its lane's directory (``LANES``); refuse a test outside the lanes, or one marked to start
+    processes in ``tests/unit/`` (it would be left out of ``make test-fast`` by nothing but its marker)."""
+    outside, marked_unit = [], []
+    for item in items:
+        parts = item.nodeid.split("::", 1)[0].split("/")
+        if parts[0] != "tests":  # collected from elsewhere (a path given on the command line): not ours to judge
+            continue
+        lane = parts[1] if len(parts) > 2 else None
+        if lane not in LANES:
+            outside.append(item.nodeid)
+        elif LANES[lane] is not None:
+            item.add_marker(str(LANES[lane]))
+        elif any(item.get_closest_marker(name) for name in PROCESS_MARKERS):
+            marked_unit.append(item.nodeid)
+    problems = []
+    if outside:
+        listed = "\n  ".join(outside)
+        problems.append(
+            f"{len(outside)} test(s) outside the lanes:\n  {listed}\nmove the file to tests/unit/AREA/ (in-process), "
+            "tests/dist/AREA/ (starts processes) or tests/bench/ (a benchmark's smoke run)"
+        )
+    if marked_unit:
+        listed = "\n  ".join(marked_unit)
+        problems.append(
+            f"{len(marked_unit)} test(s) under tests/unit/ marked to start processes:\n  {listed}\n"
+            "move them to tests/dist/AREA/ (tests/bench/ for a benchmark's smoke run), or keep them in-process"
+        )
+    if problems:
+        raise pytest.UsageError("\n".join(problems))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest files first (see ``FILE_SECONDS``); a multi-process test without its own ceiling could hang the CI
-    lane for the global 300 s default."""
+    """Markers by directory (``LANES``), longest files first (see ``FILE_SECONDS``); a multi-process test without
+    its own ceiling could hang the CI lane for the global 300 s default."""
+    _lanes_by_directory(items)
     _longest_files_first(items)
     missing = [
         item.nodeid
@@ -105,13 +143,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         listed = "\n  ".join(missing)
         raise pytest.UsageError(
             f"{len(missing)} test(s) marked multiprocess have no timeout ceiling:\n  {listed}\n"
-            "add @pytest.mark.timeout(SECONDS) next to @pytest.mark.multiprocess (or to the module's pytestmark)"
+            "add @pytest.mark.timeout(SECONDS) to each (or to the module's pytestmark)"
         )
 
 
 @pytest.fixture(autouse=True)
 def _processes_need_the_multiprocess_marker(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Refuse to start a process from a test not marked ``multiprocess`` (or ``bench``).
+    """Refuse to start a process from a test not marked ``multiprocess`` (or ``bench``): one in ``tests/unit/``.
 
     Patched where every start goes through: ``subprocess.Popen`` (``run``, ``check_output``,
     torchrun, Lightning's subprocess launcher), ``multiprocessing`` (``mp.spawn``, Lightning's
@@ -124,8 +162,9 @@ def _processes_need_the_multiprocess_marker(request: pytest.FixtureRequest) -> I
 
     def refuse(*args: Any, **kwargs: Any) -> NoReturn:
         raise ProcessStartedInFastTest(
-            f"{request.node.nodeid} starts a process, so it does not belong in the fast lane: mark it "
-            "@pytest.mark.multiprocess with a @pytest.mark.timeout(SECONDS) ceiling (or keep it in-process)"
+            f"{request.node.nodeid} starts a process, so it does not belong in the fast lane: move it to "
+            "tests/dist/AREA/ (marked multiprocess there) with a @pytest.mark.timeout(SECONDS) ceiling "
+            "(or keep it in-process)"
         )
 
     with pytest.MonkeyPatch.context() as patch:

@@ -2,7 +2,7 @@
 
 * :mod:`bench.labs.network`: N "nodes" (network namespaces) joined by rate-limited links
   (veth + ``tc tbf``, loopback-range addresses); ``python -m bench.netlab`` runs any script
-  or the benchmarks across it, ``tests/test_netlab_dist.py`` the package.
+  or the benchmarks across it, ``tests/dist/labs/test_netlab.py`` the package.
 * :mod:`bench.labs.slurm`: a real SLURM cluster (``slurmctld``, one ``slurmd`` per node, ``munge``)
   over the network lab's nodes; ``python -m bench.cluster_preemption`` and ``tests/dist/cluster/``
   run the package under it.

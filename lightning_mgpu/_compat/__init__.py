@@ -3,12 +3,12 @@
 Every use of an underscore name of ``torch`` or ``lightning`` lives in
 :mod:`lightning_mgpu._compat.torch` or :mod:`lightning_mgpu._compat.lightning`, behind a
 small public function of ours. Each private name is declared with :func:`guarded`, which
-records it in :data:`GUARDED`; ``tests/test_compat.py`` resolves every entry against the
+records it in :data:`GUARDED`; ``tests/unit/repo/test_compat.py`` resolves every entry against the
 installed torch and Lightning and fails loudly, naming it, when one disappears. A function
 here either has a tested fallback for versions without the name or raises a clear
 ``RuntimeError`` saying which version is needed.
 
-A test (``tests/test_compat.py``) also scans the rest of the package and fails if any
+A test (``tests/unit/repo/test_compat.py``) also scans the rest of the package and fails if any
 module outside this package imports or reads a private torch/Lightning name.
 """
 

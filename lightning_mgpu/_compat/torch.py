@@ -72,7 +72,7 @@ MODULE_HOOK_DICTS = (
     "_is_full_backward_hook",
 )
 """The per-module hook dictionaries ``nn.Module`` keeps (torch >= 2.0)."""
-# Instance attributes, so not resolvable on the class: tests/test_compat.py checks a fresh
+# Instance attributes, so not resolvable on the class: tests/unit/repo/test_compat.py checks a fresh
 # module has every one of MODULE_HOOK_DICTS.
 
 

@@ -46,7 +46,7 @@ SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "lightning": ((2, 6), (2, 7)),
 }
 """pyproject.toml's bounds (from, inclusive; to, exclusive): the releases the suite ran on
-(docs/development.md, "Versions tested"); ``tests/test_compat.py`` keeps the two equal."""
+(docs/development.md, "Versions tested"); ``tests/unit/repo/test_compat.py`` keeps the two equal."""
 
 EXCLUDED: dict[str, dict[tuple[int, int], str]] = {
     "torch": {

@@ -183,6 +183,9 @@ class TunedDDPStrategy(DDPStrategyBase):
             start_method=start_method,
             ddp_kwargs=kwargs,
         )
+        # Keep passing `**kwargs` on by that name: LightningCLI (jsonargparse) follows it through the source to
+        # DDPStrategy and DistributedDataParallel to know which keyword arguments the class accepts.
+        kwargs = options.ddp_kwargs  # reserved arguments at their defaults dropped
         self._auto = options.tuning is not None
         self._bucket_cap_mb = options.bucket_cap_mb
         self._first_bucket_cap_mb = options.first_bucket_cap_mb
@@ -209,7 +212,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **options.ddp_kwargs,  # reserved arguments at their defaults dropped
+            **kwargs,
         )
         self._ddp = DDPModel()
         self._reliability = Reliability()

@@ -22,8 +22,8 @@ from typing import Any, Hashable, Optional, Sequence
 from lightning_mgpu._sizes import MiB as MIB
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
-"""torch's default bucket size, in MiB (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``; ``tests/test_compat.py``
-checks the installed torch agrees)."""
+"""torch's default bucket size, in MiB (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``;
+``tests/unit/repo/test_compat.py`` checks the installed torch agrees)."""
 DDP_DEFAULT_FIRST_BUCKET_MB = 1.0
 """torch's first-bucket size, in MiB (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``; checked likewise)."""
 MAX_SIZE_MB = float(2**40)

@@ -4,7 +4,7 @@ train_plain.py is the same recipe as a hand-written DistributedDataParallel loop
 file is its conversion: Lightning starts the processes, creates the process group, gives
 each rank its DistributedSampler and calls set_epoch, wraps the model in DDP, averages the
 validation loss over the ranks and cleans up at the end. The run stays the same, step for
-step (tests/test_recipe_char_lm.py checks it); ``diff`` the two files to see exactly what
+step (tests/dist/recipes/test_char_lm.py checks it); ``diff`` the two files to see exactly what
 changed.
 
 The model reads the notes in data/corpus.txt one character at a time and learns to predict

@@ -1,6 +1,6 @@
 """Fit a tiny model under ``DistributedDoctor`` with chosen multi-GPU mistakes (or their fixes).
 
-Run by tests/test_doctor_dist.py on 2 CPU ranks, with Lightning's own launcher or under torchrun:
+Run by tests/dist/callbacks/doctor/test_doctor.py on 2 CPU ranks, with Lightning's own launcher or under torchrun:
 
     python tests/scripts/doctor_fit.py --out-dir OUT --mistakes shared-data,augment --epochs 2
     python tests/scripts/doctor_fit.py --out-dir OUT --fixed --strict

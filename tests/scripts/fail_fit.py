@@ -1,4 +1,5 @@
-"""Fit a small model on 2 CPU ranks, inject one failure, checkpoint, resume: for tests/test_reliability_*.py.
+"""Fit a small model on 2 CPU ranks, inject one failure, checkpoint, resume: for the tests of
+tests/dist/strategies/test_reliability_*.py.
 
     python -m tests.scripts.fail_fit --out-dir OUT --fail step --rank 1 --at 3
     python -m tests.scripts.fail_fit --out-dir OUT --strategy hybrid --fail sigkill --rank 0 --at 13 --ckpt-every 8
@@ -30,7 +31,7 @@ Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 
 is destroyed (its connections closed): a slow exit, as on a loaded machine.
 
 ``--loss-scale 1e7`` makes the gradients huge (above float16's 65504; Adam does not mind), and
-``--torch-fp16-hook`` registers torch's own ``fp16_compress_hook``: tests/test_fp16_safety.py.
+``--torch-fp16-hook`` registers torch's own ``fp16_compress_hook``: tests/dist/comm/test_fp16_safety.py.
 
 The failure is written ``injected <kind> failure`` (the rank is not in the message: the launcher and
 torch must say which rank failed). With ``--once PATH`` it happens only while PATH does not exist

@@ -1,8 +1,8 @@
 """Launch tests/scripts/fail_fit.py under a launcher, with a deadline, and record how the job ended.
 
-Used by tests/test_reliability_*.py. Every launch runs in its own session: when it ends (or its
-deadline passes) whatever is left of it is found by session id, reported and killed, so a test
-can neither hang nor leave processes behind.
+Used by tests/dist/strategies/test_reliability_*.py and the other launched failure tests. Every launch
+runs in its own session: when it ends (or its deadline passes) whatever is left of it is found by
+session id, reported and killed, so a test can neither hang nor leave processes behind.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fits of unmodified models (HF GPT-2 with tied embeddings, a residual CNN) under `hybrid` with split points
-and every schedule, or on one plain device: for tests/test_hybrid_staged.py.
+and every schedule, or on one plain device: for tests/dist/strategies/test_hybrid_staged.py.
 
 Each schedule in --schedules is one fit in this process (same seed, same data); rank 0 writes
 the losses Lightning saw per step (the combined loss training_step returned), the logged

@@ -25,7 +25,7 @@ from lightning_mgpu.comm.compression import PrescaledAllreduce, ScaledFp16Allred
 
 
 class Bucket:
-    """What a communication hook reads from DDP's GradBucket (tests/test_fp16_safety.py uses it too)."""
+    """What a communication hook reads from DDP's GradBucket (tests/unit/comm/test_fp16_safety.py uses it too)."""
 
     def __init__(
         self, values: torch.Tensor, *, index: int = 0, parameters: Optional[list[torch.Tensor]] = None

@@ -1,5 +1,5 @@
 """Fit a small MLP with TunedDDPStrategy (``bucket_cap_mb="auto"`` or a fixed size); every rank
-reports what happened, as JSON, for tests/test_tuning_dist.py.
+reports what happened, as JSON, for tests/dist/tuning/test_tuning.py.
 
     python -m tests.scripts.tune_fit --out-dir run/ --steps 120 \
         --strategy-kwargs '{"bucket_cap_mb": "auto", "tune_candidates": [0.25, 1]}'

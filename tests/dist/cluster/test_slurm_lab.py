@@ -9,7 +9,7 @@
 * two clusters side by side never collide.
 
 The cluster's configuration, the refusal and the job-state parsing without daemons:
-tests/unit/test_slurm_lab_config.py.
+tests/unit/labs/test_slurm_lab.py.
 """
 
 from __future__ import annotations
