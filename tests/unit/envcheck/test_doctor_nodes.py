@@ -1,5 +1,5 @@
 """``lightning-mgpu doctor`` on every node (issue 31 item 6), in-process: which world a launcher started, and one
-report made of every node's checks. The command under a real scheduler: tests/dist/cluster/test_slurm_training.py."""
+report made of every node's checks. The command under a real scheduler: tests/dist/cluster/test_slurm_jobs.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The cluster recipes' batch scripts say what docs/cluster.md promises (issue 31 item 3), read without running them.
 
-Submitted for real to the SLURM lab (their CPU variant): tests/dist/cluster/test_slurm_training.py.
+Submitted for real to the SLURM lab (their CPU variant): tests/dist/cluster/test_slurm_jobs.py.
 """
 
 from __future__ import annotations
