@@ -14,6 +14,8 @@ Training, doctor and the recipes:
 * ``lightning-mgpu doctor`` started on every rank by ``srun`` (2 nodes x 2 tasks) and by ``torchrun``
   on every node (one ``srun`` task per node) prints one report, from rank 0, covering both nodes,
   with an all_reduce across them;
+* ``lightning-mgpu bench-comm`` as an ``srun`` job of 2 nodes x 1 task joins the job's world: one
+  sweep over the link, one JSON and one table, from rank 0, naming both nodes;
 * the cluster recipes (``recipes/cluster/*.sbatch``), their CPU variant (the GPU request removed,
   one CPU per task) submitted as they are: 1 node x 2 tasks, 2 nodes x 1 task, and torchrun on 2
   nodes; all three train the same char_lm run to the same losses.
@@ -64,6 +66,7 @@ TEMPLATES = {
     "torchrun_multi_node": ["--nodes=2", "--cpus-per-task=1"],
 }
 CHAR_LM = ["--max-chars", "3000", "--epochs", "1", "--width", "32", "--layers", "1", "--sample-chars", "10"]
+BENCH_COMM = ["-m", "lightning_mgpu.cli", "bench-comm", "--max-bytes", "256KiB", "--iters", "3", "--quiet", "--json"]
 EXIT_STATUS = {"time_limit": "exit 138", "scancel_usr1": "exit 138", "requeue": "exit 143"}  # 128 + SIGUSR1 / SIGTERM
 CPUS = 16
 """CPUs each node declares: the preemption jobs and every other job at once, none left pending."""
@@ -118,6 +121,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "doctor_srun": cluster.srun_job([sys.executable, *doctor], nodes=2, tasks_per_node=2, workdir=root / "dr"),
             "doctor_torchrun": cluster.srun_job(
                 cluster.torchrun(doctor, nproc_per_node=1), nodes=2, workdir=root / "dt"
+            ),
+            "bench_comm": cluster.srun_job(
+                [sys.executable, *BENCH_COMM, str(root / "bc" / "link.json")], nodes=2, workdir=root / "bc"
             ),
         }
         env = {
@@ -226,6 +232,26 @@ def test_the_cluster_recipes_run_as_submitted(jobs: dict[str, Any]) -> None:
     for name, record in records.items():  # the same global batch and data on every layout: the same run
         assert record["losses"] == pytest.approx(first["losses"], abs=1e-5), name
         assert record["val_loss"] == pytest.approx(first["val_loss"], abs=1e-5), name
+
+
+@pytest.mark.timeout(600)
+def test_bench_comm_under_srun_measures_the_link_once_from_rank_0(jobs: dict[str, Any]) -> None:
+    """Issue 31 item 4: before, every task ran a loopback sweep of its own and they overwrote one --json."""
+    done = jobs["done"]["bench_comm"]
+    assert done.ok, done.output[-4000:]
+    cluster: Cluster = jobs["cluster"]
+    report = json.loads((jobs["root"] / "bc" / "link.json").read_text())
+    assert (report["launcher"], report["world_size"], report["nodes"], report["ranks_per_node"]) == (
+        "srun",
+        2,
+        2,
+        [1, 1],
+    )
+    assert [h["hostname"] for h in report["hosts"]] == cluster.hostnames
+    assert [h["address"] for h in report["hosts"]] == cluster.addresses
+    assert report["wrong_total"] == 0 and len(report["rows"]) == 9  # 1 KiB .. 256 KiB
+    assert done.output.count("peak busbw") == 1  # one table for the job, from rank 0
+    assert sorted(p.name for p in (jobs["root"] / "bc").glob("*.json")) == ["link.json"]
 
 
 # ------------------------------------------------------------------------------------ preemption
