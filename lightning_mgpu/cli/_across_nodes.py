@@ -32,6 +32,8 @@ from lightning_mgpu.envcheck.checks import Check
 from lightning_mgpu.envcheck.nodes import NodeChecks, check_nodes, merge
 
 NBYTES = 4 << 20  # all_reduce 4 MiB of float32, as the one-machine check does
+MACHINE_CHECKS_S = 120.0
+"""How much longer than ``--timeout`` a rank waits for the other nodes' machine checks before giving up."""
 
 
 def world_allreduce(world: LaunchedWorld, backend: str) -> dict[str, Any]:
@@ -108,6 +110,10 @@ def run(
         )
         return envcheck.report(checks, time.perf_counter() - started), True
     join_s = time.perf_counter() - started
+    # The records are gathered once every node's first rank ran the machine checks, which take seconds, more on a
+    # busy node (seen: over 20 s with every core taken): a group of their own, whose collectives may wait that
+    # long. The rendezvous and the all_reduce checks keep --timeout.
+    records_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout + MACHINE_CHECKS_S))
     world_checks = []
     if allreduce:
         results = [world_allreduce(world, "gloo")]
@@ -124,7 +130,7 @@ def run(
     record = {"rank": world.rank, "node": world.node_rank, "hostname": socket.gethostname(), "checks": mine}
     record.update(package=__version__, allreduce={backend: results[0] for backend, results in world_checks})
     gathered: list[Any] = [None] * world.world_size
-    dist.all_gather_object(gathered, record)
+    dist.all_gather_object(gathered, record, group=records_group)
     dist.destroy_process_group()
     return combine(gathered, world, join_s, time.perf_counter() - started), world.rank == 0
 

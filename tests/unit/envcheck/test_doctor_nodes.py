@@ -134,3 +134,51 @@ def test_rank_zero_reports_every_node_once_with_the_world_all_reduce_after_the_b
     ]
     records[3]["allreduce"]["gloo"]["wrong"] = 5
     assert combine(records, world, 0.25, 2.0)["status"] == "fail"
+
+
+def test_the_records_wait_for_the_other_nodes_machine_checks_longer_than_the_rendezvous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen under srun on a busy machine: a node's machine checks took over --timeout (20 s), and the ranks waiting
+    for its record gave up inside the gather ("Timed out waiting 20000ms for send operation"). The gather has a
+    group of its own, with MACHINE_CHECKS_S more; the rendezvous keeps --timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_mgpu.cli import _across_nodes
+    from tests.conftest import destroy_default_group
+
+    joined: list[timedelta] = []
+
+    def join(world: LaunchedWorld, *, timeout: timedelta) -> None:
+        joined.append(timeout)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    groups: dict[int, timedelta] = {}
+    new_group, gather = dist.new_group, dist.all_gather_object
+
+    def spy_new_group(*args: Any, **kwargs: Any) -> Any:
+        group = new_group(*args, **kwargs)
+        groups[id(group)] = kwargs["timeout"]
+        return group
+
+    gathered_on: list[Any] = []
+
+    def spy_gather(output: list[Any], obj: Any, group: Any = None) -> None:
+        gathered_on.append(groups.get(id(group)))
+        gather(output, obj, group=group)
+
+    monkeypatch.setattr(_across_nodes, "join", join)
+    monkeypatch.setattr(_across_nodes.envcheck, "collect", lambda *_, **__: [Check("torch", "ok", "2.13")])
+    monkeypatch.setattr(dist, "new_group", spy_new_group)
+    monkeypatch.setattr(dist, "all_gather_object", spy_gather)
+    world = LaunchedWorld("srun", 0, 1, 0, 0, 1, "127.0.0.1", 29500)
+    try:
+        report, prints = _across_nodes.run({}, world, timeout=20.0, allreduce=False)
+    finally:
+        if dist.is_initialized():
+            destroy_default_group()
+    assert prints and report["world"]["nodes"][0]["ranks"] == [0]
+    assert joined == [timedelta(seconds=20)]
+    assert gathered_on == [timedelta(seconds=20 + _across_nodes.MACHINE_CHECKS_S)]
