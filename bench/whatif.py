@@ -14,7 +14,9 @@ rank 0, after a warm-up; median over the run, then over rounds):
 2. **from a profile at 1 Gbit/s**: one profiled run with default buckets on the lab's 1 Gbit/s
    link predicts the bucket sizes and compressions at that rate (the link as that profile saw it);
 3. **from a 1-rank profile plus bench-comm**: a one-rank profile and an all-reduce sweep over
-   the lab's link at each rate predict the 2-rank default run.
+   the lab's link at each rate predict the 2-rank default run; the same with a rate for the
+   link instead (the raw TCP transfer's achieved rate, and the configured, nominal one) says
+   what each input is worth.
 
 Compression compute (fp16 casts, PowerSGD's matrix products) is measured on this machine with
 one thread, as each rank trains (:func:`lightning_mgpu.whatif.measure.measure_costs`).
@@ -65,7 +67,15 @@ QUICK = {
     "sweep_max_mib": 4,
 }
 LAUNCH_TIMEOUT_S = 7200
-VALIDATIONS = ("loopback_profile", "profile_at_1gbps", "one_rank_plus_bench_comm")
+VALIDATIONS = (
+    "loopback_profile",
+    "profile_at_1gbps",
+    "one_rank_plus_bench_comm",
+    "one_rank_plus_achieved_rate",
+    "one_rank_plus_nominal_rate",
+)
+"""The last two are the same 1-rank predictions as ``one_rank_plus_bench_comm`` with a rate for the link instead of
+its sweep: the raw TCP transfer's achieved rate, and the configured (nominal) one: which input gives which accuracy."""
 DEFAULT_OUT = RESULTS / "whatif.json"
 
 
@@ -228,6 +238,11 @@ def validate(
         sweep = bench_comm.get(f"{rate:g}")
         if m["config"]["name"] == "default" and sweep is not None:
             add("one_rank_plus_bench_comm", m, inputs["loopback_1"][model], link_from_bench_comm(sweep), False)
+        if m["config"]["name"] == "default":
+            add(
+                "one_rank_plus_achieved_rate", m, inputs["loopback_1"][model], link_from_gbps(m["achieved_gbps"]), False
+            )
+            add("one_rank_plus_nominal_rate", m, inputs["loopback_1"][model], link_from_gbps(rate), False)
     return validations
 
 

@@ -19,6 +19,8 @@ _VALIDATIONS = {
     "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
     "profile_at_1gbps": "one profile at 1 Gbit/s → bucket sizes and compression there",
     "one_rank_plus_bench_comm": "a 1-rank profile + `bench-comm` over the link → 2 ranks",
+    "one_rank_plus_achieved_rate": "a 1-rank profile + the rate a raw TCP transfer achieved (`--link-gbps`) → 2 ranks",
+    "one_rank_plus_nominal_rate": "a 1-rank profile + the link's nominal rate (`--link-gbps`) → 2 ranks",
 }
 
 
