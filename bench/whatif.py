@@ -13,8 +13,9 @@ rank 0, after a warm-up; median over the run, then over rounds):
    taken from the profile;
 2. **from a profile at 1 Gbit/s**: one profiled run with default buckets on the lab's 1 Gbit/s
    link predicts the bucket sizes and compressions at that rate (the link as that profile saw it);
-3. **from a 1-rank profile plus bench-comm**: a one-rank profile and an all-reduce sweep over
-   the lab's link at each rate predict the 2-rank default run; the same with a rate for the
+3. **from a 1-rank profile plus bench-comm**: a one-rank profile and ``lightning-mgpu bench-comm``
+   run across the lab's link at each rate (torchrun on both nodes, as a user runs it) predict
+   the 2-rank default run; the same with a rate for the
    link instead (the raw TCP transfer's achieved rate, and the configured, nominal one) says
    what each input is worth.
 
@@ -124,6 +125,19 @@ def measure(
     )  # fmt: skip
     print("\n".join(line for line in finished.output.splitlines() if "ms/step" in line), flush=True)
     return list(finished.report)
+
+
+def bench_comm_sweep(lab: network.Lab, *, max_bytes: int, scratch: Path) -> dict[str, Any]:
+    """``lightning-mgpu bench-comm`` across the lab's link as a user runs it (torchrun on both nodes, one rank each):
+    rank 0's JSON, which records the two nodes it ran on."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / "link.json"
+    target = ["-m", "lightning_mgpu.cli", "bench-comm", "--min-bytes", "4096", "--max-bytes", str(max_bytes)]
+    target += ["--factor", "4", "--iters", "5", "--warmup", "1", "--quiet", "--json", str(out)]
+    runs = launch.run(target, nproc_per_node=1, timeout=LAUNCH_TIMEOUT_S, threads=1, lab=lab, cwd=scratch)
+    launch.check(runs, "bench-comm across the lab")
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -310,8 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"\nlink {rate:g} Gbit/s: achieved {probe.gbps:.3f} Gbit/s (raw TCP)", flush=True)
             if not args.skip_bench_comm:
                 sweep_max = min(args.sweep_max_mib, max(1, int(32 * rate))) * 1024 * 1024
-                item = {"kind": "allreduce", "min_bytes": 4096, "max_bytes": sweep_max, "iters": 5, "warmup": 1}
-                sweeps[rate] = measure([item], label=f"allreduce_{rate:g}", scratch=scratch, lab=lab)[0]
+                sweeps[rate] = bench_comm_sweep(lab, max_bytes=sweep_max, scratch=scratch / f"bench_comm_{rate:g}")
             steps = args.steps if args.steps is not None else STEPS.get(rate, 12)
             for round_index in range(args.rounds):
                 plan = []
