@@ -95,6 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(SITE) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
+    # Each pytest-xdist worker computes on its share of the cores: torch's default (a thread per core in
+    # every worker) oversubscribes them, and a tiny backward then waits on the other worker's threads.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def _lanes_by_directory(items: list[pytest.Item]) -> None:
@@ -213,15 +218,21 @@ def free_port() -> int:
 
 
 def run_python(
-    args: Sequence[str], *, cwd: Path, timeout: float, env: Optional[dict[str, str]] = None, check: bool = True
+    args: Sequence[str],
+    *,
+    cwd: Path,
+    timeout: float,
+    env: Optional[dict[str, str]] = None,
+    check: bool = True,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` (warm where it can be: ``tests/warm.py``); fail the test with the child's output if it
-    hangs, or fails and ``check``."""
+    """Run ``python ARGS`` (warm where it can be unless ``cold``: ``tests/warm.py``); fail the test with the child's
+    output if it hangs, or fails and ``check``."""
     cmd = [sys.executable, *args]
     # Own session: on a timeout the whole process group goes (Lightning's launcher starts
     # the other ranks as children; killing only the direct child would leave them running).
     with warm.start(
-        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cold=cold
     ) as child:
         try:
             stdout, stderr = child.communicate(timeout=timeout)

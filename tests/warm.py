@@ -18,6 +18,9 @@ paths those tests are about. A start is cold, as before, when:
 * its output is not read through pipes (stdout piped; stderr piped or merged into it);
 * its environment differs from the zygote's in a variable read while the interpreter or the
   preloaded libraries start (``START_PREFIXES``, ``PYTHONPATH`` included);
+* the caller asks for it (``start(..., cold=True)``, ``run_python(..., cold=True)``): the tests of
+  launching itself (Lightning's launcher and torchrun under failures and preemption, the labs) start
+  their processes exactly as a user's shell does;
 * ``MGPU_TEST_COLD=1`` is set (everything cold: the suite as it ran before this module).
 
 Differences a test could see, none of which any test relies on: the preloaded modules are in
@@ -345,18 +348,20 @@ def start(
     stdout: Any = None,
     stderr: Any = None,
     text: bool = False,
+    cold: bool = False,
 ) -> Union[WarmProcess, subprocess.Popen[Any]]:
     """``subprocess.Popen(command, cwd=..., env=..., start_new_session=True, ...)``, forked warm when it can be.
 
     ``command`` starts with ``sys.executable``; warm for ``SCRIPT ...`` and ``-m MODULE ...`` with stdout piped and
-    stderr piped or merged into it."""
+    stderr piped or merged into it, unless ``cold``: the tests of launching itself (launchers, preemption, failures,
+    the labs) start their processes as a user's shell does."""
     env = dict(os.environ if env is None else env)
     argv = list(command[1:])
     runnable = (
         command[0] == sys.executable and argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-"))
     )
     piped = stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT)  # how the tests read it
-    zygote = _zygote_for(env) if runnable and piped else None
+    zygote = _zygote_for(env) if runnable and piped and not cold else None
     if zygote is not None:
         return WarmProcess(zygote, argv, cwd=str(cwd), env=env, stderr=stderr, text=text)
     return subprocess.Popen(

@@ -285,19 +285,22 @@ def noise_note(results: Sequence[CandidateResult], outcome: str, min_gain: float
     return text + ". Kept DDP's default: run the tuning on a quieter machine, or with more tune_steps."
 
 
+COLUMNS = (
+    "bucket_cap_mb",
+    "same layout",
+    "buckets (MiB, launch order)",
+    "step ms",
+    "spread",
+    "per round",
+    "vs default [interval, %]",
+)
+"""The columns of a tuning table, in the log (:func:`format_table`) and in ``lightning-mgpu tune``'s."""
+
+
 def format_table(results: Sequence[CandidateResult], chosen: int) -> str:
     """The candidates as a plain-text table (for ``rank_zero_info``; logs have no colours)."""
     default = next((r for r in results if r.candidate.is_default), None)
-    header = (
-        "",
-        "bucket_cap_mb",
-        "same layout",
-        "buckets (MiB, launch order)",
-        "step ms",
-        "spread",
-        "per round",
-        "vs default [interval, %]",
-    )
+    header = ("", *COLUMNS)
     rows = [header]
     for index, result in enumerate(results):
         candidate = result.candidate

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_mgpu.tuning.buckets import MIB
+from lightning_mgpu.tuning import decision
 
 
 def rows(record: dict[str, Any]) -> list[list[str]]:
@@ -63,18 +64,7 @@ def print_table(result: dict[str, Any]) -> None:
         title=f"{result['target']}: bucket size -> step time ({result['world_size']} ranks, {result['backend']})",
         caption=f"{caption}\n{decided}" if decided else caption,
     )
-    for index, column in enumerate(
-        (
-            "bucket_cap_mb",
-            "same layout",
-            "buckets (MiB, launch order)",
-            "step ms",
-            "spread",
-            "per round",
-            "vs default [interval, %]",
-            "chosen",
-        )
-    ):
+    for index, column in enumerate((*decision.COLUMNS, "chosen")):
         table.add_column(column, justify="left" if index < 3 else "right")
     for row in rows(record):
         table.add_row(*row)

@@ -79,12 +79,18 @@ def launch(
     timeout: float = 150,
     env: Optional[dict[str, str]] = None,
 ) -> Job:
-    """``python [LAUNCHER] fail_fit.py --out-dir OUT FLAGS`` in its own session (warm: ``tests/warm.py``), killed at
-    ``timeout``."""
+    """``python [LAUNCHER] fail_fit.py --out-dir OUT FLAGS`` in its own session, killed at ``timeout``; cold, as a
+    user's shell starts it (these are the tests of launching, failing and being preempted)."""
     command = [sys.executable, *launcher, str(SCRIPT), "--out-dir", str(out_dir), *flags]
     started = time.perf_counter()
     process = warm.start(
-        command, cwd=out_dir.parent, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=out_dir.parent,
+        env=env or child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cold=True,
     )
     timed_out = False
     try:

@@ -145,7 +145,7 @@ def runs(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     before = lab.traffic(0)
     check(run([*script, "--out-dir", str(lab_dir)], nproc_per_node=1, lab=lab, timeout=150, log_dir=lab_dir), "lab run")
     after = lab.traffic(0)
-    run_python([*TORCHRUN_2, *script, "--out-dir", str(loop_dir)], cwd=loop_dir, timeout=150)
+    run_python([*TORCHRUN_2, *script, "--out-dir", str(loop_dir)], cwd=loop_dir, timeout=150, cold=True)
     return {
         "lab": {c: json.loads((lab_dir / f"{c}.json").read_text()) for c in CONFIGS},
         "loopback": {c: json.loads((loop_dir / f"{c}.json").read_text()) for c in CONFIGS},

@@ -123,3 +123,7 @@ def test_code_and_other_start_time_settings_start_cold(probe: Path, tmp_path: Pa
     # output the handle would not read the way the tests do: cold, with Popen's own handling
     with warm.start(script, cwd=tmp_path, env=cpu_env(), stdout=subprocess.DEVNULL) as cold:
         assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 0
+    # asked for: the tests of launching itself (failures, preemption, the labs) start cold
+    with warm.start(script, cwd=tmp_path, env=cpu_env(), cold=True, **piped) as cold:
+        assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 0
+

@@ -14,6 +14,20 @@ from typing import Any, Optional
 from lightning_mgpu.strategies.parts import failures as _failures
 
 
+class _Clock:
+    """Stands in for the module's ``time``: ``sleep`` advances ``monotonic`` at once (the 1 s wait for a child
+    costs nothing, and no CPU spinning through it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class _Child:
     """What ``explain_collective_failure`` reads of a ``subprocess.Popen``: its pid and ``poll()``."""
 
@@ -33,7 +47,7 @@ def _explain(children: list[tuple[int, Any]], text: str = "Connection closed by 
 
 def test_a_child_that_closed_its_connection_but_still_runs_is_not_called_ended(monkeypatch: Any) -> None:
     """The note read "another rank's process ended ... rank 1 (pid ...) still running"."""
-    monkeypatch.setattr(_failures.time, "sleep", lambda seconds: None)  # the 1 s wait for the child: skipped
+    monkeypatch.setattr(_failures, "time", _Clock())  # the 1 s wait for the child: skipped
     note = _explain([(1, _Child(4242, None))])
     assert "process ended" not in note, note
     assert "another rank closed its connection while this rank waited for it in a collective" in note
@@ -51,7 +65,7 @@ def test_a_child_that_ended_is_named_with_how_it_ended() -> None:
 
 
 def test_with_several_children_each_is_listed_once_in_its_own_state(monkeypatch: Any) -> None:
-    monkeypatch.setattr(_failures.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(_failures, "time", _Clock())
     note = _explain([(1, _Child(11, 1)), (2, _Child(12, None)), (3, _Child(13, -signal.SIGTERM))])
     assert ": rank 1 (pid 11) exited with code 1, rank 3 (pid 13) killed by SIGTERM. Their own errors" in note
     assert "Still running: rank 2 (pid 12); when this process exits" in note
