@@ -144,7 +144,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             ]
             template = cpu_variant(RECIPES / "cluster" / f"{name}.sbatch")
             submitted[name] = cluster.submit(template, options, args=args, workdir=out, env=env, name=name)
-        run_python([*TORCHRUN_2, *fit[1:], "--out-dir", str(root / "torchrun")], cwd=root, timeout=240)
+        run_python([*TORCHRUN_2, *fit[1:], "--out-dir", str(root / "torchrun")], cwd=root, timeout=240, cold=True)
         done = {name: job.wait(timeout=max(1.0, deadline - time.monotonic())) for name, job in submitted.items()}
         thread.join(timeout=max(1.0, deadline - time.monotonic()))
         yield {"root": root, "done": done, "cluster": cluster, "preemption": preemption}
