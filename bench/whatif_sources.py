@@ -75,7 +75,8 @@ def fit(profile_dir: Path, steps: int, out: Optional[Path]) -> None:
             )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.down(torch.relu(self.up(self.norm(x))))
+            out: torch.Tensor = x + self.down(torch.relu(self.up(self.norm(x))))
+            return out
 
     worker.start(1)
     torch.manual_seed(0)
