@@ -1,4 +1,4 @@
-"""Soak: is memory flat over a long run with ``CommProfiler`` and ``DistributedDoctor`` attached?
+"""Soak: is memory flat over a long run with ``CommProfiler`` and ``DistributedDoctor`` attached? Does the hang watch stay quiet?
 
 A tiny model (an MLP of 4 hidden 64-wide layers, 17k parameters: the package's per-step work
 dominates, so a leak of a few bytes per step shows) trains for 20,000 steps on 2 CPU ranks
@@ -8,13 +8,20 @@ settings: a timed communication hook on every bucket, a gather every 50 steps) a
 is 1,000 steps here, so 20 epochs). Batches are drawn in ``training_step`` from a generator
 seeded by the step (no data set in memory; the loader yields indices only).
 
+The strategy's hang watch runs at its default (``hang_timeout=300``), through checkpoint saves
+(``ModelCheckpoint`` every ``steps / 8`` steps, into a temporary directory) and validation (20
+batches every ``min(1,000, steps / 4)`` steps): none of that is a hang, and the watch must never
+fire (it would end the run with status 124). The report records, per rank, the timeout in force
+at the end of training and how many times the watch published its state (it was on all along),
+and whether a hang report was written.
+
 Every rank samples its resident set size (``/proc/self/statm``) and the number of objects the
 garbage collector tracks (after a collection) at the first step, at 1%, 5%, 10%, 25%, 50%, 60%,
 75%, 90% of the run and at the end; the table and ``bench/results/soak.json`` report them for
 both ranks.
 
     python -m bench.soak                  # 20,000 steps, a few minutes on 2 cores
-    python -m bench.soak --quick          # 400 steps, a smoke run (tests/bench/test_soak.py)
+    python -m bench.soak --quick          # 400 steps, a smoke run (tests/bench/test_soak.py: the watch quiet)
     python -m bench.soak --steps 100000 --out /tmp/soak.json
 
 (from the repository root: see ``bench/__init__.py``; Lightning's launcher starts the other
@@ -34,21 +41,36 @@ import argparse
 import gc
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
 from bench import RESULTS
 from bench.harness.report import machine_facts, print_table, write_json
 from lightning_mgpu import CommProfiler, DistributedDoctor
+from lightning_mgpu.watch.watcher import the_watch
 
 STEPS, QUICK_STEPS = 20_000, 400
 EPOCH_STEPS = 1_000
+VALIDATION_BATCHES = 20
+
+
+def checkpoint_every(steps: int) -> int:
+    return max(1, steps // 8)
+
+
+def validation_every(steps: int) -> int:
+    return max(1, min(EPOCH_STEPS, steps // 4))
+
+
 FRACTIONS = (0.01, 0.05, 0.10, 0.25, 0.50, 0.60, 0.75, 0.90)
 HISTORY = 10_000  # CommProfiler's default: figures of the last 10,000 steps are kept
 FLAT_MIB = 4.0
@@ -70,6 +92,11 @@ class Tiny(L.LightningModule):
         x = torch.randn(16, 8, generator=generator)
         loss = nn.functional.mse_loss(self.net(x), torch.sin(x[:, :1]))
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        generator = torch.Generator().manual_seed(10**6 + batch_idx * 2 + self.global_rank)
+        x = torch.randn(16, 8, generator=generator)
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), torch.sin(x[:, :1])), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -115,11 +142,13 @@ class MemoryProbe(L.Callback):
             )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        watch = the_watch()
         mine = {
             "rank": trainer.global_rank,
             "pid": os.getpid(),
             "samples": self.samples,
             "peak_rss_mib": peak_rss_mib(),
+            "watch": {"hang_timeout_s": watch.timeout, "beats": watch.beats},
         }
         gathered: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(gathered, mine)  # every rank enters
@@ -128,7 +157,9 @@ class MemoryProbe(L.Callback):
             (self.out.with_suffix(".ranks.tmp")).write_text(json.dumps(gathered))
 
 
-def report(ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path) -> dict[str, Any]:
+def report(
+    ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path, *, hang_reports: int = 0
+) -> dict[str, Any]:
     judged = steps >= 2 * HISTORY
     from_step = HISTORY if judged else steps // 2
     per_rank = []
@@ -163,6 +194,13 @@ def report(ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path)
             "CommProfiler": f"defaults (every_n_steps=50, history={HISTORY})",
             "DistributedDoctor": "defaults (check_every_n_batches=100)",
         },
+        "watch": {
+            "hang_timeout_s": [rank["watch"]["hang_timeout_s"] for rank in ranks],
+            "beats": [rank["watch"]["beats"] for rank in ranks],
+            "hang_reports": hang_reports,
+            "checkpoint_every_steps": checkpoint_every(steps),
+            "validation_every_steps": validation_every(steps),
+        },
         "limits": {"window_mib": FLAT_MIB, "window_gc_objects": FLAT_OBJECTS},
         "verdict": verdict,
         "ranks": per_rank,
@@ -187,6 +225,16 @@ def report(ranks: list[dict[str, Any]], steps: int, elapsed_s: float, out: Path)
         rows,
         caption=f"{growth} -> {verdict}",
     )
+    watch = result["watch"]
+    print(
+        "hang watch: "
+        + ", ".join(
+            f"rank {rank['rank']} hang_timeout={rank['watch']['hang_timeout_s']} s, {rank['watch']['beats']} beats"
+            for rank in ranks
+        )
+        + f"; {hang_reports} hang report(s); a checkpoint every {watch['checkpoint_every_steps']:,} steps, "
+        f"validation every {watch['validation_every_steps']:,}"
+    )
     write_json(out, result)
     print(f"wrote {out}")
     return result
@@ -209,27 +257,36 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
 
     probe = MemoryProbe(steps, out)
+    # One directory for both ranks: Lightning's launcher starts rank 1 with rank 0's environment.
+    root = Path(os.environ.get("MGPU_SOAK_DIR") or tempfile.mkdtemp(prefix="soak_"))
+    os.environ["MGPU_SOAK_DIR"] = str(root)
+    saves = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=checkpoint_every(steps), save_top_k=1)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_tuned",
+        strategy="ddp_tuned",  # the hang watch on, at its default
         max_steps=steps,
         limit_train_batches=EPOCH_STEPS,
-        callbacks=[CommProfiler(), DistributedDoctor(), probe],
+        val_check_interval=validation_every(steps),
+        limit_val_batches=VALIDATION_BATCHES,
+        num_sanity_val_steps=0,
+        callbacks=[CommProfiler(), DistributedDoctor(), probe, saves],
+        default_root_dir=str(root),  # where a hang report would go
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     loader = DataLoader(range(2 * EPOCH_STEPS), batch_size=1)
+    validation = DataLoader(range(2 * VALIDATION_BATCHES), batch_size=1)
     started = time.perf_counter()
-    trainer.fit(Tiny(), loader)
+    trainer.fit(Tiny(), loader, validation)
     elapsed = time.perf_counter() - started
     if trainer.global_rank == 0:
         partial = out.with_suffix(".ranks.tmp")
         ranks = json.loads(partial.read_text())
         partial.unlink()
-        report(ranks, steps, elapsed, out)
+        report(ranks, steps, elapsed, out, hang_reports=len(list(root.glob("**/hang_report.json"))))
+        shutil.rmtree(root, ignore_errors=True)
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

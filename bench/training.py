@@ -8,6 +8,7 @@ A *configuration* names the training loop and what is attached to it:
     ddp_tuned+profiler      with ``CommProfiler`` on its default schedule
     ddp_tuned+profiler_all  with ``CommProfiler`` timing every step after the warm-up
     ddp_tuned+hook          with only the communication hook CommProfiler times through
+    ddp_tuned+unwatched     ``TunedDDPStrategy(hang_timeout=None)``: without the hang watch (on by default)
 
 The timed span is one training step (forward + loss, ``zero_grad``, backward with DDP's
 all-reduce, ``optimizer.step()``); in Lightning it runs from the first
@@ -35,7 +36,15 @@ from bench.harness.stats import summarize
 from bench.harness.worker import StepTimer, backend_for, ddp_bucket_layout, worker_device
 from bench.models import MLP_WIDTHS, count_parameters, make_data, make_mlp
 
-CONFIGS = ("raw", "ddp", "ddp_tuned", "ddp_tuned+profiler", "ddp_tuned+profiler_all", "ddp_tuned+hook")
+CONFIGS = (
+    "raw",
+    "ddp",
+    "ddp_tuned",
+    "ddp_tuned+profiler",
+    "ddp_tuned+profiler_all",
+    "ddp_tuned+hook",
+    "ddp_tuned+unwatched",
+)
 LEARNING_RATE = worker.LEARNING_RATE
 
 
@@ -121,7 +130,8 @@ def train_lightning(
     if config not in CONFIGS or config == "raw":
         raise ValueError(f"unknown Lightning configuration {config!r}; choose from {CONFIGS[1:]}")
     layout: dict[str, Any] = {}
-    strategy, _, extra = config.partition("+")
+    name, _, extra = config.partition("+")
+    strategy: Any = lightning_mgpu.TunedDDPStrategy(hang_timeout=None) if extra == "unwatched" else name
     attached: list[L.Callback] = [worker.time_each_step(timer, layout=layout)]
     if extra == "profiler":
         # As a user's run would: default schedule (20 steps of every 200 after 5 warm-up

@@ -29,6 +29,7 @@ __all__ = [
     "profiler_breakdown",
     "profiler_overhead",
     "soak",
+    "watch_overhead",
 ]
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -473,7 +474,44 @@ def soak() -> str:
         f"{r['steps']:,} steps on {len(r['ranks'])} ranks with {' and '.join(code(c) for c in r['callbacks'])} "
         f"at their defaults, {r['elapsed_s']:.0f} s; verdict: {r['verdict']}. {_machine(r)}."
     )
+    watch = r.get("watch")  # runs from before the hang watch have no such entry
+    if watch is not None:
+        note += (
+            f" The hang watch ran at its default (`hang_timeout={watch['hang_timeout_s'][0]:g}`, "
+            f"{min(watch['beats']):,}+ beats published per rank) through a checkpoint save every "
+            f"{watch['checkpoint_every_steps']:,} steps and a validation every {watch['validation_every_steps']:,}: "
+            f"{watch['hang_reports']} hang report(s)."
+        )
     return f"{table(header, rows)}\n\n{note}"
+
+
+def watch_overhead() -> str:
+    """``bench/doctor_overhead.py --subject watch``: ``ddp_tuned`` with and without the hang watch."""
+    command = "`python -m bench.doctor_overhead --subject watch`"
+    if not (RESULTS / "watch_overhead.json").exists():
+        return (
+            f"Not measured on a quiet machine yet: {command} writes `bench/results/watch_overhead.json`, "
+            "from which this table is made."
+        )
+    r = load("watch_overhead")
+    pairs = r["ratio_iteration_per_pair"]
+    low, high = r["ratio_iteration_ci95"]
+    rows = [
+        (
+            f"with / without, mean iteration (median over {len(pairs)} pairs)",
+            f"**{r['ratio_iteration']:.4f}** (95% CI {low:.3f}–{high:.3f})",
+        ),
+        ("per pair", ", ".join(f"{p:.3f}" for p in pairs)),
+        ("with / without, step (median)", f"{r['ratio_step']:.4f}"),
+    ]
+    quick = " A smoke run (`--quick`): not a measurement." if r["settings"].get("quick") else ""
+    note = (
+        f"Limit {r['limit']:.2f}: {'met' if r['met'] else 'not met'}"
+        f"{'' if high <= r['limit'] else ' (the interval reaches past it: not conclusive)'}. "
+        f"{r['settings']['schedule']}, "
+        f"{r['settings']['pairs']} pairs × {r['settings']['steps']} timed steps; {_machine(r)}; {command}.{quick}"
+    )
+    return f"{table(('measure', 'value'), rows)}\n\n{note}"
 
 
 def headlines() -> str:

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from docs import bench_tables, code_tables, lab_tables, package_map
+from docs import bench_tables, code_tables, hang_tables, lab_tables, package_map
 from docs.markdown import heading_anchors, links
 
 __all__ = [
@@ -63,6 +63,7 @@ def _blocks() -> dict[str, Block]:
         "bench-planner-timing": bench_tables.planner_timing,
         "bench-comm": bench_tables.bench_comm,
         "bench-soak": bench_tables.soak,
+        "bench-watch-overhead": bench_tables.watch_overhead,
         "lab-buckets": lab_tables.buckets,
         "lab-headlines": lab_tables.headlines,
         "lab-sweep": partial(lab_tables.sweep, "netlab_sweep"),
@@ -73,6 +74,7 @@ def _blocks() -> dict[str, Block]:
         "package-map": package_map.package_map,
         "import-graph": package_map.import_graph,
     }
+    blocks.update(hang_tables.blocks())
     # One block per command: a new command without a page section makes the check fail.
     for command in code_tables.command_names():
         blocks[f"cli-{command}"] = partial(code_tables.cli_flags, command)

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("package", "_registration"),
     ("callbacks", "strategies"),
-    ("tuning", "placement", "whatif", "comm", "envcheck"),
+    ("tuning", "placement", "whatif", "comm", "envcheck", "watch"),
     ("placement.running",),
     ("placement.planning",),
     ("_compat", "_checks", "_sizes", "_target"),

@@ -7,6 +7,9 @@
 - :func:`loopback_store`: a ``TCPStore`` whose server listens on a loopback address only
   (torch's own binds every interface).
 - :func:`gather_objects`: every rank's object, or ``[local]`` without a process group.
+- :func:`lost_peer`: whether a collective's error says a peer's connection is gone (its process ended).
+- :func:`this_process` / :func:`process_gone`: a process as other ranks on the same machine can look for
+  it, and whether it has ended (the doctor's meetings and the hang watch see a dead neighbour so).
 
 No import of Lightning here: this module sits below strategies and callbacks.
 """
@@ -162,3 +165,43 @@ def gather_objects(local: Any, world_size: Optional[int] = None) -> list[Any]:
     gathered: list[Any] = [None] * size
     dist.all_gather_object(gathered, local)
     return gathered
+
+
+def this_process() -> str:
+    """This process as other ranks on the same machine can look for it: host, pid namespace and pid."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()} {namespace} {os.getpid()}"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` on this machine has ended (a zombie, not yet reaped, has ended too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's process: alive
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
+
+
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+"""What gloo and NCCL say when a collective fails because a peer's connection closed."""
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` (a failed collective) says a peer's connection closed."""
+    text = str(error)
+    return any(marker in text for marker in PEER_LOST)

@@ -38,6 +38,7 @@ from lightning_mgpu._compat.lightning import StrategyRegistryType
 from lightning_mgpu._compat.torch import copy_state_dict_metadata
 from lightning_mgpu.strategies.parts.hybrid_options import check_hybrid_options
 from lightning_mgpu.strategies.tuned_ddp import TunedDDPStrategy
+from lightning_mgpu.watch import DEFAULT_HANG_TIMEOUT_S
 
 __all__ = ["HybridParallelStrategy"]
 
@@ -63,6 +64,11 @@ class HybridParallelStrategy(TunedDDPStrategy):
             time and memory for ``balance="time"``/``"memory"``.
         threads_per_stage: intra-op threads of each CPU stage (default: the process's
             threads divided among its CPU stages).
+        hang_timeout: seconds without progress before the hang watch reports every rank's place
+            and ends the job (default 300; ``None``: off), as :class:`TunedDDPStrategy`'s. A
+            step's work runs in the stage threads while the main thread waits for them: a
+            pipeline stage stuck for that long is reported as its rank's main thread waiting
+            in the pipeline.
         **kwargs: everything :class:`TunedDDPStrategy` takes (``bucket_cap_mb``,
             ``compression``, ``timeout``, ``process_group_backend``, DDP options). ``timeout``
             (a ``timedelta``, torch's 30 minutes by default) bounds how long a rank that hangs
@@ -90,6 +96,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
         *,
         sample_input: Optional[torch.Tensor] = None,
         threads_per_stage: Optional[int] = None,
+        hang_timeout: Optional[float] = DEFAULT_HANG_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         self._options = check_hybrid_options(
@@ -104,7 +111,7 @@ class HybridParallelStrategy(TunedDDPStrategy):
             threads_per_stage=threads_per_stage,
             ddp_kwargs=kwargs,
         )
-        super().__init__(**kwargs)
+        super().__init__(hang_timeout=hang_timeout, **kwargs)
         self._devices_per_replica = devices_per_replica
         self._microbatches = microbatches
         self._runner: Optional[PipelineRunner] = None

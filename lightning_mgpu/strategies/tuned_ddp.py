@@ -20,6 +20,9 @@ Things stock ``DDPStrategy`` does not do:
 * **Processes that start, meet, stop and fail safely**: the model checked before any rank
   starts, a loopback-only rendezvous on one machine, preemption, atomic checkpoints and errors
   that name the lost ranks.
+* **Hangs reported in seconds, not after 30 minutes** (``hang_timeout``): which rank waits in
+  which collective, which is elsewhere and at which line of your code, the likely cause and its
+  fix; then every rank exits non-zero.
 
 The class is the one place the Lightning hooks of our DDP strategies are overridden (``hybrid``
 subclasses it); each hook hands its work to a part with one job (``strategies/parts/``): argument
@@ -75,6 +78,7 @@ from lightning_mgpu.strategies.parts.process_group import destroy_process_group_
 from lightning_mgpu.strategies.parts.reliability import Reliability
 from lightning_mgpu.tuning.buckets import DDP_DEFAULT_BUCKET_CAP_MB, MIB, first_cap
 from lightning_mgpu.tuning.tuner import BucketTuner
+from lightning_mgpu.watch import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -125,6 +129,13 @@ class TunedDDPStrategy(DDPStrategyBase):
             measured once.
         tune_rounds: With ``"auto"``: how many times each layout is visited (in alternating
             order, so that drift of the machine's speed does not pick the winner).
+        hang_timeout: Seconds without progress on a rank (and nobody working in its part of the run)
+            before the hang watch reports where every rank is, which collective each waits in and at
+            which line of your code, with the likely cause, and ends the job: every rank exits with
+            status 124 (see :mod:`lightning_mgpu.watch`). Default 300; ``None`` turns the watch off.
+            Progress is judged on the main thread (phases, batches, collectives left, its stack, CPU
+            time and I/O): a slow step, a checkpoint save or rank-0-only work that makes progress
+            never trips it; waiting in a collective does.
 
     Raises:
         ValueError: for any argument out of range or of the wrong type, naming it.
@@ -163,8 +174,10 @@ class TunedDDPStrategy(DDPStrategyBase):
         tune_steps: Optional[int] = None,
         tune_candidates: Optional[Sequence[float]] = None,
         tune_rounds: int = 2,
+        hang_timeout: Optional[float] = DEFAULT_HANG_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
+        self._hang_timeout = check_hang_timeout(hang_timeout, owner=type(self).__name__)
         self._given_checkpoint_io = checkpoint_io is not None  # else an AtomicCheckpointIO, made when first asked for
         options = check_options(
             bucket_cap_mb=bucket_cap_mb,
@@ -215,7 +228,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             **kwargs,
         )
         self._ddp = DDPModel()
-        self._reliability = Reliability()
+        self._reliability = Reliability(hang_timeout=self._hang_timeout)
         self._wire_dtype: Optional[torch.dtype] = None
         self._pending_powersgd: Optional[dict[str, Any]] = None
         self._at_step_start = True  # the next batch is the first of an optimizer step
@@ -245,6 +258,11 @@ class TunedDDPStrategy(DDPStrategyBase):
             given_first=self._first_bucket_cap_mb,
             per_bucket_caps=SUPPORTS_BUCKET_LIST,
         )
+
+    @property
+    def hang_timeout(self) -> Optional[float]:
+        """Seconds without progress before the hang watch ends the job (None: no watch)."""
+        return self._hang_timeout
 
     @property
     def auto(self) -> bool:

@@ -1,8 +1,9 @@
 """Launch tests/scripts/fail_fit.py under a launcher, with a deadline, and record how the job ended.
 
-Used by tests/dist/strategies/test_reliability_*.py and the other launched failure tests. Every launch
-runs in its own session: when it ends (or its deadline passes) whatever is left of it is found by
-session id, reported and killed, so a test can neither hang nor leave processes behind.
+Used by tests/dist/strategies/test_reliability_*.py and the other launched failure tests (with
+``script=``, the hang scenarios of tests/dist/watch/). Every launch runs in its own session: when it
+ends (or its deadline passes) whatever is left of it is found by session id, reported and killed, so
+a test can neither hang nor leave processes behind.
 """
 
 from __future__ import annotations
@@ -78,10 +79,14 @@ def launch(
     launcher: Sequence[str] = (),
     timeout: float = 150,
     env: Optional[dict[str, str]] = None,
+    script: Path = SCRIPT,
+    cold: bool = True,
 ) -> Job:
-    """``python [LAUNCHER] fail_fit.py --out-dir OUT FLAGS`` in its own session, killed at ``timeout``; cold, as a
-    user's shell starts it (these are the tests of launching, failing and being preempted)."""
-    command = [sys.executable, *launcher, str(SCRIPT), "--out-dir", str(out_dir), *flags]
+    """``python [LAUNCHER] SCRIPT --out-dir OUT FLAGS`` (``fail_fit.py`` unless told) in its own session, killed at
+    ``timeout``; cold, as a user's shell starts it (these are the tests of launching, failing and being preempted),
+    unless ``cold=False`` (tests of what a run does, not of how it starts: the top process forks from the worker's
+    zygote, ``tests/warm.py``; the launcher's other ranks still start cold)."""
+    command = [sys.executable, *launcher, str(script), "--out-dir", str(out_dir), *flags]
     started = time.perf_counter()
     process = warm.start(
         command,
@@ -90,7 +95,7 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cold=True,
+        cold=cold,
     )
     timed_out = False
     try:

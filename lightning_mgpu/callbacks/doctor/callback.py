@@ -29,6 +29,9 @@ How it stays cheap and hang-free:
   rank that left (an exception, the end of its fit, its process gone) ends the wait at once, and
   no wait lasts longer than ``check_timeout``; both raise :class:`~.findings.DistributedDoctorOutOfStep`
   naming the missing ranks and where each was last seen.
+* A hang anywhere else (a collective some rank never reaches, a rank stuck in its data loader) is
+  the hang watch's (``hang_timeout``, :mod:`lightning_mgpu.watch`): started at ``setup`` for every
+  Trainer call, fed the phases by a callback of its own under a strategy that does not feed it.
 
 Checkpoints: ``state_dict`` keeps what the ranks have agreed on (the findings, each watch's agreed
 state). Every check exchanges all that is pending, so a checkpoint saved at an epoch end, a validation end
@@ -59,7 +62,11 @@ from lightning_mgpu.callbacks.doctor.findings import (
 from lightning_mgpu.callbacks.doctor.probes import ParameterWatch
 from lightning_mgpu.callbacks.doctor.rule import Check, CheckKind, RankReport, Watch
 from lightning_mgpu.callbacks.doctor.rules import RULES, WATCHES, validate_rule_ids
-from lightning_mgpu.comm.distributed import gather_objects
+from lightning_mgpu.comm.distributed import gather_objects, lost_peer
+from lightning_mgpu.watch import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
+from lightning_mgpu.watch.hooks import PhaseHooks, local_ranks, log_dir_of, stage_of
+from lightning_mgpu.watch.report import send_to_loggers
+from lightning_mgpu.watch.watcher import the_watch
 
 __all__ = ["DistributedDoctor"]
 
@@ -69,6 +76,10 @@ _DEFAULT_CHECK_TIMEOUT_S = 600.0
 STATE_VERSION = 1
 """The version of :meth:`DistributedDoctor.state_dict`'s layout."""
 W = TypeVar("W", bound=Watch)
+
+
+class _PhaseFeed(PhaseHooks, L.Callback):
+    """What the hang watch is told of each phase under a strategy that does not tell it itself."""
 
 
 class DistributedDoctor(L.Callback):
@@ -99,6 +110,11 @@ class DistributedDoctor(L.Callback):
             :class:`DistributedDoctorOutOfStep` naming the ranks that did not come and where each was
             last seen; None: no limit (the process group's own timeout). A rank that left the run ends
             the wait at once, whatever this is.
+        hang_timeout: seconds without progress on a rank before the hang watch reports where every
+            rank is (phase, collective, line of your code, likely cause) and ends the job, every rank
+            exiting non-zero (:mod:`lightning_mgpu.watch`); default 300, None: off. This brings the
+            watch of ``ddp_tuned`` and ``hybrid`` to any other strategy (``"ddp"``, ...); under ours,
+            whose watch is on already, the smaller of the two timeouts holds.
 
     Attributes:
         findings: every :class:`Finding` reported so far, in order (the same on every rank).
@@ -118,7 +134,9 @@ class DistributedDoctor(L.Callback):
         batchnorm_min_batch: int = 16,
         stop_on_fatal: bool = True,
         check_timeout: Optional[float] = _DEFAULT_CHECK_TIMEOUT_S,
+        hang_timeout: Optional[float] = DEFAULT_HANG_TIMEOUT_S,
     ) -> None:
+        self.hang_timeout = check_hang_timeout(hang_timeout, owner=_OWNER)
         self.strict = check_bool("strict", strict, owner=_OWNER)
         self.stop_on_fatal = check_bool("stop_on_fatal", stop_on_fatal, owner=_OWNER)
         if self.strict and not self.stop_on_fatal:
@@ -164,6 +182,8 @@ class DistributedDoctor(L.Callback):
         self.watches = [watch(self) for watch in WATCHES]
         """One per rule module, in :data:`~.rules.WATCHES` order."""
         self._exchange = Exchange(timeout=self.check_timeout)
+        self._watching = False
+        self._phase_feed: Optional[_PhaseFeed] = None
         self._start_afresh()
 
     def enabled(self, rule: str) -> bool:
@@ -217,6 +237,7 @@ class DistributedDoctor(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._watch(trainer)
         if stage != "fit":
             return
         # Checkpoint state (if resuming) is loaded after setup: start from a clean slate here.
@@ -348,6 +369,10 @@ class DistributedDoctor(L.Callback):
         # Ranks waiting at a check stop at once rather than wait for this one.
         first_line = (str(exception).strip().splitlines() or [""])[0][:200]
         self._exchange.leave(f"{type(exception).__name__}: {first_line}" if first_line else type(exception).__name__)
+        if self._watching and getattr(trainer.strategy, "hang_timeout", None) is None:  # ours report it themselves
+            if lost_peer(exception):
+                the_watch().report_failure(exception)
+            the_watch().note_failure(exception)
         self._finish()
         for watch in self.watches:
             watch.on_exception(trainer, exception)
@@ -358,6 +383,43 @@ class DistributedDoctor(L.Callback):
             self._exchange.leave(f"it ended its fit after {self.batches_seen} batch(es)")
             self._exchange.close()
         self._finish()
+        self._unwatch(trainer)
+
+    # ------------------------------------------------------------------ the hang watch
+
+    def _watch(self, trainer: L.Trainer) -> None:
+        """Start this rank's hang watch for the Trainer call starting (it joins the strategy's, if that has one)."""
+        if self.hang_timeout is None or trainer.world_size < 2 or self._watching:
+            return
+
+        def to_loggers(report: dict[str, Any]) -> None:
+            send_to_loggers(trainer.loggers, report)
+
+        self._watching = the_watch().start(
+            owner=_OWNER,
+            store=default_group_store(),
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            timeout=self.hang_timeout,
+            stage=stage_of(trainer),
+            log_dir=log_dir_of(trainer),
+            on_report=to_loggers,
+            neighbours=local_ranks(trainer),
+        )
+        # Our strategies feed the watch from their own callback; any other strategy gets ours.
+        if self._watching and getattr(trainer.strategy, "hang_timeout", None) is None:
+            self._phase_feed = _PhaseFeed()
+            trainer.callbacks.append(self._phase_feed)  # type: ignore[attr-defined]  # set by Lightning
+
+    def _unwatch(self, trainer: L.Trainer) -> None:
+        if self._phase_feed is not None:
+            callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+            if self._phase_feed in callbacks:
+                callbacks.remove(self._phase_feed)
+            self._phase_feed = None
+        if self._watching:
+            self._watching = False
+            the_watch().finish(_OWNER)
 
     # ------------------------------------------------------------------ checks
 

@@ -26,16 +26,14 @@ this process (the same on every rank: every rank runs the same fits).
 from __future__ import annotations
 
 import itertools
-import os
-import socket
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from lightning_mgpu.callbacks.doctor.findings import DistributedDoctorOutOfStep, rank_list
+from lightning_mgpu.comm.distributed import process_gone, this_process
 
 __all__ = ["Exchange", "next_namespace", "process_gone", "this_process"]
 
@@ -46,30 +44,6 @@ _FIRST_POLL_S = 0.0005
 def next_namespace() -> str:
     """A fresh key namespace for a fit's meetings: the fit's number in this process."""
     return str(next(_SERIAL))
-
-
-def this_process() -> str:
-    """This process as other ranks on the same machine can look for it: host, pid namespace and pid."""
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace = 0
-    return f"{socket.gethostname()} {namespace} {os.getpid()}"
-
-
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` on this machine has ended (a zombie, not yet reaped, has ended too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # another user's process: alive
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
 
 class Exchange:

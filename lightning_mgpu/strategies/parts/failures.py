@@ -42,16 +42,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from lightning_mgpu.comm.distributed import PEER_LOST
+
 CHILD_GRACE_S = 5.0
 """Seconds the launching process waits for its children after a failed fit before killing them."""
 
-_PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "remote process exited",
-    "NCCL communicator was aborted",
-)
 _TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 _NOTE_MARK = "[lightning_mgpu]"
 READY_TWICE = "Expected to mark a variable ready only once"
@@ -91,7 +86,7 @@ def explain_collective_failure(
     text = str(exception)
     if _NOTE_MARK in text:
         return None
-    lost = any(marker in text for marker in _PEER_LOST)
+    lost = any(marker in text for marker in PEER_LOST)
     timed_out = not lost and any(marker in text for marker in _TIMED_OUT)
     if not (lost or timed_out):
         return None

@@ -11,7 +11,12 @@ What our strategies do instead, on every rank:
 1. **A flag, nothing else, in the handler.** ``setup`` routes the handlers Lightning registers for
    ``SIGTERM`` and SLURM's requeue signal to :meth:`Preemption.notify`
    (``_compat.lightning.route_preemption_signals``); a signal Lightning does not handle (SLURM's
-   requeue signal without ``auto_requeue``) gets our own handler from ``on_train_start`` on.
+   requeue signal without ``auto_requeue``) gets our own handler from ``on_train_start`` on. A
+   Python handler runs only when the main thread runs Python: while it is blocked in a collective,
+   the hang watch's thread (:mod:`lightning_mgpu.watch.signals`) sees the signal at once and calls
+   :meth:`Preemption.notify` for it; if the rank then cannot reach its step boundary (no progress
+   for the watch's preemption grace), the watch reports where every rank is and ends the job with
+   the signal's status instead of waiting for the collective timeout.
 2. **Agreement at the step boundary.** After every optimizer step (in ``on_train_batch_end``,
    outside gradient-accumulation windows, through the strategy's fit callback of
    :mod:`.reliability`, which runs after every other callback) the ranks all-reduce the flag with ``MAX``: one scalar
@@ -105,8 +110,16 @@ class Preemption:
 
     # ------------------------------------------------------------------ the handler
 
+    @property
+    def signals(self) -> tuple[int, ...]:
+        """The signals that preempt this fit (SIGTERM, and SLURM's requeue signal where there is one)."""
+        return tuple(self._signals)
+
     def notify(self, signum: int) -> None:
-        """The signal handler's whole work: remember the signal (and say so, async-signal-safely)."""
+        """The signal handler's whole work: remember the signal (and say so, async-signal-safely). Called twice for
+        one signal when the main thread was blocked (the hang watch's thread first, the handler later): said once."""
+        if self.received == signum:
+            return
         self.received = signum if self.received is None else max(self.received, signum)
         note = f"{_NOTE} rank {self._rank}: received {signal_name(signum)}; stopping at the next step boundary\n"
         try:

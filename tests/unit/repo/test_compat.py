@@ -18,6 +18,7 @@ import pytest
 
 import lightning_mgpu
 import lightning_mgpu._compat.lightning  # noqa: F401  (declares its names on import)
+import lightning_mgpu._compat.python  # noqa: F401
 import lightning_mgpu._compat.torch  # noqa: F401
 from lightning_mgpu._compat import GUARDED, GuardedName
 

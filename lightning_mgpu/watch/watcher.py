@@ -1,0 +1,665 @@
+"""The watch itself: one per process, a thread that samples the main thread, publishes its state, judges, and ends a hung job.
+
+Lifecycle (one :class:`HangWatch` per process, :func:`the_watch`): :meth:`~HangWatch.start` at the
+start of a run (a strategy's ``setup``, the doctor's), :meth:`~HangWatch.finish` at its teardown.
+Between the two the watch is *watching*; after, it keeps *listening* (its rank may be the one that
+ran out of batches and now waits at a barrier after ``fit``: it must still hear that the others
+declared a hang, and leave with them) until the default process group is destroyed or the process
+exits (an ``atexit`` handler stops the thread while Python is still whole).
+
+Every tick (``interval`` seconds, 1 s for any ``hang_timeout`` of 10 s or more) the thread
+
+1. acts on a preemption signal that came (:mod:`.signals`): the main thread may be blocked in a
+   collective where its own handler cannot run; the strategy's ``on_signal`` is told at once, and from
+   then on the timeout is ``PREEMPTION_GRACE_S`` (a rank that can still reach its step boundary stops
+   there, saved, as usual; one that cannot ends the job at once rather than at the scheduler's kill);
+2. samples the main thread (:class:`~.sampling.Progress`: seconds without progress) and publishes
+   its :class:`~.state.RankState` to the store (:mod:`.channel`);
+3. if a rank declared a hang, concludes (below);
+4. while watching, once its own rank has idled a while, reads every rank's state, judges
+   (:func:`~.verdict.judge`) and, on a hang, declares it.
+
+While watching, it also looks (by pid) for the ranks on its machine: one whose process ended in the
+middle of the run is reported at once (which rank, where it was last), before Lightning's launcher, which
+kills its rank 0 within 5 s of seeing a child die, could take the report with it; the job then ends by
+the failed collective (gloo) or, where that never comes (NCCL), by the hang verdict.
+
+Concluding, on every rank: publish the final state with the main thread's stack; the reporter (rank 0,
+or the first to claim it when rank 0 does not within ``CLAIM_WAIT_S``) gathers those, diagnoses
+(:mod:`.diagnosis`), prints the one report, writes ``hang_report.json`` to the log directory, hands
+the report to ``on_report`` (the loggers) and marks it done; the others wait for that. Then every
+rank ends its process at once (``os._exit``: the main thread is blocked in C++ and cannot be unwound)
+with status :data:`HANG_EXIT_CODE`, or 128 + the signal's number after a preemption signal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, TextIO
+
+import torch.distributed as dist
+
+from lightning_mgpu._compat.python import exit_now
+from lightning_mgpu.comm.distributed import PEER_LOST, process_gone, this_process
+from lightning_mgpu.watch import collectives
+from lightning_mgpu.watch.channel import Channel
+from lightning_mgpu.watch.diagnosis import diagnose
+from lightning_mgpu.watch.heartbeat import Heartbeat
+from lightning_mgpu.watch.report import MARK, build, signal_name, write
+from lightning_mgpu.watch.sampling import (
+    Frame,
+    Progress,
+    ThreadMeters,
+    c10d_call,
+    caller_frame,
+    is_library,
+    main_stack,
+    signature,
+    user_frame,
+)
+from lightning_mgpu.watch.signals import SignalListener
+from lightning_mgpu.watch.state import RankState
+from lightning_mgpu.watch.verdict import Verdict, judge
+
+__all__ = ["HANG_EXIT_CODE", "HangWatch", "Run", "Sample", "the_watch"]
+
+HANG_EXIT_CODE = 124
+"""Every rank's exit status after a hang (as ``timeout(1)``'s when its command timed out)."""
+PREEMPTION_GRACE_S = 10.0
+CLAIM_WAIT_S = 5.0
+FINALS_WAIT_S = 5.0
+DONE_WAIT_S = 20.0
+LOGGERS_WAIT_S = 10.0
+LEAVE_WAIT_S = 3.0
+
+_STORE_ERRORS = (RuntimeError, ValueError, OSError, dist.DistError)
+
+
+@dataclass
+class Sample:
+    """One look at the main thread."""
+
+    frames: list[Frame]
+    cpu_s: float
+    io: int
+
+
+@dataclass
+class Run:
+    """What the watch needs to know about the run it watches (given at :meth:`HangWatch.start`)."""
+
+    rank: int
+    world_size: int
+    timeout: float
+    log_dir: Optional[str] = None
+    signals: tuple[int, ...] = ()
+    """Preemption signals (the strategy's): acted on the moment they arrive."""
+    on_signal: Optional[Callable[[int], None]] = None
+    on_report: Optional[Callable[[dict[str, Any]], None]] = None
+    """Called on the reporting rank with the report (e.g. to write it to the loggers); must not raise."""
+    owners: set[str] = field(default_factory=set)
+    neighbours: tuple[int, ...] = ()
+    """Ranks that may run on this machine (their processes are looked for; a wrong guess is harmless)."""
+
+
+def _interval(timeout: float) -> float:
+    return min(1.0, max(0.05, timeout / 10))
+
+
+class HangWatch:
+    """One process's hang watch (see the module docstring). ``exit``, ``clock``, ``sleep``, ``sampler``,
+    ``output``: stand-ins for tests; ``threaded=False``: no thread, the test calls :meth:`tick`."""
+
+    def __init__(
+        self,
+        *,
+        exit: Callable[[int], Any] = exit_now,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        sampler: Optional[Callable[[], Sample]] = None,
+        output: Optional[TextIO] = None,
+        threaded: bool = True,
+    ) -> None:
+        self.heartbeat = Heartbeat()
+        self._threaded = threaded
+        self._exit, self._clock, self._sleep = exit, clock, sleep
+        self._sampler = sampler
+        self._output = output
+        self._meters: Optional[ThreadMeters] = None
+        self._run: Optional[Run] = None
+        self._watching = False
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._signals = SignalListener()
+        self._channel: Optional[Channel] = None
+        self._main_channel: Optional[Channel] = None
+        self._progress = Progress()
+        self._beat = 0
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._next_read = 0.0
+        self._signal: Optional[int] = None
+        self._store_failures = 0
+        self._concluding = False
+        self._neighbour_pids: dict[int, int] = {}
+        self._left_reported = False
+        self._left_printed = False
+        self._left_lock = (
+            threading.Lock()
+        )  # the watch thread (a neighbour gone) and the main thread (a failed collective)
+        self._here = this_process().rsplit(" ", 1)[0]
+        self.concluded: Optional[int] = None
+        """The exit status this watch ended its process with (for tests whose ``exit`` returns)."""
+
+    # ------------------------------------------------------------------ lifecycle (main thread)
+
+    @property
+    def watching(self) -> bool:
+        return self._watching
+
+    @property
+    def beats(self) -> int:
+        """States this watch has published (its thread's ticks, and the main thread's rare ones)."""
+        return self._beat
+
+    @property
+    def ticking(self) -> bool:
+        """Whether the watch thread runs (it goes on after a run while the process group lives: see :meth:`finish`)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    @property
+    def timeout(self) -> Optional[float]:
+        return self._run.timeout if self._run is not None and self._watching else None
+
+    def start(
+        self,
+        *,
+        owner: str,
+        store: Optional[dist.Store],
+        rank: int,
+        world_size: int,
+        timeout: float,
+        stage: Optional[str],
+        log_dir: Optional[str] = None,
+        signals: tuple[int, ...] = (),
+        on_signal: Optional[Callable[[int], None]] = None,
+        on_report: Optional[Callable[[dict[str, Any]], None]] = None,
+        neighbours: Sequence[int] = (),
+    ) -> bool:
+        """Watch the run that starts now on this rank; False (nothing started) without a store or a second rank.
+
+        A second owner in the same run (the doctor beside our strategy) joins the first: the smaller
+        timeout holds, the first owner's signals and report hook stay."""
+        if world_size < 2 or store is None:
+            return False
+        with self._lock:
+            run = self._run
+            if self._watching and run is not None:
+                run.owners.add(owner)
+                run.timeout = min(run.timeout, timeout)
+                run.signals = run.signals or signals
+                run.on_signal = run.on_signal or on_signal
+                run.on_report = run.on_report or on_report
+                run.log_dir = run.log_dir or log_dir
+                if signals:
+                    self._signals.start()
+                return True
+            try:
+                channel = Channel.open(store, own_client=True)
+                main_channel = Channel.open(store, own_client=False)
+            except _STORE_ERRORS:
+                return False
+            self._run = Run(
+                rank, world_size, timeout, log_dir, signals, on_signal, on_report, {owner}, tuple(neighbours)
+            )
+            self._channel, self._main_channel = channel, main_channel
+            self.heartbeat.reset(stage=stage)
+            self._progress = Progress(now=self._clock())
+            self._seen, self._signal, self._store_failures = {}, None, 0
+            self._neighbour_pids, self._left_reported, self._left_printed = {}, False, False
+            self._watching = True
+        collectives.install(self.heartbeat)
+        if signals:
+            self._signals.start()
+        if self._meters is None and self._sampler is None:
+            self._meters = ThreadMeters()
+        self._ensure_thread()
+        return True
+
+    def finish(self, owner: str) -> None:
+        """The run of ``owner`` ends on this rank: stop watching it (when its last owner leaves) and keep listening."""
+        with self._lock:
+            run = self._run
+            if run is None or not self._watching:
+                return
+            run.owners.discard(owner)
+            if run.owners:
+                return
+            self._watching = False
+            self.heartbeat.enter_phase("after_run")
+        collectives.uninstall()
+        self._signals.stop()
+        self._publish_now()
+
+    def stop(self) -> None:
+        """End the thread (at exit, or when a test is done with the watch)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        self._thread = None
+        with self._lock:
+            self._watching = False
+            self._run = None
+        collectives.uninstall()
+        self._signals.stop()
+
+    def _ensure_thread(self) -> None:
+        if not self._threaded or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="lightning_mgpu hang watch", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ failures (main thread)
+
+    def note_failure(self, error: BaseException) -> None:
+        """This rank's run is failing with ``error``: say so to the others now (the process may be gone by the next tick)."""
+        if self._concluding:  # the hang's report is out or on its way; this is the others leaving
+            return
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        self.heartbeat.failure = f"{type(error).__name__}: {first}" if first else type(error).__name__
+        self.heartbeat.enter_phase("failed")
+        self._publish_now()
+
+    def report_failure(self, error: BaseException) -> Optional[str]:
+        """After a collective failed because a peer left: the report naming the ranks that left and where they were,
+        printed by the first rank to get here (the text is returned on every rank; None when no rank is seen gone)."""
+        run, channel = self._run, self._main_channel
+        if run is None or channel is None or not self._watching or self._concluding:
+            return None  # concluding: the collective failed because the others are leaving after the hang's report
+        return self._report_left(run, channel, self._state(self._sample(), idle=0.0, run=run))
+
+    def _report_left(self, run: Run, channel: Channel, mine: RankState) -> Optional[str]:
+        """The ranks that left the run (process gone, or failed on their own), where each was: reported once per job."""
+        try:
+            if channel.declared() is not None:  # a hang was declared: the ranks leave because of it
+                return None
+            beats = channel.beats(run.world_size)
+        except _STORE_ERRORS:
+            return None
+        states = self._states_from(beats, run, now=None)
+        states[run.rank] = mine
+        lost = [
+            s.rank
+            for s in states.values()
+            if s.rank != run.rank and (s.gone or (s.failure and not any(m in s.failure for m in PEER_LOST)))
+        ]
+        if not lost:
+            return None
+        verdict = Verdict(False, [], lost, [], run.timeout)
+        diagnosis = diagnose(list(states.values()), verdict)
+        report = build(
+            list(states.values()),
+            verdict,
+            diagnosis,
+            reporter=run.rank,
+            hang_timeout=run.timeout,
+            exit_code=None,
+            failure=True,
+            log_dir=run.log_dir,
+        )
+        with self._left_lock:  # once per job, and once per rank: its watch thread may have seen the death first
+            try:
+                first = not self._left_printed and channel.claim("failure/reporter", run.rank) == run.rank
+            except _STORE_ERRORS:
+                first = not self._left_printed
+            if first:
+                self._left_printed = True
+                self._say(report["text"])
+                write(report, run.log_dir)
+                self._hand_over(run, report)
+        text: str = report["text"]
+        return text
+
+    def _neighbour_left(self, run: Run, channel: Channel) -> bool:
+        """Whether a rank on this machine ended its process in the middle of the run (looked up by pid: cheap, every
+        tick). Under Lightning's launcher rank 0 is its ranks' parent, and Lightning kills it within 5 s of seeing a
+        child die: this sees the death within a tick, so the report comes first."""
+        for rank in run.neighbours:
+            if rank == run.rank or self._neighbour_pids.get(rank) == 0:
+                continue
+            pid = self._neighbour_pids.get(rank)
+            if pid is None:
+                state = self._beat_of(channel, rank)
+                if state is not None:  # 0: on another machine (or pid namespace), not ours to look for
+                    self._neighbour_pids[rank] = state.pid if state.host == self._here else 0
+                continue
+            if process_gone(pid):
+                last = self._beat_of(channel, rank)
+                if last is not None and last.watching and last.phase not in ("after_run", "teardown"):
+                    return True
+                self._neighbour_pids[rank] = 0  # it finished its run: gone is no news
+        return False
+
+    @staticmethod
+    def _beat_of(channel: Channel, rank: int) -> Optional[RankState]:
+        key = f"beat/{rank}"
+        if not channel.store.check([key]):
+            return None
+        return RankState.from_dict(json.loads(channel.store.get(key)))
+
+    # ------------------------------------------------------------------ the thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            run = self._run
+            interval = _interval(run.timeout if run is not None else 10.0)
+            if self._signals.listening:
+                signums = self._signals.wait(interval)
+            else:
+                self._stop.wait(interval)
+                signums = []
+            if self._stop.is_set():
+                return
+            try:
+                if not self.tick(signums):
+                    return
+            except Exception as error:  # the watch must never take the run down with it
+                self._say(f"{MARK} the hang watch stopped: {type(error).__name__}: {error}")
+                return
+
+    def tick(self, signums: Optional[list[int]] = None) -> bool:
+        """One round of the thread's work (see the module docstring); False when the thread should end."""
+        run = self._run
+        channel = self._channel
+        if run is None or channel is None:
+            return False
+        now = self._clock()
+        for signum in signums or []:
+            if signum in run.signals:
+                self._signal = signum
+                if run.on_signal is not None:
+                    try:
+                        run.on_signal(signum)
+                    except Exception:  # noqa: BLE001  (the handler's own business)
+                        pass
+        sample = self._sample()
+        beat = self.heartbeat
+        in_collective = beat.collective is not None or c10d_call(sample.frames) is not None
+        idle = self._progress.sample(
+            counter=beat.progress,
+            stack=signature(sample.frames),
+            cpu_s=sample.cpu_s,
+            io=sample.io,
+            in_collective=in_collective,
+            now=now,
+        )
+        state = self._state(sample, idle, run)
+        try:
+            channel.publish(run.rank, state.as_dict())
+            declaration = channel.declared()
+            self._store_failures = 0
+        except _STORE_ERRORS:
+            self._store_failures += 1
+            if not self._watching:
+                return self._store_failures < 3  # the run is over and the store gone: nothing left to hear
+            if idle >= run.timeout and self._store_failures * _interval(run.timeout) >= self._silent_limit(run):
+                self._conclude_alone(run, state)
+                return False
+            return True
+        if declaration is not None:
+            self._conclude(run, channel, declaration, state)
+            return False
+        if not self._watching:
+            return dist.is_available() and dist.is_initialized()
+        try:  # a store that fails now and then costs this tick's reading, never the watch
+            left = not self._left_reported and self._neighbour_left(run, channel)
+        except _STORE_ERRORS:
+            left = False
+        if left:
+            self._left_reported = True
+            self._report_left(run, channel, state)
+        timeout = min(run.timeout, PREEMPTION_GRACE_S) if self._signal is not None else run.timeout
+        if idle >= min(timeout / 2, 5.0) and now >= self._next_read:
+            self._next_read = now + max(_interval(timeout), min(timeout / 10, 5.0))
+            try:
+                beats = channel.beats(run.world_size)
+            except _STORE_ERRORS:
+                return True
+            states = self._states_from(beats, run, now=now)
+            states[run.rank] = state
+            verdict = judge(list(states.values()), timeout=timeout, silent_limit=self._silent_limit(run))
+            if verdict.hang:
+                self._say(f"{MARK} rank {run.rank}: declaring a hang at {time.time():.3f}")
+                declaration = channel.declare(
+                    {"by": run.rank, "signal": self._signal, "verdict": verdict.as_dict(), "timeout_s": timeout}
+                )
+                self._conclude(run, channel, declaration, state)
+                return False
+        return True
+
+    # ------------------------------------------------------------------ reading states
+
+    def _silent_limit(self, run: Run) -> float:
+        return max(10.0, 5 * _interval(run.timeout))
+
+    def _sample(self) -> Sample:
+        if self._sampler is not None:
+            return self._sampler()
+        meters = self._meters or ThreadMeters()
+        return Sample(main_stack(), meters.cpu_s(), meters.io_bytes())
+
+    def _state(self, sample: Sample, idle: float, run: Run) -> RankState:
+        """This rank's state now, with the main thread's stack (published without it)."""
+        self._beat += 1
+        frames = sample.frames
+        site = user_frame(frames)
+        in_hook = False
+        if site is not None:
+            outer = frames[: frames.index(site)]
+            in_hook = any("lightning" in f.file and is_library(f.file) for f in outer)
+        snapshot = self.heartbeat.snapshot()
+        return RankState(
+            rank=run.rank,
+            host=self._here,
+            pid=os.getpid(),
+            watching=self._watching,
+            stage=snapshot["stage"],
+            phase=snapshot["phase"],
+            epoch=snapshot["epoch"],
+            step=snapshot["step"],
+            batch=snapshot["batch"],
+            batches=snapshot["batches"],
+            batches_done=snapshot["batches_done"],
+            backwards=snapshot["backwards"],
+            collectives=snapshot["collectives"],
+            collective=snapshot["collective"],
+            last_collective=snapshot["last_collective"],
+            c10d=c10d_call(frames),
+            idle_s=round(idle, 1),
+            site=site,
+            in_hook=in_hook,
+            caller=caller_frame(frames),
+            failure=snapshot["failure"],
+            signal=self._signal,
+            beat=self._beat,
+            log_dir=run.log_dir,
+            stack=frames,
+        )
+
+    def _states_from(
+        self, beats: list[Optional[dict[str, Any]]], run: Run, *, now: Optional[float]
+    ) -> dict[int, RankState]:
+        """Every rank's published state, with what this reader adds: silent seconds (``now`` given) and gone processes."""
+        states: dict[int, RankState] = {}
+        for rank, data in enumerate(beats):
+            if data is None:
+                states[rank] = RankState(rank=rank, missing=True)
+                continue
+            state = RankState.from_dict(data)
+            if now is not None:
+                seen = self._seen.get(rank)
+                if seen is None or seen[0] != state.beat:
+                    self._seen[rank] = (state.beat, now)
+                else:
+                    state.silent_s = round(now - seen[1], 1)
+            if rank != run.rank and state.host == self._here and state.pid and process_gone(state.pid):
+                state.gone = True
+            states[rank] = state
+        return states
+
+    def _publish_now(self) -> None:
+        run, channel = self._run, self._main_channel
+        if run is None or channel is None:
+            return
+        try:
+            state = self._state(self._sample(), idle=0.0, run=run)
+            channel.publish(run.rank, state.as_dict())
+        except _STORE_ERRORS:
+            pass
+
+    # ------------------------------------------------------------------ ending the job
+
+    def _conclude(self, run: Run, channel: Channel, declaration: dict[str, Any], state: RankState) -> None:
+        """A hang was declared: every rank's part (see the module docstring), then the process ends."""
+        self._concluding = True
+        signum = declaration.get("signal")
+        code = 128 + int(signum) if signum else HANG_EXIT_CODE
+        reporter: Optional[int] = None
+        try:
+            channel.put_final(run.rank, state.as_dict(with_stack=True))
+            reporter = channel.claim("reporter", 0) if run.rank == 0 else None
+            deadline = self._clock() + CLAIM_WAIT_S
+            while reporter is None:
+                reporter = channel.claimed("reporter")
+                if reporter is None and self._clock() >= deadline:
+                    reporter = channel.claim("reporter", run.rank)
+                elif reporter is None:
+                    self._sleep(0.1)
+            if reporter == run.rank:
+                others = self._report(run, channel, declaration, state, code)
+                # This process may serve the store: the others read "done" through it, then say they leave.
+                deadline = self._clock() + LEAVE_WAIT_S
+                while channel.left() < others and self._clock() < deadline:
+                    self._sleep(0.05)
+            else:
+                deadline = self._clock() + DONE_WAIT_S
+                while not channel.done() and self._clock() < deadline:
+                    self._sleep(0.1)
+                channel.leave()
+        except _STORE_ERRORS as error:
+            self._say(f"{MARK} rank {run.rank}: the store failed while the hang was reported ({error})")
+        by = f"rank {reporter}'s report" if reporter is not None and reporter != run.rank else "the report"
+        why = f"after {signal_name(int(signum))}, " if signum else ""
+        self._say(
+            f"{MARK} rank {run.rank}: the job hangs ({why}see {by} above); exiting with status {code} at {time.time():.3f}."
+        )
+        self._end(code)
+
+    def _report(self, run: Run, channel: Channel, declaration: dict[str, Any], state: RankState, code: int) -> int:
+        """Gather, diagnose, print, write, hand over, mark done; the number of other ranks expected to leave."""
+        decided = declaration.get("verdict") or {}
+        verdict = Verdict(
+            True,
+            list(decided.get("blocked", [])),
+            list(decided.get("dead", [])),
+            list(decided.get("unresponsive", [])),
+            float(decided.get("timeout_s", run.timeout)),
+        )
+        expected = [r for r in range(run.world_size) if r not in verdict.dead and r not in verdict.unresponsive]
+        deadline = self._clock() + FINALS_WAIT_S
+        finals = channel.finals(expected)
+        while len(finals) < len(expected) and self._clock() < deadline:
+            self._sleep(0.1)
+            finals = channel.finals(expected)
+        states = self._states_from(channel.beats(run.world_size), run, now=None)
+        for rank, data in finals.items():
+            states[rank] = RankState.from_dict(data)
+        states[run.rank] = state
+        for rank in verdict.dead:
+            states[rank].gone = True
+        for rank in verdict.unresponsive:
+            states[rank].silent_s = max(states[rank].silent_s, self._silent_limit(run))
+        diagnosis = diagnose(list(states.values()), verdict)
+        signum = declaration.get("signal")
+        report = build(
+            list(states.values()),
+            verdict,
+            diagnosis,
+            reporter=run.rank,
+            hang_timeout=run.timeout,
+            exit_code=code,
+            signum=int(signum) if signum else None,
+            log_dir=run.log_dir,
+        )
+        self._say(report["text"])
+        write(report, run.log_dir)
+        self._hand_over(run, report)
+        channel.mark_done()
+        return len([rank for rank in expected if rank != run.rank])
+
+    def _conclude_alone(self, run: Run, state: RankState) -> None:
+        """No store to meet the others through: say what this rank knows, and end it."""
+        where = state.waiting_in or state.doing
+        frame = state.site or state.caller
+        at = f" at {frame.where()} in {frame.function}" if frame is not None else ""
+        self._say(
+            f"{MARK} HANG: rank {run.rank} has made no progress for {state.idle_s:.0f} s (hang_timeout="
+            f"{run.timeout:g} s): {where}{at}; and the rendezvous store no longer answers: the process that served it "
+            f"(rank 0 under Lightning's launcher, torchrun's agent) has probably died. Exiting with status "
+            f"{HANG_EXIT_CODE}."
+        )
+        self._end(HANG_EXIT_CODE)
+
+    def _hand_over(self, run: Run, report: dict[str, Any]) -> None:
+        """``on_report(report)`` (the loggers), in a thread of its own: a logger that blocks cannot keep the job alive."""
+        hook = run.on_report
+        if hook is None:
+            return
+
+        def hand_over() -> None:
+            try:
+                hook(report)
+            except Exception as error:  # noqa: BLE001  (a logger's failure must not stop the report)
+                self._say(f"{MARK} the hang report could not go to the loggers: {type(error).__name__}: {error}")
+
+        thread = threading.Thread(target=hand_over, name="lightning_mgpu hang report", daemon=True)
+        thread.start()
+        thread.join(timeout=LOGGERS_WAIT_S)
+
+    def _say(self, text: str) -> None:
+        stream = self._output or sys.stderr
+        try:
+            stream.write(text + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _end(self, code: int) -> None:
+        self.concluded = code
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        self._exit(code)
+
+
+_WATCH: Optional[HangWatch] = None
+
+
+def the_watch() -> HangWatch:
+    """This process's watch (made on first use; stopped at exit)."""
+    global _WATCH
+    if _WATCH is None:
+        _WATCH = HangWatch()
+        atexit.register(_WATCH.stop)
+    return _WATCH
