@@ -12,6 +12,7 @@ Run them as modules, from the repository root (they import each other as ``bench
     python -m bench.soak --quick              # memory over a long run with both callbacks
     python -m bench.netlab --sweep --quick    # 2 nodes over a shaped link (root): options x models x rates
     python -m bench.whatif --quick            # whatif's predictions against the network lab (root)
+    python -m bench.cluster_preemption --quick # preemption under SLURM: ddp_tuned against ddp (root)
 
 Every benchmark stands on :mod:`bench.harness` (launching ranks, the rounds that interleave
 configurations against drift, statistics, the report) and, for more than one "node", on

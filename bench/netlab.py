@@ -12,6 +12,8 @@ a run killed with SIGKILL is cleaned up by a run 10 minutes later, or at once by
     python -m bench.netlab --gbps 1 -- -m bench.some_worker --flag
     # the link's achieved rate at each configured one (raw TCP transfer, both directions)
     python -m bench.netlab --measure --rates 0.1,1,2.5,10
+    # ... and beside it what `lightning-mgpu bench-comm` measures across the 2 nodes (torchrun, one rank each)
+    python -m bench.netlab --measure --rates 0.5,1,2.5 --bench-comm
     # what each option buys: ddp, ddp_tuned, auto, fp16, bf16, PowerSGD r1/r4 x 3 models x 0.1/1/10 Gbit/s
     python -m bench.netlab --sweep              # bench/results/netlab_sweep.json + .png
     python -m bench.netlab --sweep --quick      # smoke run (the test suite's)
@@ -32,9 +34,10 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from bench.harness import cli, launch
 from bench.harness.report import machine_facts, write_json
@@ -95,6 +98,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--loss-steps", type=int, default=LOSS_STEPS, help=f"sweep: steps before the loss ({LOSS_STEPS})"
     )
     parser.add_argument("--probe-seconds", type=float, default=1.0, help="link measurement: seconds of traffic (1)")
+    parser.add_argument(
+        "--bench-comm",
+        action="store_true",
+        help="--measure: also run lightning-mgpu bench-comm across the 2 nodes at each rate (up to 16 MiB)",
+    )
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given explicitly")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="sweep: JSON report (%(default)s); PNG beside it")
     parser.add_argument(
@@ -159,12 +167,39 @@ def run_target(args: argparse.Namespace) -> int:
     return next((run.returncode or 1 for run in runs if run.returncode != 0), 0)
 
 
+BENCH_COMM = ["-m", "lightning_mgpu.cli", "bench-comm", "--min-bytes", "64KiB", "--max-bytes", "16MiB", "--quiet"]
+"""bench-comm across the lab's 2 nodes: sizes where the link, not the per-message latency, decides."""
+
+
+def bench_comm_across(lab: Lab, args: argparse.Namespace) -> dict[str, Any]:
+    """``lightning-mgpu bench-comm`` under torchrun on both nodes (one rank each): its report."""
+    with tempfile.TemporaryDirectory(prefix="netlab_bench_comm_") as scratch:
+        out = Path(scratch) / "link.json"
+        target = [*BENCH_COMM, "--json", str(out)]
+        runs = launch.run(
+            target, nproc_per_node=1, timeout=args.timeout, threads=args.threads, lab=lab, cwd=Path(scratch)
+        )
+        launch.check(runs, "bench-comm across the lab")
+        report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
 def run_measure(args: argparse.Namespace) -> None:
     with Lab(2, max(args.rates)) as lab:
         for rate in args.rates:
             lab.set_rates(rate)
             there, back = lab.measure_both_ways(args.probe_seconds)["measured_gbps"]
             print(f"{rate:>7g} Gbit/s configured: {there:8.3f} / {back:8.3f} Gbit/s measured (0->1 / 1->0)")
+            if args.bench_comm:  # 2 ranks: busbw = algbw, the bytes each rank sends (and receives) per second
+                report = bench_comm_across(lab, args)
+                # the largest size: smaller ones ride on tbf's 256 KiB burst and can beat the rate
+                largest = max(report["rows"], key=lambda row: row["bytes"])
+                gbps = largest["busbw_gbps"] * 8
+                print(
+                    f"{'':>7} bench-comm across the 2 nodes: busbw {gbps:8.3f} Gbit/s at "
+                    f"{largest['bytes'] >> 20} MiB, {100 * gbps / min(there, back):.0f}% of the raw socket's "
+                    f"slower direction (peak {report['peak_busbw_gbps'] * 8:.3f} at {report['peak_busbw_bytes'] >> 10} KiB)"
+                )
 
 
 def run_buckets(args: argparse.Namespace) -> None:

@@ -13,8 +13,11 @@ rank 0, after a warm-up; median over the run, then over rounds):
    taken from the profile;
 2. **from a profile at 1 Gbit/s**: one profiled run with default buckets on the lab's 1 Gbit/s
    link predicts the bucket sizes and compressions at that rate (the link as that profile saw it);
-3. **from a 1-rank profile plus bench-comm**: a one-rank profile and an all-reduce sweep over
-   the lab's link at each rate predict the 2-rank default run.
+3. **from a 1-rank profile plus bench-comm**: a one-rank profile and ``lightning-mgpu bench-comm``
+   run across the lab's link at each rate (torchrun on both nodes, as a user runs it) predict
+   the 2-rank default run; the same with a rate for the
+   link instead (the raw TCP transfer's achieved rate, and the configured, nominal one) says
+   what each input is worth.
 
 Compression compute (fp16 casts, PowerSGD's matrix products) is measured on this machine with
 one thread, as each rank trains (:func:`lightning_mgpu.whatif.measure.measure_costs`).
@@ -23,6 +26,7 @@ Targets (issue 15), per validation: median absolute error <= 10%, worst <= 20%.
 
     python -m bench.whatif                # full validation (needs root, ip, tc; ~1-2 h; a quiet machine)
     python -m bench.whatif --quick        # smoke run: mlp, 1 Gbit/s, a few steps
+    python -m bench.whatif --slurm        # the same on the SLURM lab: every 2-node run and bench-comm a job
     python -m bench.whatif --models mlp --rates 1,10 --rounds 2
 
 Writes ``--out`` (bench/results/whatif.json) and the figure next to it (whatif.png).
@@ -34,14 +38,16 @@ import argparse
 import json
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import RESULTS
+from bench import RESULTS, pythonpath_with_repo
 from bench.harness import cli, launch
 from bench.harness.report import machine_facts, write_json
 from bench.harness.stats import median
 from bench.labs import network
+from bench.labs.slurm import Cluster
 from bench.models import MODELS
 from bench.whatif_report import plot, print_report, summarize_errors
 from lightning_mgpu.tuning.statistics import round_order
@@ -65,7 +71,15 @@ QUICK = {
     "sweep_max_mib": 4,
 }
 LAUNCH_TIMEOUT_S = 7200
-VALIDATIONS = ("loopback_profile", "profile_at_1gbps", "one_rank_plus_bench_comm")
+VALIDATIONS = (
+    "loopback_profile",
+    "profile_at_1gbps",
+    "one_rank_plus_bench_comm",
+    "one_rank_plus_achieved_rate",
+    "one_rank_plus_nominal_rate",
+)
+"""The last two are the same 1-rank predictions as ``one_rank_plus_bench_comm`` with a rate for the link instead of
+its sweep: the raw TCP transfer's achieved rate, and the configured (nominal) one: which input gives which accuracy."""
 DEFAULT_OUT = RESULTS / "whatif.json"
 
 
@@ -105,15 +119,62 @@ def fit_item(
 
 
 def measure(
-    plan: list[dict[str, Any]], *, label: str, scratch: Path, nproc: int = 2, lab: Optional[network.Lab] = None
+    plan: list[dict[str, Any]],
+    *,
+    label: str,
+    scratch: Path,
+    nproc: int = 2,
+    lab: Optional[network.Lab] = None,
+    cluster: Optional[Cluster] = None,
 ) -> list[dict[str, Any]]:
-    """One launch of the worker running ``plan`` on loopback (``nproc`` ranks) or as ``lab``'s 2 nodes."""
+    """One launch of the worker running ``plan`` on loopback (``nproc`` ranks), as ``lab``'s 2 nodes, or as a job of
+    ``cluster`` (the SLURM lab: ``srun`` starts ``torchrun`` on both nodes, one rank each)."""
+    if cluster is not None:
+        return _measure_as_job(plan, label=label, scratch=scratch, cluster=cluster)
     finished = launch.launch_plan(
         MODULE, plan, [], scratch=scratch, label=label, nproc=nproc, threads=1, timeout=LAUNCH_TIMEOUT_S, lab=lab,
         env={"CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
     print("\n".join(line for line in finished.output.splitlines() if "ms/step" in line), flush=True)
     return list(finished.report)
+
+
+JOB_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+
+
+def _measure_as_job(plan: list[dict[str, Any]], *, label: str, scratch: Path, cluster: Cluster) -> list[dict[str, Any]]:
+    plan_file, out = scratch / f"{label}_plan.json", scratch / f"{label}.json"
+    plan_file.write_text(json.dumps(plan))
+    target = ["-m", MODULE, "--worker-plan", str(plan_file), "--worker-out", str(out)]
+    env = {**JOB_ENV, "PYTHONPATH": pythonpath_with_repo()}
+    job = cluster.srun_job(cluster.torchrun(target, nproc_per_node=1), nodes=2, workdir=scratch, env=env, name=label)
+    done = job.wait(LAUNCH_TIMEOUT_S)
+    if not done.ok or not out.exists():
+        raise launch.LaunchFailed(f"{label}: job {job.id} ended {done.state.state}\n{done.output[-4000:]}")
+    print("\n".join(line for line in done.output.splitlines() if "ms/step" in line), flush=True)
+    return list(json.loads(out.read_text()))
+
+
+def bench_comm_sweep(
+    lab: network.Lab, *, max_bytes: int, scratch: Path, cluster: Optional[Cluster] = None
+) -> dict[str, Any]:
+    """``lightning-mgpu bench-comm`` across the lab's link as a user runs it (torchrun on both nodes, one rank each;
+    under ``cluster``, an ``srun`` job of 2 nodes x 1 task): rank 0's JSON, which records the two nodes it ran on."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / "link.json"
+    target = ["-m", "lightning_mgpu.cli", "bench-comm", "--min-bytes", "4096", "--max-bytes", str(max_bytes)]
+    target += ["--factor", "4", "--iters", "5", "--warmup", "1", "--quiet", "--json", str(out)]
+    if cluster is not None:
+        env = {**JOB_ENV, "PYTHONPATH": pythonpath_with_repo()}
+        job = cluster.srun_job([sys.executable, *target], nodes=2, workdir=scratch, env=env, name="bench_comm")
+        done = job.wait(LAUNCH_TIMEOUT_S)
+        if not done.ok:
+            raise launch.LaunchFailed(f"bench-comm across the cluster: job {job.id}\n{done.output[-4000:]}")
+    else:
+        runs = launch.run(target, nproc_per_node=1, timeout=LAUNCH_TIMEOUT_S, threads=1, lab=lab, cwd=scratch)
+        launch.check(runs, "bench-comm across the lab")
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -228,6 +289,11 @@ def validate(
         sweep = bench_comm.get(f"{rate:g}")
         if m["config"]["name"] == "default" and sweep is not None:
             add("one_rank_plus_bench_comm", m, inputs["loopback_1"][model], link_from_bench_comm(sweep), False)
+        if m["config"]["name"] == "default":
+            add(
+                "one_rank_plus_achieved_rate", m, inputs["loopback_1"][model], link_from_gbps(m["achieved_gbps"]), False
+            )
+            add("one_rank_plus_nominal_rate", m, inputs["loopback_1"][model], link_from_gbps(rate), False)
     return validations
 
 
@@ -261,9 +327,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_mgpu.whatif import load_profile
     from lightning_mgpu.whatif.measure import measure_costs
 
-    reason = network.lab_unavailable()
+    from bench.labs import slurm
+
+    reason = slurm.lab_unavailable() if args.slurm else network.lab_unavailable()
     if reason is not None:
-        raise SystemExit(f"bench.whatif needs the network lab: {reason}")
+        raise SystemExit(f"bench.whatif needs the {'SLURM' if args.slurm else 'network'} lab: {reason}")
     scratch = Path(tempfile.mkdtemp(prefix="whatif_"))
     cfgs = configs(args)
     print(f"profiling on loopback (2 ranks and 1 rank): {', '.join(args.models)}", flush=True)
@@ -287,7 +355,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profiles_at: dict[str, dict[str, Any]] = {}
     sweeps: dict[float, dict[str, Any]] = {}
     network.handle_signals()
-    with network.Lab(nodes=2, gbps=args.rates[0]) as lab:
+    with ExitStack() as stack:
+        cluster = stack.enter_context(Cluster(2, gbps=args.rates[0])) if args.slurm else None
+        lab = cluster.network if cluster is not None else stack.enter_context(network.Lab(nodes=2, gbps=args.rates[0]))
         for rate in args.rates:
             lab.set_rates(rate)
             probe = lab.measure_link(0, 1, seconds=args.probe_seconds)
@@ -295,8 +365,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"\nlink {rate:g} Gbit/s: achieved {probe.gbps:.3f} Gbit/s (raw TCP)", flush=True)
             if not args.skip_bench_comm:
                 sweep_max = min(args.sweep_max_mib, max(1, int(32 * rate))) * 1024 * 1024
-                item = {"kind": "allreduce", "min_bytes": 4096, "max_bytes": sweep_max, "iters": 5, "warmup": 1}
-                sweeps[rate] = measure([item], label=f"allreduce_{rate:g}", scratch=scratch, lab=lab)[0]
+                where = scratch / f"bench_comm_{rate:g}"
+                sweeps[rate] = bench_comm_sweep(lab, max_bytes=sweep_max, scratch=where, cluster=cluster)
             steps = args.steps if args.steps is not None else STEPS.get(rate, 12)
             for round_index in range(args.rounds):
                 plan = []
@@ -313,7 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 profile_dir=scratch / f"lab_{model}",
                             )
                         )
-                for result in measure(plan, label=f"rate_{rate:g}_round{round_index}", scratch=scratch, lab=lab):
+                label = f"rate_{rate:g}_round{round_index}"
+                for result in measure(plan, label=label, scratch=scratch, lab=lab, cluster=cluster):
                     if result.get("profile_dir"):
                         profiles_at[result["model"]] = result
                     else:
@@ -346,6 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "profile_steps": args.profile_steps,
             "host_overlap": args.host_overlap,
             "quick": args.quick,
+            "scheduler": "slurm (bench/labs/slurm.py: srun starts torchrun on both nodes)" if args.slurm else None,
         },
         "links": {f"{rate:g}": value for rate, value in links.items()},
         "profiles": {m: profiles2[m]["profile"]["summary"] for m in args.models},
@@ -385,6 +457,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--repredict", type=Path, default=None, metavar="RESULT", help="predict a saved result again (no measuring)"
     )
     parser.add_argument("--skip-bench-comm", action="store_true", help="no 1-rank + bench-comm validation")
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="the 2-node runs and bench-comm as jobs of the SLURM lab (bench/labs/slurm.py)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())

@@ -20,6 +20,8 @@ TITLES = {
     "loopback_profile": "from one loopback profile (default buckets) -> every rate, bucket size and compression",
     "profile_at_1gbps": "from one profile at 1 Gbit/s (default buckets) -> bucket sizes and compression there",
     "one_rank_plus_bench_comm": "from a 1-rank profile + bench-comm over the link -> 2 ranks, default buckets",
+    "one_rank_plus_achieved_rate": "the same, the link as the rate a raw TCP transfer achieved (--link-gbps)",
+    "one_rank_plus_nominal_rate": "the same, the link as its configured (nominal) rate (--link-gbps)",
 }
 
 
@@ -84,11 +86,19 @@ def print_report(report: dict[str, Any]) -> None:
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Predicted against measured step time, log-log, the y = x line and the 10% / 20% bands."""
     fig, ax = subplots(figsize=(6.5, 6))
-    markers = {"loopback_profile": "o", "profile_at_1gbps": "s", "one_rank_plus_bench_comm": "^"}
+    markers = {
+        "loopback_profile": "o",
+        "profile_at_1gbps": "s",
+        "one_rank_plus_bench_comm": "^",
+        "one_rank_plus_achieved_rate": "v",
+        "one_rank_plus_nominal_rate": "x",
+    }
     short = {
         "loopback_profile": "2-rank loopback profile",
         "profile_at_1gbps": "profile at 1 Gbit/s",
         "one_rank_plus_bench_comm": "1-rank profile + bench-comm",
+        "one_rank_plus_achieved_rate": "1-rank profile + achieved rate",
+        "one_rank_plus_nominal_rate": "1-rank profile + nominal rate",
     }
     values: list[float] = []
     for name, rows in report["validations"].items():

@@ -1,4 +1,4 @@
-"""What one rank of ``bench/whatif.py`` runs: timed fits (some profiled) and an all-reduce sweep.
+"""What one rank of ``bench/whatif.py`` runs: timed fits (some profiled).
 
 Launched by ``bench.whatif`` through :func:`bench.harness.launch.launch_plan`, on loopback
 (``torch.distributed.run --standalone``) or as two nodes of the network lab::
@@ -16,10 +16,10 @@ Launched by ``bench.whatif`` through :func:`bench.harness.launch.launch_plan`, o
   ``comm_profile.json`` there. Every fit also records the gradients of each bucket DDP built
   (name, shape, dtype, in DDP's order), read from ``strategy.bucket_layout`` before teardown:
   what the replay model re-buckets and PowerSGD compresses, and the layout the prediction of
-  another bucket size must match;
-* ``{"kind": "allreduce", "min_bytes": B, "max_bytes": B, "iters": N, "warmup": W}``: the
-  ``lightning-mgpu bench-comm`` measurement (:mod:`lightning_mgpu.comm.allreduce_bench`) over
-  whatever link the ranks share, written as a bench-comm JSON result (schema version 1).
+  another bucket size must match.
+
+The all-reduce sweep over the link is ``lightning-mgpu bench-comm`` itself, started across the lab
+as a user starts it (:func:`bench.whatif.bench_comm_sweep`).
 
 Rank 0 writes the list of results to ``--worker-out``.
 """
@@ -29,12 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bench.harness import worker
 from bench.harness.stats import median
@@ -100,38 +98,6 @@ def fit_once(item: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def allreduce_sweep(item: dict[str, Any]) -> dict[str, Any]:
-    """A bench-comm result over the link the ranks share (every rank runs it)."""
-    from lightning_mgpu.comm import allreduce_bench as bench
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    rows, started = [], time.perf_counter()
-    for nbytes in bench.message_sizes(int(item["min_bytes"]), int(item["max_bytes"]), 4):
-        iters = min(int(item["iters"]), bench.timed_iterations(nbytes, int(item["iters"])))
-        warm = bench.warmup_iterations(nbytes, int(item["warmup"]))
-        seconds, wrong = bench.measure_size(
-            nbytes, iters=iters, warmup=warm, rank=rank, world_size=world, device=device
-        )
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, (seconds, wrong))
-        rows.append(bench.size_row(nbytes, [s for s, _ in every], [w for _, w in every], iters=iters, warmup=warm))
-    return {
-        "kind": "allreduce",
-        "schema_version": bench.SCHEMA_VERSION,
-        "collective": "all_reduce",
-        "world_size": world,
-        "backend": "gloo",
-        "device_type": "cpu",
-        "rows": rows,
-        "bus_factor": 2 * (world - 1) / world,
-        **bench.summarize_rows(rows),
-        "duration_s": time.perf_counter() - started,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker-plan", type=Path, required=True)
@@ -141,11 +107,9 @@ def main() -> None:
     torch.manual_seed(WHATIF_SEED)
 
     def run(item: dict[str, Any]) -> dict[str, Any]:
-        return allreduce_sweep(item) if item["kind"] == "allreduce" else fit_once(item)
+        return fit_once(item)
 
     def describe(item: dict[str, Any], result: dict[str, Any], _: float) -> str:
-        if item["kind"] != "fit":
-            return f"  all-reduce sweep over {result['world_size']} ranks"
         label = f"{item['model']} cap={item.get('bucket_cap_mb')} {item.get('compression') or 'plain'}"
         return f"  {label:<32} {result['median_ms']:9.1f} ms/step"
 

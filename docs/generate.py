@@ -70,6 +70,7 @@ def _blocks() -> dict[str, Block]:
         "lab-sweep-1gbps-mlp": partial(lab_tables.sweep, "netlab_sweep_1gbps_mlp"),
         "lab-whatif": lab_tables.whatif_summary,
         "lab-whatif-by-rate": lab_tables.whatif_by_rate,
+        "lab-cluster-preemption": lab_tables.cluster_preemption,
         "package-map": package_map.package_map,
         "import-graph": package_map.import_graph,
     }

@@ -13,12 +13,14 @@ from bench.netlab_sweep import headline_ms, headline_speedup
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 
-__all__ = ["buckets", "headlines", "sweep", "whatif_by_rate", "whatif_summary"]
+__all__ = ["buckets", "cluster_preemption", "headlines", "sweep", "whatif_by_rate", "whatif_summary"]
 
 _VALIDATIONS = {
     "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
     "profile_at_1gbps": "one profile at 1 Gbit/s → bucket sizes and compression there",
     "one_rank_plus_bench_comm": "a 1-rank profile + `bench-comm` over the link → 2 ranks",
+    "one_rank_plus_achieved_rate": "a 1-rank profile + the rate a raw TCP transfer achieved (`--link-gbps`) → 2 ranks",
+    "one_rank_plus_nominal_rate": "a 1-rank profile + the link's nominal rate (`--link-gbps`) → 2 ranks",
 }
 
 
@@ -220,4 +222,70 @@ def buckets(rates: tuple[str, ...] = ("10", "2.5")) -> str:
         "gap left (≤ 0.20 where ≥ 10%)",
     )
     note = f"Links configured → measured (raw TCP, Gbit/s, per node): {'; '.join(links)}. {_machine(r)}."
+    return f"{table(header, rows)}\n\n{note}"
+
+
+_WAYS = {
+    "time_limit": "its time limit (`--signal=USR1@40`), twice in a row",
+    "scancel_usr1": "`scancel --signal=USR1`",
+    "requeue": "`scontrol requeue` (SIGTERM)",
+}
+
+
+def _exits(outcomes: list[str]) -> str:
+    """How the ranks' fits ended, as the records say (``exit 138`` -> ``138``)."""
+    shown = []
+    for outcome in outcomes:
+        if outcome == "exit None":
+            shown.append("0 (Lightning's SIGTERMException)")
+        elif outcome.startswith("exit "):
+            shown.append(outcome.split()[1])
+        else:
+            shown.append(outcome.split(":")[0])
+    return ", ".join(sorted(set(shown)))
+
+
+def cluster_preemption() -> str:
+    """``bench/cluster_preemption.py``: ``ddp_tuned`` against stock ``ddp`` under SLURM, three ways of preempting."""
+    r = load("cluster_preemption")
+    rows = []
+    for line in r["summary"]:
+        count, runs = line["preemptions"], line["runs"]
+        rows.append(
+            (
+                f"`{line['strategy']}`",
+                _WAYS[line["preempted_by"]],
+                f"{line['same_step']}/{count}",
+                f"{line['saved_stopped_step']}/{count}",
+                f"{line['resumed_where_stopped']}/{count}",
+                "unknown (a run left no record, or hung)"
+                if line["max_redone_steps"] is None
+                else str(line["max_redone_steps"]),
+                f"{line['exact']}/{runs}",
+                f"{line['completed']}/{runs}",
+                _exits(line["outcomes"]),
+            )
+        )
+    header = (
+        "strategy",
+        "preempted by",
+        "every rank stopped after one step",
+        "that step saved",
+        "resumed at that step",
+        "steps redone (most)",
+        "losses = uninterrupted run",
+        "job completed",
+        "fit ended with",
+    )
+    s = r["settings"]
+    latencies = [row["signal_to_stopped_s"] for row in r["rows"] if row["signal_to_stopped_s"] is not None]
+    gaps = [p["requeue_gap_s"] for row in r["rows"] for p in row["preemptions"] if p["requeue_gap_s"] is not None]
+    note = (
+        f"{s['nodes']} nodes x {s['ranks_per_node']} rank (gloo across the lab's link), {s['steps']} steps, "
+        f"{s['repeats']} job(s) per row; counts are preemptions (stopped, saved, resumed) or jobs (losses, "
+        f"completed) that did so. Signals by hand once past step {s['marker_step']}; from a signal to every rank "
+        f"stopped: median {statistics.median(latencies):.1f} s; from a run's end to the next run's start (SLURM's "
+        f"requeue, then Python and Lightning starting): median {statistics.median(gaps):.0f} s. {_machine(r)}; "
+        f"{s['scheduler']}."
+    )
     return f"{table(header, rows)}\n\n{note}"

@@ -58,13 +58,15 @@ from typing import Any, Callable, Optional, Sequence, Union
 from bench import REPO_ROOT, pythonpath_with_repo
 
 PREFIX = "nlab"
+PREFIXES = (PREFIX, "slab")
+"""Every lab's namespace prefix: this lab's, and the SLURM lab's (:mod:`bench.labs.slurm`), which builds on this one."""
 SUBNET = "127.78.0"
 """Node i has ``127.78.0.<i+1>``: loopback range, never a private or public address."""
 BURST = "256kb"
 LATENCY = "50ms"
 
 
-_NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(?:n\d+|sw)$")
+_NAME = re.compile(rf"^(?:{'|'.join(PREFIXES)})-(\d+)-[0-9a-f]+-(?:n\d+|sw)$")
 
 Runner = Callable[[Sequence[str]], str]
 """Runs a command (argv), returns its stdout, raises :class:`LabError` on failure."""
@@ -115,7 +117,8 @@ def tbf_rate(gbps: float) -> str:
 
 
 def remove_stale(runner: Runner = run_command, *, min_age_s: float = 0.0) -> list[str]:
-    """Delete lab namespaces whose creating process is gone (a run killed with SIGKILL); returns their names.
+    """Delete lab namespaces (of every lab: :data:`PREFIXES`) whose creating process is gone (a run killed with
+    SIGKILL), with every process left in them; returns their names.
 
     ``min_age_s``: leave younger ones alone. A new lab passes 10 minutes: where the namespace
     list is shared with another pid namespace (a container), a live run there looks dead here.
@@ -212,26 +215,35 @@ class Lab:
             (asymmetric links); every link end is shaped, so a node's download is limited by
             the senders' upload (and, behind a switch, by its port's rate too).
         runner: runs ``ip``/``tc`` (tests pass a fake one).
+        prefix: the namespaces' prefix, one of :data:`PREFIXES` (the SLURM lab passes its own).
     """
 
     def __init__(
-        self, nodes: int = 2, gbps: Union[float, Sequence[float]] = 1.0, *, runner: Runner = run_command
+        self,
+        nodes: int = 2,
+        gbps: Union[float, Sequence[float]] = 1.0,
+        *,
+        runner: Runner = run_command,
+        prefix: str = PREFIX,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 2 <= nodes <= 200:
             raise ValueError(f"nodes must be an integer in 2..200, got {nodes!r}")
+        if prefix not in PREFIXES:
+            raise ValueError(f"prefix must be one of {PREFIXES} (remove_stale finds those), got {prefix!r}")
         self.rates = self._rates(gbps, nodes)
         self.runner = runner
-        self.tag = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
         short = self.tag.rsplit("-", 1)[1]  # interface names have at most 15 characters
+        letter = prefix[0]  # nl...: the network lab's links, sl...: the SLURM lab's
         switched = nodes > 2
         mask = 24 if switched else 30
         self.nodes = [
             Node(
                 index=i,
                 namespace=f"{self.tag}-n{i}",
-                interface=f"nl{short}n{i}",
+                interface=f"{letter}l{short}n{i}",
                 address=f"{SUBNET}.{i + 1}/{mask}",
-                switch_port=f"nl{short}s{i}" if switched else None,
+                switch_port=f"{letter}l{short}s{i}" if switched else None,
             )
             for i in range(nodes)
         ]

@@ -8,6 +8,7 @@ this module turns flags into settings and prints the report.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -20,10 +21,15 @@ def register(subparsers: Any) -> None:
         "bench-comm",
         help="all_reduce bandwidth sweep, nccl-tests style (size, time, algbw, busbw, #wrong)",
         description="Time all_reduce of float32 tensors from --min-bytes to --max-bytes in --nproc processes "
-        "it starts itself (127.0.0.1 only), check the results, and print algbw / busbw as nccl-tests does.",
+        "it starts itself (127.0.0.1 only), check the results, and print algbw / busbw as nccl-tests does. "
+        "Started by torchrun or srun on every node instead, it joins that world and measures the link "
+        "between the nodes: one sweep, one table and one --json, from rank 0.",
     )
     parser.add_argument(
-        "--nproc", type=bounded_int(), default=None, help="processes (default: 2 on CPU, every GPU on CUDA)"
+        "--nproc",
+        type=bounded_int(),
+        default=None,
+        help="processes (default: 2 on CPU, every GPU on CUDA; under torchrun/srun: the launcher's ranks)",
     )
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu"
@@ -49,7 +55,11 @@ def register(subparsers: Any) -> None:
         "--timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long (default 300)"
     )
     parser.add_argument(
-        "--json", type=output_file, metavar="PATH", default=None, help="also write the results as JSON here"
+        "--json",
+        type=output_file,
+        metavar="PATH",
+        default=None,
+        help="also write the results as JSON here (rank 0's node, under a launcher)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines while measuring")
     parser.set_defaults(func=run, subparser=parser)
@@ -57,13 +67,23 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lightning_mgpu.comm import allreduce_bench, allreduce_run
+    from lightning_mgpu.comm.launched import launched_world
 
     parser: argparse.ArgumentParser = args.subparser
+    try:
+        world = launched_world(os.environ)
+    except ValueError as exc:
+        parser.error(f"started by a launcher with a malformed variable: {exc}")
+    if world is not None and args.nproc is not None:
+        parser.error(
+            f"--nproc: started by {world.launcher} as one of {world.world_size} ranks, the launcher decides the "
+            "processes (leave --nproc out, or run bench-comm on its own for a sweep on this machine)"
+        )
     # Flags left out fall back to SweepSettings' defaults, the one place they are defined.
     given: dict[str, Any] = {
         "device": args.device,
         "backend": args.backend,
-        "nproc": args.nproc,
+        "nproc": 1 if world is not None else args.nproc,  # the launcher's world decides, not this setting
         "min_bytes": args.min_bytes,
         "max_bytes": args.max_bytes,
         "factor": args.factor,
@@ -76,19 +96,40 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        report = allreduce_run.run_sweep(settings, progress=not args.quiet)
+        if world is None:
+            report = allreduce_run.run_sweep(settings, progress=not args.quiet)
+        else:
+            report = allreduce_run.run_launched_sweep(settings, world, progress=not args.quiet)
     except allreduce_run.BenchCommError as exc:
         if exc.details:
             print(exc.details, file=sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
-    print_report(report)
-    if args.json:
-        print(f"wrote {allreduce_bench.write_report(report, args.json)}")
+    if world is None or world.rank == 0:  # one table and one file for the whole world
+        print_report(report)
+        if args.json:
+            print(f"wrote {allreduce_bench.write_report(report, args.json)}")
     if report["wrong_total"]:
         print(f"{parser.prog}: error: all_reduce returned {report['wrong_total']} wrong element(s)", file=sys.stderr)
         return 1
     return 0
+
+
+def where_line(report: dict[str, Any]) -> str:
+    """Where the ranks ran: ``2 nodes (srun): node0 127.78.0.1 [rank 0], node1 127.78.0.2 [rank 1]``, one host's
+    loopback, or unknown (a file written before bench-comm recorded it)."""
+    hosts = report.get("hosts")
+    if not hosts:
+        return "where the ranks ran is not recorded (a bench-comm result from before it crossed nodes: one host)"
+    if report.get("launcher") == "bench-comm":
+        return f"one host ({hosts[0]['hostname']}), {report['world_size']} ranks started by bench-comm over loopback"
+    placed = ", ".join(
+        f"{h['hostname']} {h.get('address') or '?'} [rank{'s' if len(h['ranks']) > 1 else ''} "
+        f"{','.join(str(r) for r in h['ranks'])}]"
+        for h in hosts
+    )
+    nodes = f"{len(hosts)} node{'s' if len(hosts) > 1 else ''}"
+    return f"{nodes} ({report.get('launcher')}): {placed}"
 
 
 def summary_line(report: dict[str, Any]) -> str:
@@ -131,6 +172,7 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
             str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
         )
     console.print(table)
+    console.print(where_line(report), highlight=False, markup=False, soft_wrap=True)
     console.print(notes, style="dim", highlight=False, soft_wrap=True)
     style = "bold" if report["wrong_total"] == 0 else "bold red"
     console.print(summary_line(report), style=style, highlight=False, soft_wrap=True)

@@ -5,6 +5,9 @@ The checks and the JSON report are :mod:`lightning_mgpu.envcheck`; those that st
 programs in :mod:`lightning_mgpu.cli.workers`. This module parses the flags and prints the report as
 a table (or JSON). ``--rules`` lists the rules of the ``DistributedDoctor`` callback
 (:mod:`lightning_mgpu.callbacks.doctor`), which watches a run as it trains.
+
+Started by a launcher on several ranks (``srun``, ``torchrun --nnodes=N``: its variables set), the
+command checks every node and prints one report from rank 0 (:mod:`lightning_mgpu.cli._across_nodes`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,19 @@ def run(args: argparse.Namespace) -> int:
         print_rules()
         return 0
     started = time.perf_counter()
+    if not args.selftest:
+        world = _launched_world()
+        if world is not None:
+            from lightning_mgpu.cli import _across_nodes
+
+            result, prints = _across_nodes.run(
+                os.environ, world, timeout=args.timeout, allreduce=not args.skip_allreduce
+            )
+            if prints and args.json:
+                print(json.dumps(result, indent=2))
+            elif prints:
+                print_report(result)
+            return 1 if result["status"] == "fail" else 0
     if args.selftest:
         from lightning_mgpu.cli._selftest import PATH_TIMEOUT_S, run_selftest
 
@@ -77,6 +93,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(result)
     return 1 if result["status"] == "fail" else 0
+
+
+def _launched_world() -> Any:
+    """The launcher's world of several ranks this command was started in (None: run as on one machine)."""
+    from lightning_mgpu.comm.launched import launched_world
+
+    try:
+        return launched_world(os.environ)
+    except ValueError:  # a malformed launcher variable: the "launcher" check of the one-machine report names it
+        return None
 
 
 def print_report(result: dict[str, Any]) -> None:

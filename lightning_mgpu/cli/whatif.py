@@ -232,7 +232,7 @@ def _read_costs(path: str) -> CompressionCosts:
 
 def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ProfiledRun, Scenario, dict[str, Any]]:
     """The profile, the scenario the flags describe, and the inputs echoed in the report."""
-    from lightning_mgpu.whatif import PRESETS, Scenario, System, link_from_profile, load_profile
+    from lightning_mgpu.whatif import PRESETS, Scenario, System, link_from_profile, load_profile, refuse_one_host_sweep
     from lightning_mgpu.whatif import Link
     from lightning_mgpu.whatif.records import load_parameters
 
@@ -256,6 +256,8 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         parser.error(f"--world-size {args.world_size} must be multiples of --devices-per-node {per_node}")
     first_world = args.world_size[0] if args.world_size else None
     nodes = args.nodes or (first_world // per_node if first_world else max(1, run.world_size // per_node))
+    if args.link_bench is not None:  # a one-host sweep cannot stand for the link between nodes
+        refuse_one_host_sweep(inter, max([nodes, *(n // per_node for n in args.world_size or [])]), args.link_bench)
     host: Optional[Link] = None
     if run.device_type == "cpu" and not args.no_host:
         given = args.host_busbw_gbps

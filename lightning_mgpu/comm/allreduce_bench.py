@@ -62,6 +62,9 @@ machine's ceiling::
     {"schema_version": 1,
      "collective": "all_reduce", "dtype": "float32", "op": "sum", "in_place": true,
      "world_size": int, "backend": "gloo" | "nccl", "device_type": "cpu" | "cuda",
+     "launcher": "bench-comm" | "torchrun" | "srun",   # bench-comm: its own processes, one host
+     "nodes": int, "ranks_per_node": [int, ...],
+     "hosts": [{"node": int, "hostname": str, "address": str | null, "ranks": [int, ...]}, ...],
      "machine": {"torch": str, "python": str, "platform": str, "cpu_count": int,
                  "lightning_mgpu": str, "device_name": str,
                  "cuda": str | null, "nccl": str | null, "gpu_count": int,
@@ -80,6 +83,18 @@ machine's ceiling::
      "wrong_total": int, "duration_s": f}
 
 Rows are in increasing size. Times are microseconds, bandwidths GB/s (10^9 bytes/s).
+``launcher``, ``nodes``, ``ranks_per_node`` and ``hosts`` say where the ranks ran (``machine``
+describes rank 0's): a file without them was written before bench-comm could cross nodes, by its
+own processes on one host. ``address`` is the one a node reaches the first node from (two nodes
+with one host name, e.g. network namespaces, still differ); 127.0.0.1 for bench-comm's own ranks.
+
+Across nodes: started by ``torchrun`` or ``srun`` (one process per rank on every node), the
+command joins that world instead of starting processes (:func:`lightning_mgpu.comm.allreduce_run.run_launched_sweep`),
+runs one sweep over the real link, and rank 0 alone prints the table and writes ``--json``::
+
+    srun --nodes=2 --ntasks-per-node=1 lightning-mgpu bench-comm --json link.json
+    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
+        -m lightning_mgpu.cli bench-comm --json link.json          # on every node
 """
 
 from __future__ import annotations

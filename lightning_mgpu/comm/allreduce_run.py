@@ -7,6 +7,12 @@ Each worker measures every size (:func:`lightning_mgpu.comm.allreduce_bench.meas
 rank 0 writes the rows, and the launching process assembles the report (the JSON schema in
 :mod:`lightning_mgpu.comm.allreduce_bench`). :func:`launch_workers` stops every worker as
 soon as one dies or the deadline passes, and names the rank.
+
+Started by a launcher instead (``torchrun``, or ``srun`` inside a SLURM job: one process per rank,
+on every node; :mod:`lightning_mgpu.comm.launched` reads its variables), :func:`run_launched_sweep`
+joins that world and runs one sweep over it, across whatever links join its nodes: every rank
+measures, rank 0 assembles the report, which records where the ranks ran (the launcher, the nodes,
+the ranks on each, each node's host name and address).
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import sys
 import tempfile
 import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +48,7 @@ from lightning_mgpu.comm.allreduce_bench import (
 )
 from lightning_mgpu.comm.bandwidth import bus_factor
 from lightning_mgpu.comm.distributed import LOOPBACK, loopback_store, pin_backend_to_loopback
+from lightning_mgpu.comm.launched import LaunchedWorld, join
 
 STOP_GRACE_S = 5.0
 
@@ -82,6 +90,35 @@ def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, A
     return facts
 
 
+def _sweep_rows(
+    settings: SweepSettings, *, rank: int, world_size: int, device: torch.device, progress: bool
+) -> list[dict[str, Any]]:
+    """Every size of the sweep on the joined group (every rank calls it): the rows, the same on every rank."""
+    if settings.warmup > 0:  # the group's start-up costs, before the first (smallest) size is timed
+        warm_up_group(min(settings.sizes), device=device)
+    rows = []
+    for nbytes in settings.sizes:
+        iters = timed_iterations(nbytes, settings.iters)
+        warmup = warmup_iterations(nbytes, settings.warmup)
+        seconds, wrong = measure_size(
+            nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device
+        )
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, (seconds, wrong))  # outside the timed batch
+        row = size_row(
+            nbytes, [item[0] for item in gathered], [item[1] for item in gathered], iters=iters, warmup=warmup
+        )
+        rows.append(row)
+        if progress and rank == 0:
+            print(
+                f"bench-comm: {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
+                f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows
+
+
 def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_path: str, progress: bool) -> None:
     world_size = int(settings.nproc or 1)
     pin_backend_to_loopback(str(settings.backend))  # gloo and NCCL open sockets of their own besides the store's
@@ -101,28 +138,7 @@ def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_pa
     else:
         dist.init_process_group(str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        if settings.warmup > 0:  # the group's start-up costs, before the first (smallest) size is timed
-            warm_up_group(min(settings.sizes), device=device)
-        rows = []
-        for nbytes in settings.sizes:
-            iters = timed_iterations(nbytes, settings.iters)
-            warmup = warmup_iterations(nbytes, settings.warmup)
-            seconds, wrong = measure_size(
-                nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device
-            )
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (seconds, wrong))  # outside the timed batch
-            row = size_row(
-                nbytes, [item[0] for item in gathered], [item[1] for item in gathered], iters=iters, warmup=warmup
-            )
-            rows.append(row)
-            if progress and rank == 0:
-                print(
-                    f"bench-comm: {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
-                    f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        rows = _sweep_rows(settings, rank=rank, world_size=world_size, device=device, progress=progress)
         if rank == 0:
             payload = {"machine": _machine_facts(settings, device), "rows": rows}
             partial = Path(result_path + ".partial")
@@ -219,7 +235,20 @@ def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, A
         measured = json.loads(Path(result_path).read_text())
     del store
     world_size = int(settings.nproc or 1)
-    rows = measured["rows"]
+    hosts = [{"node": 0, "hostname": socket.gethostname(), "address": LOOPBACK, "ranks": list(range(world_size))}]
+    return _report(settings, world_size, measured["machine"], measured["rows"], started, "bench-comm", hosts)
+
+
+def _report(
+    settings: SweepSettings,
+    world_size: int,
+    machine: dict[str, Any],
+    rows: list[dict[str, Any]],
+    started: float,
+    launcher: str,
+    hosts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The report (the JSON schema in :mod:`lightning_mgpu.comm.allreduce_bench`)."""
     settings_record = {
         key: value for key, value in asdict(settings).items() if key not in ("device", "backend", "nproc")
     }
@@ -234,7 +263,11 @@ def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, A
         "world_size": world_size,
         "backend": settings.backend,
         "device_type": settings.device,
-        "machine": measured["machine"],
+        "launcher": launcher,
+        "nodes": len(hosts),
+        "ranks_per_node": [len(host["ranks"]) for host in hosts],
+        "hosts": hosts,
+        "machine": machine,
         "settings": settings_record,
         "rows": rows,
         "bus_factor": bus_factor(COLLECTIVE, world_size),
@@ -243,4 +276,80 @@ def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, A
     }
 
 
-__all__ = ["BenchCommError", "launch_workers", "run_sweep"]
+# ---------------------------------------------------------------------------------------
+# Started by a launcher: one sweep across its world
+# ---------------------------------------------------------------------------------------
+def link_address(host: str, port: int) -> Optional[str]:
+    """The address this machine reaches ``host`` from (a UDP socket's route: nothing is sent), None if unknown.
+
+    On one machine's loopback that is 127.0.0.1; across nodes, the address of the interface the
+    traffic leaves by: two nodes with the same host name (containers, network namespaces) still differ.
+    """
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(host, port or 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)
+            return str(probe.getsockname()[0])
+    except (OSError, IndexError):
+        return None
+
+
+def hosts_of(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's ``{"rank", "node", "hostname", "address"}`` -> one entry per node, node order, ranks sorted."""
+    nodes: dict[int, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: r["rank"]):
+        entry = nodes.setdefault(
+            int(record["node"]),
+            {"node": int(record["node"]), "hostname": record["hostname"], "address": record["address"], "ranks": []},
+        )
+        entry["ranks"].append(int(record["rank"]))
+    return [nodes[node] for node in sorted(nodes)]
+
+
+def run_launched_sweep(settings: SweepSettings, world: LaunchedWorld, *, progress: bool = False) -> dict[str, Any]:
+    """Join the world a launcher started this process in and run one sweep across it (every rank calls this).
+
+    Every rank returns the report (rank 0 is the one to print and write it). ``settings.nproc`` is
+    ignored: the launcher decided the ranks. gloo (or NCCL) picks its interface as it does for a
+    training job in the same world (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` when set). The
+    rendezvous and every collective are bounded by ``settings.timeout_s`` (the process group's
+    timeout): a rank that did not come is a :class:`BenchCommError`, a collective that a lost rank
+    never finishes raises (gloo) or aborts the process (NCCL's watchdog); the launcher ends the rest.
+    """
+    started = time.monotonic()
+    where = f"rank {world.rank} of {world.world_size} ({world.launcher}) on {socket.gethostname()}"
+    if settings.device == "cuda":
+        device = torch.device("cuda", world.local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    try:
+        join(world, backend=str(settings.backend), timeout=timedelta(seconds=settings.timeout_s))
+    except Exception as error:  # noqa: BLE001 - any failure to meet is reported the same way
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise BenchCommError(
+            f"{where} could not join the world at {world.master_addr}:{world.master_port} within "
+            f"{settings.timeout_s:g} s: {first} (did every node start? does {world.master_addr} resolve and "
+            "reach every node?)"
+        ) from None
+    try:
+        me = {
+            "rank": world.rank,
+            "node": world.node_rank,
+            "hostname": socket.gethostname(),
+            "address": link_address(world.master_addr, world.master_port),
+        }
+        everyone: list[Any] = [None] * world.world_size
+        dist.all_gather_object(everyone, me)
+        hosts = hosts_of(everyone)
+        if device.type == "cpu":  # the node's ranks share its cores
+            on_my_node = next(len(h["ranks"]) for h in hosts if world.rank in h["ranks"])
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_my_node))
+        rows = _sweep_rows(settings, rank=world.rank, world_size=world.world_size, device=device, progress=progress)
+        machine = _machine_facts(settings, device)
+    finally:
+        dist.destroy_process_group()
+    return _report(settings, world.world_size, machine, rows, started, world.launcher, hosts)
+
+
+__all__ = ["BenchCommError", "hosts_of", "launch_workers", "link_address", "run_launched_sweep", "run_sweep"]

@@ -18,7 +18,9 @@ secrets are masked: API keys, tokens, passwords).
 
 * :mod:`~lightning_mgpu.envcheck.checks`: :class:`Check` and the machine checks;
 * :mod:`~lightning_mgpu.envcheck.packages`: torch and torchvision pairing (versions and builds);
-* :mod:`~lightning_mgpu.envcheck.variables`: the shell's variables (launcher, master, secrets masked).
+* :mod:`~lightning_mgpu.envcheck.variables`: the shell's variables (launcher, master, secrets masked);
+* :mod:`~lightning_mgpu.envcheck.nodes`: every node's checks as one report (the command started on
+  every node by ``srun`` or ``torchrun``: :mod:`lightning_mgpu.cli._across_nodes`).
 
 Only light imports at module level (``lightning-mgpu doctor --help`` imports this package);
 torch and Lightning are imported when the checks run. The ``DistributedDoctor`` callback, which
@@ -51,9 +53,15 @@ from lightning_mgpu.envcheck.variables import (
 )
 
 
-def collect(environ: Mapping[str, str], *, smoke: Optional[Callable[[str, int], Check]] = None) -> list[Check]:
+def collect(
+    environ: Mapping[str, str],
+    *,
+    smoke: Optional[Callable[[str, int], Check]] = None,
+    allreduce_placeholder: bool = True,
+) -> list[Check]:
     """Every check, in the order the table shows them; ``smoke(backend, world_size)``: the multi-process all_reduce
-    check (None: skipped)."""
+    check (None: skipped, and said so unless ``allreduce_placeholder`` is False: across nodes, the command puts the
+    world's all_reduce there instead)."""
     import torch
 
     vision = check_torchvision()  # before Lightning is imported: a mismatched torchvision breaks that import
@@ -72,7 +80,7 @@ def collect(environ: Mapping[str, str], *, smoke: Optional[Callable[[str, int], 
             checks.append(smoke("nccl", gpu_count))
         else:
             checks.append(Check("nccl all_reduce", "ok", f"not run: needs 2 or more GPUs ({gpu_count} visible)"))
-    else:
+    elif allreduce_placeholder:
         checks.append(Check("all_reduce", "ok", "not run (--skip-allreduce)"))
     checks.append(detect_launcher(environ))
     checks.append(check_master(environ))

@@ -21,6 +21,7 @@ from lightning_mgpu.whatif.links import (
     link_from_bench_comm,
     link_from_gbps,
     link_from_profile,
+    refuse_one_host_sweep,
     resolve_link,
 )
 from lightning_mgpu.whatif.model import Prediction, Scenario, System, predict, sweep_world_sizes
@@ -45,6 +46,7 @@ __all__ = [
     "load_profile",
     "predict",
     "rank_levers",
+    "refuse_one_host_sweep",
     "resolve_link",
     "sweep_world_sizes",
     "what_would_help",

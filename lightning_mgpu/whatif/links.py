@@ -60,6 +60,10 @@ class Link:
     """Measured (bytes, busbw GB/s) points, increasing in size; :meth:`busbw_at` interpolates them."""
     measured_world_size: int = 0
     """Ranks the curve was measured with (its small-message busbw holds 2(n-1) steps of latency)."""
+    measured_nodes: Optional[int] = None
+    """Nodes the curve was measured across (1: one host's loopback); None: not recorded, or not measured."""
+    caveat: str = ""
+    """What a prediction across nodes must say about this link (see :func:`link_from_bench_comm`)."""
     nominal: str = ""
     """The rate as sold (``"10 Gbit/s"``), for tables."""
     source: str = ""
@@ -93,6 +97,7 @@ class Link:
             "latency_us": self.latency_us,
             "includes_host": self.includes_host,
             "measured": bool(self.curve),
+            "measured_nodes": self.measured_nodes,
             "nominal": self.nominal,
             "source": self.source,
         }
@@ -211,6 +216,13 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
     if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
         raise ProfileError(f"{where}: 'latency_us' must be a number >= 0, got {latency_us!r:.60}")
     latency = float(latency_us) / (2 * (world_size - 1))
+    nodes, placed = _placement(report, where)
+    caveat = ""
+    if nodes is None:
+        caveat = (
+            f"{where} does not record where its ranks ran (a bench-comm from before it crossed nodes): if they "
+            "ran on one host it measured that host's loopback, not a link between nodes"
+        )
     return Link(
         name=f"measured: {Path(where).name}",
         busbw_gbps=max(b for _, b in curve),
@@ -218,9 +230,44 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
         includes_host=True,
         curve=curve,
         measured_world_size=world_size,
+        measured_nodes=nodes,
+        caveat=caveat,
         nominal=f"{world_size} ranks, {report.get('backend', '?')}",
-        source=f"lightning-mgpu bench-comm: {where}",
+        source=f"lightning-mgpu bench-comm {placed}: {where}",
     )
+
+
+def _placement(report: Mapping[str, Any], where: str) -> tuple[Optional[int], str]:
+    """How many nodes a bench-comm result's ranks ran on (None: not recorded), and those words for its source."""
+    nodes = report.get("nodes")
+    if nodes is None:
+        return None, "(where its ranks ran not recorded)"
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ProfileError(f"{where}: 'nodes' must be an integer >= 1, got {nodes!r:.60}")
+    hosts = report.get("hosts")
+    names = [str(h.get("hostname")) for h in hosts if isinstance(h, Mapping)] if isinstance(hosts, list) else []
+    launcher = report.get("launcher", "?")
+    if nodes == 1:
+        return 1, f"on one host ({', '.join(names[:1]) or '?'}, {launcher}: loopback)"
+    return nodes, f"across {nodes} nodes ({launcher}: {', '.join(names)})"
+
+
+def refuse_one_host_sweep(link: Link, nodes: int, where: str) -> None:
+    """``ValueError`` when a bench-comm sweep on one host (the file ``where``) would stand for the link between
+    ``nodes`` > 1 nodes.
+
+    Such a sweep timed one machine's loopback (memory copies and the CPU), which says nothing of the
+    wire between nodes: a prediction from it would look measured and be wrong.
+    """
+    if nodes > 1 and link.measured_nodes == 1:
+        raise ValueError(
+            f"{where} is a one-host bench-comm sweep ({link.measured_world_size} ranks "
+            f"over loopback): it measured no link between nodes, so it cannot stand for the link of a {nodes}-node "
+            "prediction. Measure the link with bench-comm started on every node (`srun --nodes=2 "
+            "--ntasks-per-node=1 lightning-mgpu bench-comm --json FILE`, or `torchrun --nnodes=2 "
+            "--nproc-per-node=1 ... -m lightning_mgpu.cli bench-comm --json FILE` on each node), "
+            "or give the link's rate (--link-gbps X) or a preset (--link NAME)"
+        )
 
 
 def service_times(run: ProfiledRun) -> list[float]:
@@ -301,6 +348,7 @@ __all__ = [
     "link_names",
     "profiled_busbw_gbps",
     "profiled_cost",
+    "refuse_one_host_sweep",
     "resolve_link",
     "service_times",
 ]

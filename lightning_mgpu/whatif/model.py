@@ -364,6 +364,8 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
         assumptions.append(
             f"profiled with {run.compression}: its hook's work on the autograd thread stays in the backward times"
         )
+    if system.nodes > 1 and system.inter.caveat:
+        assumptions.append(system.inter.caveat)
     if system.world_size == 1:
         return Prediction(
             scenario,

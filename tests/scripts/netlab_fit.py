@@ -6,7 +6,8 @@ Run under torchrun, as two "nodes" of ``bench/labs/network.py``'s lab or on loop
         --out-dir OUT --configs ddp_tuned,fp16,auto
 
 The Trainer's ``devices`` and ``num_nodes`` come from torchrun's ``LOCAL_WORLD_SIZE`` and
-``WORLD_SIZE`` (2 nodes x 1 rank in the lab, 1 node x 2 ranks on loopback); every
+``WORLD_SIZE`` (2 nodes x 1 rank in the lab, 1 node x 2 ranks on loopback), or under ``srun``
+(the SLURM lab, ``bench/labs/slurm.py``) from ``SLURM_NTASKS_PER_NODE`` and ``SLURM_NNODES``; every
 configuration trains the same seeded model on the same data, so a run across the lab's link
 must end on exactly the parameters of the run on loopback (2 ranks: a gloo sum is a + b on
 both, whatever the transport). Rank 0 writes ``OUT/<config>.json``: the final parameters,
@@ -96,6 +97,14 @@ def strategy_for(config: str, out_dir: Path) -> Any:
     return TunedDDPStrategy()
 
 
+def ranks_per_node_and_nodes() -> tuple[int, int]:
+    """From torchrun's variables, or from SLURM's under ``srun``."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        return local, int(os.environ["WORLD_SIZE"]) // local
+    return int(os.environ["SLURM_NTASKS_PER_NODE"]), int(os.environ["SLURM_NNODES"])
+
+
 def fit(config: str, out_dir: Path) -> None:
     L.seed_everything(7, verbose=False)
     model = Net()
@@ -108,11 +117,11 @@ def fit(config: str, out_dir: Path) -> None:
         callbacks.append(doctor)
     seen: dict[str, Any] = {}
     callbacks.append(HookProbe(seen))
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    local, nodes = ranks_per_node_and_nodes()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=local * (2 if config == "hybrid" else 1),
-        num_nodes=int(os.environ["WORLD_SIZE"]) // local,
+        num_nodes=nodes,
         strategy=strategy,
         max_steps=STEPS.get(config, DEFAULT_STEPS),
         callbacks=callbacks,

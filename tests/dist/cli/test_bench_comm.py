@@ -85,6 +85,9 @@ def test_cli_json_follows_nccl_tests_definitions(cli_run: tuple[dict[str, Any], 
     assert report["settings"]["timing"] == "host_clock" and report["settings"]["iters"] == 3
     assert report["settings"]["max_bytes"] == MiB and report["duration_s"] > 0
     assert report["schema_version"] == 1 and report["collective"] == "all_reduce"
+    # its own ranks on this host's loopback, and the file says so (whatif refuses it as a link between nodes)
+    assert (report["launcher"], report["nodes"], report["ranks_per_node"]) == ("bench-comm", 1, [2])
+    assert report["hosts"][0]["address"] == "127.0.0.1" and report["hosts"][0]["ranks"] == [0, 1]
 
 
 @pytest.mark.multiprocess

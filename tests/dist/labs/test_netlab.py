@@ -9,6 +9,8 @@
   ``num_nodes=2`` under ``torchrun --nnodes=2 --rdzv-backend=static``, one rank per namespace,
   and must end on exactly the parameters of the same run on loopback, with its gradients
   having crossed the link (the link's byte counters say so);
+* ``lightning-mgpu bench-comm`` under ``torchrun --nnodes=2`` joins that world: one sweep over the
+  link, one JSON and one table, from rank 0, recording both nodes (issue 31 item 4);
 * the rendezvous of a multi-node run started without torchrun (Lightning's own environment:
   ``MASTER_ADDR``/``NODE_RANK``, loopback-range ``MASTER_ADDR`` on a real link).
 
@@ -227,3 +229,23 @@ def test_a_multi_node_run_without_torchrun_rendezvous_across_the_link(lab: Lab, 
     assert [child.returncode for child, _ in children] == [0, 0], outputs
     report = json.loads((tmp_path / "node0.json").read_text())
     assert report["world_size"] == 2 and report["params_per_rank"][0] == report["params_per_rank"][1]
+
+
+@pytest.mark.timeout(120)
+def test_bench_comm_under_torchrun_across_two_nodes_writes_one_report_of_the_link(lab: Lab, tmp_path: Path) -> None:
+    """Before issue 31, each node ran a loopback sweep of its own and both wrote the same --json."""
+    out = tmp_path / "link.json"
+    command = ["-m", "lightning_mgpu.cli", "bench-comm", "--max-bytes", "256KiB", "--iters", "3", "--quiet"]
+    nodes = run([*command, "--json", str(out)], nproc_per_node=1, lab=lab, timeout=90, log_dir=tmp_path, cwd=tmp_path)
+    check(nodes, "bench-comm across the lab")
+    report = json.loads(out.read_text())
+    assert (report["launcher"], report["world_size"], report["nodes"], report["ranks_per_node"]) == (
+        "torchrun",
+        2,
+        2,
+        [1, 1],
+    )
+    assert [(h["address"], h["ranks"]) for h in report["hosts"]] == [(lab.address(0), [0]), (lab.address(1), [1])]
+    assert report["wrong_total"] == 0 and len(report["rows"]) == 9  # 1 KiB .. 256 KiB
+    assert [node.output.count("peak busbw") for node in nodes] == [1, 0]  # one table, from rank 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["link.json"]

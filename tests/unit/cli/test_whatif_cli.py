@@ -232,3 +232,52 @@ def test_saved_costs_are_read_from_a_json_run_or_its_costs_object(
     for path in (whole, costs):
         again = run_json(capsys, str(profile), "--costs-file", str(path))
         assert again["inputs"]["compression_costs"]["how"] == f"from {path}"
+
+
+def _sweep(tmp_path: Path, name: str, **placement: Any) -> Path:
+    """bench/results/bench_comm_cpu.json (a 2-rank sweep) with where its ranks ran set, or left unrecorded."""
+    report = json.loads((REPO / "bench" / "results" / "bench_comm_cpu.json").read_text())
+    for key in ("launcher", "nodes", "ranks_per_node", "hosts"):
+        report.pop(key, None)
+    path = tmp_path / name
+    path.write_text(json.dumps({**report, **placement}))
+    return path
+
+
+def test_a_one_host_sweep_cannot_stand_for_the_link_between_nodes(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31: bench-comm on one host measures loopback; given as --link-bench for a 2-node prediction it
+    was taken for the link. Refused, naming the file and how to measure the link instead."""
+    host = [{"node": 0, "hostname": "box", "address": "127.0.0.1", "ranks": [0, 1]}]
+    loopback = _sweep(tmp_path, "loopback.json", launcher="bench-comm", nodes=1, ranks_per_node=[2], hosts=host)
+    for scale in (["--world-size", "2"], ["--world-size", "1,2,4"], ["--nodes", "2"]):
+        assert main(["whatif", str(profile), "--link-bench", str(loopback), *scale, "--costs", "none"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {loopback} is a one-host bench-comm sweep (2 ranks over loopback)" in err, err
+        assert "srun --nodes=2 --ntasks-per-node=1 lightning-mgpu bench-comm --json FILE" in err
+    one_node = run_json(capsys, str(profile), "--link-bench", str(loopback), "--world-size", "1")
+    assert one_node["predicted"]["world_size"] == 1  # nothing crosses a node: the sweep is not used
+
+
+def test_a_sweep_across_nodes_is_the_link_and_an_unrecorded_one_is_said_to_be_unknown(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hosts = [
+        {"node": 0, "hostname": "node1", "address": "10.0.0.1", "ranks": [0]},
+        {"node": 1, "hostname": "node2", "address": "10.0.0.2", "ranks": [1]},
+    ]
+    across = _sweep(tmp_path, "across.json", launcher="srun", nodes=2, ranks_per_node=[1, 1], hosts=hosts)
+    document = run_json(capsys, str(profile), "--link-bench", str(across), "--world-size", "2")
+    inter = document["inputs"]["system"]["inter"]
+    assert inter["measured_nodes"] == 2 and "across 2 nodes (srun: node1, node2)" in inter["source"]
+    assert not any("does not record where its ranks ran" in note for note in document["assumptions"])
+    unknown = _sweep(tmp_path, "unknown.json")
+    document = run_json(capsys, str(profile), "--link-bench", str(unknown), "--world-size", "2")
+    assert document["inputs"]["system"]["inter"]["measured_nodes"] is None
+    assert f"{unknown} does not record where its ranks ran" in " ".join(document["assumptions"])
+    assert main(["whatif", str(profile), "--link-bench", str(unknown), "--world-size", "2", "--costs", "none"]) == 0
+    assert "if they ran on one host it measured that host's loopback" in " ".join(capsys.readouterr().out.split())
+    bad = _sweep(tmp_path, "bad.json", nodes="two")
+    assert main(["whatif", str(profile), "--link-bench", str(bad), "--costs", "none"]) == 2
+    assert f"{bad}: 'nodes' must be an integer >= 1" in capsys.readouterr().err
