@@ -48,9 +48,12 @@ STEPS = 300
 MARKER_STEP = 10
 TIME_LIMIT = ["--time=1", "--signal=USR1@5"]
 TIME_LIMIT_PREEMPTIONS = 2
-"""The time-limit case's first attempts run paced (0.2 s a step, 60 s for 300 steps: more than any
-attempt gets before the warning, which comes 25-55 s after the start), so the job is preempted
+"""The time-limit case's first attempts run paced (``TIME_LIMIT_STEP_S`` a step), so the job is preempted
 exactly this many times before an attempt runs free and completes."""
+TIME_LIMIT_STEP_S = 0.5
+"""The warning comes 25-55 s into an attempt, so a paced attempt gets through at most 110 steps: the first
+leaves at least 190 of the 300, which take the second 95 s, more than it gets (at 0.2 s a step the second
+attempt's 182 steps once took 36 s and completed before its warning: one preemption, not two)."""
 QUICK = {"repeats": 1, "ddp_ways": "scancel_usr1,requeue", "timeout": 400.0}
 TIMEOUT_S = 1200.0
 HANG_S = 60.0
@@ -81,7 +84,7 @@ def fit_argv(case_out: Path, strategy: str, way: str) -> list[str]:
     argv = [sys.executable, "-m", SCRIPT, "--out-dir", str(case_out), "--strategy", strategy, "--steps", str(STEPS)]
     if way == "time_limit":
         attempts = ",".join(str(a) for a in range(TIME_LIMIT_PREEMPTIONS))
-        return [*argv, "--slow-after", "0", "--step-sleep", "0.2", "--slow-attempts", attempts]
+        return [*argv, "--slow-after", "0", "--step-sleep", str(TIME_LIMIT_STEP_S), "--slow-attempts", attempts]
     if way == "reference":
         return [*argv, "--slow-after", "0"]  # the marker after step 0: the job is running
     return [*argv, "--slow-after", str(MARKER_STEP), "--step-sleep", "0.1"]
