@@ -226,7 +226,7 @@ def buckets(rates: tuple[str, ...] = ("10", "2.5")) -> str:
 
 
 _WAYS = {
-    "time_limit": "its time limit (`--signal=USR1@40`), twice in a row",
+    "time_limit": "its time limit (`--time=1 --signal=USR1@5`), twice in a row",
     "scancel_usr1": "`scancel --signal=USR1`",
     "requeue": "`scontrol requeue` (SIGTERM)",
 }
