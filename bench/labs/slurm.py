@@ -66,6 +66,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 from bench import REPO_ROOT, pythonpath_with_repo
 from bench.labs import network
 from bench.labs.network import Lab, LabError, Runner, handle_signals, run_command
+from lightning_mgpu.envcheck.variables import LAUNCH_VARS
 
 PREFIX = "slab"
 PACKAGES = ("slurm-wlm", "munge")
@@ -90,19 +91,7 @@ TERMINAL_STATES = frozenset(
 """Job states a job never leaves (a requeued job goes back to PENDING instead)."""
 START_TIMEOUT_S = 30.0
 _DIRECTORY = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+$")
-_LAUNCH_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "GLOO_SOCKET_IFNAME",
-    "NCCL_SOCKET_IFNAME",
-)
+_LAUNCH_VARIABLES = (*LAUNCH_VARS, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def lab_unavailable() -> Optional[str]:
