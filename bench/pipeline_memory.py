@@ -51,11 +51,25 @@ class ActivationMeter:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._excluded = {t.untyped_storage().data_ptr() for t in not_activations}
+        self._cuts: set[int] = set()  # ids of live storages not to count (see exclude)
 
     def reset_peak(self) -> None:
         """Start the peaks again from what is live now (e.g. after a warm-up step)."""
         with self._lock:
             self.peak = list(self.live)
+
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Never count ``tensor``'s storage while it lives: e.g. a stage's input, which the stage before it
+        holds until its own backward (how long depends on that other thread's progress, not on this stage)."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        with self._lock:
+            self._cuts.add(key)
+        weakref.finalize(storage, self._forget_cut, key)
+
+    def _forget_cut(self, key: int) -> None:
+        with self._lock:
+            self._cuts.discard(key)
 
     # --- which stage the calling thread runs
     def set_stage(self, stage: int) -> None:
@@ -77,7 +91,7 @@ class ActivationMeter:
         stage = getattr(self._local, "stage", None)
         storage = tensor.untyped_storage()
         address, nbytes = storage.data_ptr(), storage.nbytes()
-        if stage is None or address in self._excluded or nbytes == 0:
+        if stage is None or address in self._excluded or nbytes == 0 or id(storage) in self._cuts:
             return tensor
         key = (stage, id(storage))
         with self._lock:
