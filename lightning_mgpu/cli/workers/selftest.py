@@ -107,7 +107,8 @@ def _fit(
 def _same_on_every_rank(trainer: Any, model: Any) -> dict[str, Any]:
     import torch
 
-    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    # After fit, Lightning's teardown has moved the module back to the CPU; NCCL gathers only CUDA tensors.
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()]).to(trainer.strategy.root_device)
     gathered = trainer.strategy.all_gather(flat)
     rows = gathered if gathered.dim() == 2 else gathered.unsqueeze(0)
     if not all(torch.equal(rows[0], row) for row in rows):

@@ -70,3 +70,29 @@ def test_with_two_gpus_every_path_runs() -> None:
 
     checks = run_selftest(gpu_count=2, runner=recording)
     assert started == list(PATHS) and all(c.status == "ok" for c in checks)
+
+
+def test_the_parameter_check_gathers_on_the_strategys_device_not_where_teardown_left_the_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found on the first GPU run (H100): after fit, Lightning's teardown has moved the module back to the CPU, and
+    NCCL cannot gather a CPU tensor ("No backend type associated with device type cpu"): 5 of the self-test's paths
+    failed after their fits had passed. The stand-in strategy refuses, as NCCL does, a tensor off its device ("meta"
+    here: any device the module is not on)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_mgpu.cli.workers import selftest
+
+    class OneRank:
+        root_device = torch.device("meta")
+
+        def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device != self.root_device:
+                raise RuntimeError(f"No backend type associated with device type {tensor.device.type}")
+            return torch.zeros_like(tensor, device="cpu").unsqueeze(0)
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *_: "nccl")
+    facts = selftest._same_on_every_rank(SimpleNamespace(strategy=OneRank(), global_step=8), torch.nn.Linear(3, 2))
+    assert facts == {"ranks": 1, "backend": "nccl", "steps": 8}
