@@ -134,8 +134,8 @@ def _strategy(name: str) -> Any:
         return DDPStrategy(ddp_comm_hook=default_hooks.bf16_compress_hook)
     if name in ("ddp_tuned", "ddp_tuned+profiler"):
         return TunedDDPStrategy()
-    if name in ("ours-fp16", "ours-bf16"):
-        return TunedDDPStrategy(compression=name.split("-")[1])
+    if name in ("ours-fp16", "ours-bf16", "ours-fp16-nosync"):
+        return TunedDDPStrategy(compression=name.split("-")[1])  # -nosync: see _timed_fit
     if name.startswith("ours-powersgd-r"):
         return TunedDDPStrategy(
             compression="powersgd", powersgd_rank=int(name.rsplit("r", 1)[1]), powersgd_start_iter=2
@@ -169,6 +169,8 @@ def _timed_fit(
     data = make_data(batch * 4, widths)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
     callbacks = [time_each_step(timer), *(extra_callbacks or [])]
+    if name == "ours-fp16-nosync":  # measured, not offered: the fp16 hook without its per-step read of the peaks
+        callbacks.append(_without_end_step())
     trainer = _trainer(device, _strategy(name), warmup + steps, callbacks, precision)
     trainer.fit(model, loader)
     step = timer.step_ms(skip=warmup)
@@ -188,6 +190,17 @@ def _timed_fit(
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _without_end_step() -> Any:
+    """A callback that makes the fp16 hook's ``end_step`` (its one host synchronisation a step) do nothing."""
+    import lightning as L
+
+    class WithoutEndStep(L.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            trainer.strategy.comm_hook.end_step = lambda: None
+
+    return WithoutEndStep()
 
 
 def _rounds(
@@ -240,7 +253,20 @@ def part_selftest(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
     for key, argv in (
         ("doctor", ["doctor", "--json"]),
-        ("selftest", ["doctor", "--selftest", "--json", "--selftest-device", args.device, "--timeout", "100"]),
+        (
+            "selftest",
+            [
+                "doctor",
+                "--selftest",
+                "--json",
+                "--selftest-device",
+                args.device,
+                "--timeout",
+                "100",
+                "--selftest-jobs",
+                "4",
+            ],
+        ),
     ):
         started = time.perf_counter()
         proc = subprocess.run(
@@ -324,6 +350,14 @@ def part_compression(args: argparse.Namespace) -> dict[str, Any]:
         ("ours-powersgd-r4", {"precision": half}),
     ]
 
+    configs.insert(4, ("ours-fp16-nosync", {"precision": half}))
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = sorted(set(wanted) - {name for name, _ in configs})
+        if unknown:
+            raise ValueError(f"unknown configuration(s) {unknown}; choose from {[name for name, _ in configs]}")
+        configs = [(name, options) for name, options in configs if name in wanted]
+
     def run(name: str, options: dict[str, Any]) -> dict[str, Any]:
         result = _timed_fit(
             args.device, name.split("@")[0], widths, batch, warmup=warmup, steps=steps, precision=options["precision"]
@@ -342,6 +376,8 @@ def part_compression(args: argparse.Namespace) -> dict[str, Any]:
         ("ours-fp16", "torch-fp16", "ddp_tuned", "ddp"),
         ("ours-bf16", "torch-bf16", "ddp_tuned@bf16", "ddp@bf16"),
     ):
+        if not {ours, theirs, base_ours, base_theirs} <= set(step):
+            continue
         hooks[ours.split("-")[1]] = {
             "ours_ms": step[ours],
             "torch_ms": step[theirs],
@@ -349,9 +385,13 @@ def part_compression(args: argparse.Namespace) -> dict[str, Any]:
             "torch_hook_cost_ms": step[theirs] - step[base_theirs],
             "ours_vs_torch": _ratio(runs, ours, theirs, "step_ms_median"),
         }
+        if ours == "ours-fp16" and "ours-fp16-nosync" in step:
+            hooks["fp16"]["end_step_sync_ms"] = step["ours-fp16"] - step["ours-fp16-nosync"]
     powersgd = {}
     for rank in (1, 4):
         name = f"ours-powersgd-r{rank}"
+        if name not in step or "ddp_tuned" not in step:
+            continue
         powersgd[f"rank{rank}"] = {
             "step_ms": step[name],
             "measured_compute_ms": step[name] - step["ddp_tuned"],
@@ -492,6 +532,8 @@ def _run_part(
     ]  # fmt: skip
     if args.quick:
         argv.append("--quick")
+    if args.configs:
+        argv += ["--configs", args.configs]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
@@ -501,7 +543,11 @@ def _run_part(
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
-    limit = PART_TIMEOUT_S.get(part, 300.0) * (0.5 if args.quick else 1.0)
+    limits = dict(PART_TIMEOUT_S)
+    for item in filter(None, (args.limits or "").split(",")):
+        key, _, value = item.partition("=")
+        limits[key.strip()] = float(value)
+    limit = limits.get(part, 300.0) * (0.5 if args.quick else 1.0)
     lines: list[str] = []
 
     def pump() -> None:
@@ -545,6 +591,11 @@ def _table(results: dict[str, Any], card: str) -> str:
             )
         for check in st.get("selftest", {}).get("checks", []):
             facts = check.get("details", {}).get("facts", {})
+            if "fp16_hook_worst_relative_error" in facts:
+                row(
+                    f"  {check['name']}: fp16 hook, worst relative error",
+                    f"{facts['fp16_hook_worst_relative_error']:.3g} ({facts['fp16_hook_path']} path)",
+                )
             if "max_grad_difference" in facts:
                 row(
                     f"  {check['name']}: max |grad - one device's|",
@@ -570,6 +621,8 @@ def _table(results: dict[str, Any], card: str) -> str:
                 f"{kind}: hook cost/step ours vs torch (ms)",
                 f"{h['ours_hook_cost_ms']:+.3f} vs {h['torch_hook_cost_ms']:+.3f}; step {h['ours_ms']:.3f} vs {h['torch_ms']:.3f}",
             )
+            if "end_step_sync_ms" in h:
+                row(f"{kind}: of which end_step's sync (ms)", f"{h['end_step_sync_ms']:+.3f}")
         for rank, p in co["powersgd"].items():
             row(
                 f"PowerSGD {rank}: compute/step measured vs model",
@@ -598,6 +651,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds kept per comparison (+1 warm-up)")
+    parser.add_argument("--configs", default=None, help="compression part: only these configurations (comma-separated)")
+    parser.add_argument(
+        "--limits",
+        default=None,
+        help="time limits in seconds per part, e.g. selftest=140,overhead=80 (default: built in)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, measures nothing")
     parser.add_argument("--worker", choices=sorted(PART_RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--json-out", help=argparse.SUPPRESS)

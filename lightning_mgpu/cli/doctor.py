@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_mgpu import envcheck  # standard library only at import: fine for --help
 from lightning_mgpu.cli._allreduce import SMOKE_TIMEOUT_S, check_smoke
-from lightning_mgpu.cli._args import positive_seconds
+from lightning_mgpu.cli._args import bounded_int, positive_seconds
 
 MAX_TIMEOUT_S = 3600.0  # a health check that may wait longer is a mistake
 
@@ -50,6 +50,14 @@ def register(subparsers: Any) -> None:
         help="run every CUDA path of the package on the GPUs there are (NCCL DDP, CUDA-event profiling, AMP with "
         "each compression, hybrid across cuda:0 and the CPU and across GPUs, the pipeline's copy streams), each in "
         "its own process, and report pass/fail with timings; without a GPU it says so and exits 0",
+    )
+    parser.add_argument(
+        "--selftest-jobs",
+        type=bounded_int(16),
+        default=1,
+        metavar="N",
+        help="with --selftest: run up to N paths at once, each its own process (default 1: one after another; "
+        "the paths' own timings then include the others' load)",
     )
     parser.add_argument(
         "--selftest-device",
@@ -83,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         from lightning_mgpu.cli._selftest import PATH_TIMEOUT_S, run_selftest
 
         timeout = args.timeout if args.timeout != SMOKE_TIMEOUT_S else PATH_TIMEOUT_S
-        checks = run_selftest(device=args.selftest_device, timeout=timeout)
+        checks = run_selftest(device=args.selftest_device, timeout=timeout, jobs=args.selftest_jobs)
     else:
         smoke = None if args.skip_allreduce else lambda backend, world: check_smoke(backend, world, args.timeout)
         checks = envcheck.collect(os.environ, smoke=smoke)

@@ -187,24 +187,33 @@ class ScaledFp16Allreduce:
         return self._carried(group, world_size, bucket)
 
     def _exchanged(self, group: Any, world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """The scale from the bucket's peak all-reduced with MAX: no host wait on NCCL."""
-        buffer = bucket.buffer()
-        low, high = torch.aminmax(buffer.detach())
-        peak = torch.maximum(low.abs(), high.abs()).reshape(1).to(torch.float32)
+        """The scale from the bucket's peak all-reduced with MAX: no host wait on NCCL.
+
+        Few kernels per bucket (on a GPU each launch costs host time on the autograd thread): one pass for the
+        peak (the largest magnitude; NaN if any element is NaN), five tiny ones for the scale, one pass that
+        scales and casts, and on the way back one that widens and divides. The bucket itself is left as it is
+        until the result overwrites it."""
+        buffer = bucket.buffer().detach()
+        peak = torch.linalg.vector_norm(buffer, ord=math.inf).reshape(1).to(torch.float32)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # the same peak, hence scale, on every rank
-        exponent = (FP16_PEAK_EXPONENT - torch.ceil(torch.log2(peak))).clamp(
-            -_SCALE_EXPONENT_LIMIT, _SCALE_EXPONENT_LIMIT
-        )  # log2(0) = -inf: clamped; a NaN peak stays NaN here and is replaced just below
-        scale = torch.where(torch.isfinite(peak), torch.exp2(exponent), torch.ones_like(peak))
+        # 2**(15 - ceil(log2 peak)), the exponent within +-100; an inf/NaN peak (the gradients' own) gives scale 1,
+        # sending them as they are; a zero peak (log2 = -inf) the largest scale.
+        log2 = torch.log2(peak).nan_to_num_(nan=FP16_PEAK_EXPONENT, posinf=FP16_PEAK_EXPONENT)
+        scale = log2.ceil_().neg_().add_(FP16_PEAK_EXPONENT).clamp_(-_SCALE_EXPONENT_LIMIT, _SCALE_EXPONENT_LIMIT)
+        scale = scale.exp2_()
         self._peaks.append(peak)
         self.exchanged_buckets += 1
-        compressed = self._compress(buffer, scale / world_size)
+        nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
+        compressed = torch.empty(buffer.shape, dtype=torch.float16, device=buffer.device)
+        torch.mul(buffer, scale / world_size, out=compressed)  # one pass: the product in float32, stored as float16
+        if nonzero is not None:
+            self._nonzero.append(nonzero)
+            self._lost.append(nonzero - torch.count_nonzero(compressed))
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             out = bucket.buffer()
-            out.copy_(fut.value()[0])
-            out.div_(scale.to(out.dtype))
+            torch.div(fut.value()[0], scale, out=out)  # one pass: float16 widened exactly, divided by a power of 2
             return out
 
         result: torch.futures.Future[torch.Tensor] = future.then(decompress)

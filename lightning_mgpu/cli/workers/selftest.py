@@ -145,9 +145,57 @@ def _amp(compression: Optional[str]) -> Callable[[str], dict[str, Any]]:
         trainer, model = _fit(device, strategy=TunedDDPStrategy(**options), precision=precision)
         facts = _same_on_every_rank(trainer, model)
         facts.update(precision=precision, final_loss=model.losses[-1])
+        if compression == "fp16":
+            facts.update(_fp16_hook_values(trainer.strategy.root_device))
         return facts
 
     return run
+
+
+class _Bucket:
+    """What the fp16 hook reads of DDP's GradBucket: its flat buffer (on the device) and its parameters."""
+
+    def __init__(self, values: Any) -> None:
+        self._buffer = values.clone()
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def parameters(self) -> list[Any]:
+        return []
+
+    def index(self) -> int:
+        return 0
+
+
+def _fp16_hook_values(device: Any) -> dict[str, Any]:
+    """``compression="fp16"``'s hook on buckets of this device (the group the fit left up): gradients far above and
+    below float16's range come back to float16's precision, inf/NaN come back as they were and are reported."""
+    import torch
+
+    from lightning_mgpu.comm.compression import ScaledFp16Allreduce
+
+    hook = ScaledFp16Allreduce()
+    world = torch.distributed.get_world_size()
+    worst = 0.0
+    for values in ([1.0e5, -3.0e5, 0.0, 1.0], [2.5e-9, -7.0e-10, 1.0e-12]):
+        want = torch.tensor(values, dtype=torch.float32)
+        got = hook(None, _Bucket(want.to(device))).wait().cpu()  # type: ignore[arg-type]
+        worst = max(worst, float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()))
+    if worst > 2**-11:
+        raise AssertionError(f"fp16 hook: a gradient came back off by {worst:.3g} (float16 keeps 2**-11)")
+    if hook.end_step() is not None:
+        raise AssertionError("fp16 hook: finite gradients reported as inf/NaN or underflowed")
+    got = hook(None, _Bucket(torch.tensor([1.0, float("nan"), float("inf")], device=device))).wait().cpu()  # type: ignore[arg-type]
+    if not (got[0] == 1.0 and bool(got[1].isnan()) and float(got[2]) == float("inf") * world):
+        raise AssertionError(f"fp16 hook: inf/NaN gradients came back as {got.tolist()}, not as they were")
+    message = hook.end_step()
+    if message is None or "inf or NaN" not in message:
+        raise AssertionError(f"fp16 hook: inf/NaN gradients were not reported ({message!r})")
+    return {
+        "fp16_hook_worst_relative_error": worst,
+        "fp16_hook_path": "exchanged" if device.type == "cuda" else "carried",
+    }
 
 
 def _pipeline_against_one_device(devices: list[str]) -> dict[str, Any]:

@@ -96,3 +96,37 @@ def test_the_parameter_check_gathers_on_the_strategys_device_not_where_teardown_
     monkeypatch.setattr(torch.distributed, "get_backend", lambda *_: "nccl")
     facts = selftest._same_on_every_rank(SimpleNamespace(strategy=OneRank(), global_step=8), torch.nn.Linear(3, 2))
     assert facts == {"ranks": 1, "backend": "nccl", "steps": 8}
+
+
+def test_paths_run_at_once_report_in_the_same_order_and_alike() -> None:
+    import threading
+    import time
+
+    running, most = 0, 0
+    lock = threading.Lock()
+    inner = fake_runner({"amp-fp16": "fail", "copy-streams": "hang"})
+
+    def slow(argv: list[str], timeout: float, env: dict[str, str]) -> tuple[int, str]:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return inner(argv, timeout, env)
+
+    ports: list[str] = []
+
+    def recording(argv: list[str], timeout: float, env: dict[str, str]) -> tuple[int, str]:
+        ports.append(env["MASTER_PORT"])
+        return slow(argv, timeout, env)
+
+    one_by_one = run_selftest(gpu_count=1, timeout=5, runner=inner)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MASTER_PORT", "29500")  # a launcher's, inherited: shared, the paths' rendezvous would collide
+        at_once = run_selftest(gpu_count=1, timeout=5, runner=recording, jobs=3)
+    assert most == 3  # three paths were running together
+    assert len(set(ports)) == len(ports) == len(PATHS) - 1 and "29500" not in ports  # hybrid-gpus: skipped
+    assert [(c.name, c.status) for c in at_once] == [(c.name, c.status) for c in one_by_one]
+    assert [c.name for c in at_once] == list(PATHS)

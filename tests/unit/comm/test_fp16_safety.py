@@ -224,3 +224,43 @@ def test_buckets_numbered_alike_keep_their_own_scales(one_rank_group: None) -> N
     assert hook.stats["exchanged_buckets"] == 2  # the first step exchanges each scale
     backward_launching([first, second])
     assert hook.stats["exchanged_buckets"] == 2  # then each bucket carries its own: no exchange
+
+
+class ExchangedOnCpu(ScaledFp16Allreduce):
+    """The hook's CUDA path (the scale exchanged with a MAX all-reduce, no carried-over scale), run on CPU buffers."""
+
+    def __call__(self, process_group: Any, bucket: Any) -> Any:
+        group = process_group if process_group is not None else torch.distributed.group.WORLD
+        return self._exchanged(group, torch.distributed.get_world_size(group), bucket)
+
+
+def test_the_gpu_path_keeps_large_and_tiny_gradients_and_reports_inf_and_nan(one_rank_group: None) -> None:
+    """The path every CUDA bucket takes; until the first GPU run it had run nowhere (CPU buckets carry their scale)."""
+    hook = ExchangedOnCpu()
+    large, tiny = [1.0e5, -3.0e5, 0.0, 1.0], [2.5e-9, -7.0e-10, 1.0e-12]
+    torch.testing.assert_close(reduce(hook, large), torch.tensor(large), rtol=2**-11, atol=0)
+    torch.testing.assert_close(reduce(hook, tiny), torch.tensor(tiny), rtol=2**-11, atol=0)
+    assert hook.end_step() is None and hook.stats["peak"] == 3.0e5 and hook.stats["exchanged_buckets"] == 2
+    assert hook.stats["underflowed"] == 0 and hook.stats["nonzero_checked"] == 6
+    assert (reduce(hook, [0.0, 0.0]) == 0).all() and hook.end_step() is None  # a zero bucket: the largest scale
+    for bad in (math.nan, math.inf, -math.inf):
+        out = reduce(hook, [1.0, bad, 3.0e4])  # sent unscaled, as is: the model's own inf/NaN, reported
+        assert out[0] == 1.0 and out[2] == pytest.approx(3.0e4, rel=2**-11)
+        assert math.isnan(out[1]) if math.isnan(bad) else out[1] == bad
+        message = hook.end_step()
+        assert hook.stats["nonfinite_steps"] and math.isnan(hook.stats["peak"])
+    assert message is None and hook.stats["nonfinite_steps"] == 3  # said at the 1st and 2nd such step, not the 3rd
+
+
+def test_the_gpu_path_rounds_each_gradient_once_to_float16_at_its_buckets_scale(one_rank_group: None) -> None:
+    """Exactly ``fp16(g * s) / s`` with ``s = 2**(15 - ceil(log2(peak)))``: the result the scaled cast defines (one
+    pass now, where it was a scale in place, a cast, a copy back and a divide), at magnitudes across float32's range."""
+    generator = torch.Generator().manual_seed(0)
+    hook = ExchangedOnCpu()
+    for magnitude in (1.0e-30, 1.0e-7, 1.0, 6.0e4, 1.0e30):
+        values = torch.randn(4097, generator=generator) * magnitude
+        values[7] = 0.0
+        scale = 2.0 ** (15 - math.ceil(math.log2(float(values.abs().max()))))
+        expected = (values * scale).to(torch.float16).to(torch.float32) / scale
+        assert torch.equal(reduce(hook, values.tolist()), expected), magnitude
+        hook.end_step()
