@@ -645,9 +645,58 @@ def _table(results: dict[str, Any], card: str) -> str:
     return "\n".join(lines)
 
 
+def record(launches: list[str], results: Path) -> list[Path]:
+    """Merge launches (``DIR=LABEL@COMMIT``: a ``--out`` folder fetched from the GPU machine) into
+    ``results/gpu_{selftest,overhead,compression,whatif}.json``, the files the docs' GPU tables read."""
+    from bench.harness.stats import median, median_ci
+
+    merged: dict[str, dict[str, Any]] = {part: {"launches": []} for part in PARTS}
+    for launch in launches:
+        folder, _, tag = launch.partition("=")
+        label, _, commit = tag.partition("@")
+        run = json.loads((Path(folder) / "gpu_check.json").read_text())
+        for part, entry in run["parts"].items():
+            result = entry.get("result")
+            if result is None:
+                continue
+            merged[part].setdefault("machine", run["machine"])
+            result = {k: v for k, v in result.items() if k not in ("machine", "whatif")}
+            if part == "selftest":
+                for report in result.values():
+                    for check in report.get("checks", []):
+                        check.get("details", {}).pop("output_tail", None)
+            merged[part]["launches"].append({"label": label, "commit": commit, "seconds": entry["seconds"], **result})
+    overhead = merged["overhead"]
+    if overhead["launches"]:
+        for key in ("ddp_tuned_vs_ddp", "profiler_cost"):
+            ratios = [r for launch in overhead["launches"] for r in launch[key]["per_round"]]
+            low, high = median_ci(ratios)
+            overhead[key] = {
+                "of": overhead["launches"][0][key]["of"],
+                "stat": overhead["launches"][0][key]["stat"],
+                "median": median(ratios),
+                "ci95": [low, high],
+                "rounds": len(ratios),
+                "limit": overhead["launches"][0][key]["limit"],
+            }
+    written = []
+    for part, data in merged.items():
+        if data["launches"]:
+            path = results / f"gpu_{part}.json"
+            path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+            written.append(path)
+    return written
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="directory for gpu_*.json and gpu_check.log")
+    parser.add_argument("--out", help="directory for gpu_*.json and gpu_check.log (required unless --record)")
+    parser.add_argument(
+        "--record",
+        nargs="+",
+        metavar="DIR=LABEL@COMMIT",
+        help="merge fetched --out folders into bench/results/gpu_*.json (what the docs read), then exit",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds kept per comparison (+1 warm-up)")
@@ -661,6 +710,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--worker", choices=sorted(PART_RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--json-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.record:
+        from bench import RESULTS
+
+        for path in record(args.record, RESULTS):
+            print(f"wrote {path}")
+        return 0
     if args.worker:
         _quiet()
         result = PART_RUNNERS[args.worker](args)
@@ -670,6 +725,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         return 0
+    if not args.out:
+        parser.error("--out is required (or --record)")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:

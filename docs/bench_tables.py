@@ -558,4 +558,115 @@ def headlines() -> str:
         ),
     ]
     machine = _machine(over)
-    return f"{table(('measured', 'figure', 'details'), rows)}\n\nAll measured on {machine}; no GPU yet."
+    gpu = load("gpu_selftest")["machine"].get("card", "a GPU")
+    return (
+        f"{table(('measured', 'figure', 'details'), rows)}\n\nAll measured on {machine}. On one {gpu}: the "
+        "self-test and first figures in [benchmarks](docs/benchmarks.md#on-a-gpu-one-h100)."
+    )
+
+
+def _gpu_card(machine: dict[str, Any]) -> str:
+    return (
+        f"{machine.get('card', '?')} ({machine.get('memory_gib', '?')} GiB, {machine.get('gpus', '?')} GPU), "
+        f"torch {machine.get('torch')} (CUDA {machine.get('cuda')}, NCCL {machine.get('nccl')}), "
+        f"Lightning {machine.get('lightning')}"
+    )
+
+
+def gpu_selftest() -> str:
+    """``bench/gpu_check.py``'s self-test part: ``lightning-mgpu doctor --selftest`` on a lent GPU, per launch."""
+    r = load("gpu_selftest")
+    launches = r["launches"]
+    names = [c["name"] for c in launches[-1]["selftest"]["checks"]]
+    rows = []
+    for name in names:
+        cells = []
+        for launch in launches:
+            check = next((c for c in launch["selftest"]["checks"] if c["name"] == name), None)
+            if check is None:
+                cells.append("–")
+            elif check["status"] == "fail":
+                value = check["value"]
+                cells.append("✗ " + value[value.find("exit code") :][:110] if "exit code" in value else value[:110])
+            elif check["value"].startswith("skipped"):
+                cells.append(check["value"])
+            else:
+                cells.append("✓ " + check["value"].split(": ", 1)[-1][:160])
+        rows.append((f"`{name}`", *cells))
+    doctor = launches[0]["doctor"]["counts"]
+    header = ("path", *(f"{launch['label']} ({launch['commit']})" for launch in launches))
+    note = (
+        f"{_gpu_card(r['machine'])}. `lightning-mgpu doctor` (the machine checks and NCCL's all-reduce smoke test): "
+        f"{doctor['ok']} ok, {doctor['warn']} warn, {doctor['fail']} fail. "
+        "`python -m bench.gpu_check --out DIR` runs both, then the figures below."
+    )
+    return f"{table(header, rows)}\n\n{note}"
+
+
+def gpu_figures() -> str:
+    """``bench/gpu_check.py``'s figures: overhead, profiler, compression hooks, PowerSGD, whatif's compute scale."""
+    over, comp, wi = load("gpu_overhead"), load("gpu_compression"), load("gpu_whatif")
+    rows = []
+    for key, goal in (("ddp_tuned_vs_ddp", "≤ 1.02"), ("profiler_cost", "≤ 1.03")):
+        ratio = over[key]
+        conclusive = ratio["ci95"][1] <= ratio["limit"] or ratio["ci95"][0] > ratio["limit"]
+        per_launch = ", ".join(f"{launch[key]['median']:.3f}" for launch in over["launches"])
+        rows.append(
+            (
+                "`ddp_tuned` / Lightning `ddp`, step (8M MLP, batch 256)"
+                if key == "ddp_tuned_vs_ddp"
+                else "`+ CommProfiler()` / `ddp_tuned`, mean iteration (CUDA events)",
+                f"**{ratio['median']:.3f}** (95% CI {_ci(ratio['ci95'])}; launches {per_launch}; "
+                f"{ratio['rounds']} rounds)",
+                goal,
+                _mark(ratio["median"] <= ratio["limit"]) + ("" if conclusive else " (not conclusive)"),
+            )
+        )
+    for launch in comp["launches"]:
+        for kind, h in launch.get("hooks", {}).items():
+            rows.append(
+                (
+                    f"{kind} hook cost per step, ours vs torch's `{kind}_compress_hook` ({launch['label']}, "
+                    f"{launch['commit']})",
+                    f"{h['ours_hook_cost_ms']:+.2f} ms vs {h['torch_hook_cost_ms']:+.2f} ms "
+                    f"(step {h['ours_ms']:.2f} vs {h['torch_ms']:.2f} ms)",
+                    "–",
+                    "",
+                )
+            )
+        for rank, p in launch.get("powersgd", {}).items():
+            rows.append(
+                (
+                    f"PowerSGD rank {rank[4:]} compute per step, measured (vs the what-if cost model)",
+                    f"{p['measured_compute_ms']:.2f} ms ({p['whatif_model']['total_ms']:.2f} ms)",
+                    "–",
+                    "",
+                )
+            )
+    for launch in wi["launches"]:
+        rows.append(
+            (
+                "`whatif --compute-scale`: GPU / CPU compute of the 8M MLP (same machine)",
+                f"{launch['compute_scale']:.3f} (GPU {launch['gpu']['compute_ms']:.2f} ms, "
+                f"CPU {launch['cpu']['compute_ms']:.2f} ms)",
+                "–",
+                "",
+            )
+        )
+        rows.append(
+            (
+                "`whatif` on the CPU profile × that scale vs the GPU's measured step",
+                f"{launch['predicted_gpu_step_ms']:.2f} vs {launch['measured_gpu_step_ms']:.2f} ms "
+                f"({_signed_percent(launch['error'])})",
+                "–",
+                "",
+            )
+        )
+    first = comp["launches"][0]
+    note = (
+        f"{_gpu_card(over['machine'])}; world size 1 (one GPU: NCCL's all-reduce is a copy, so these are the "
+        f"costs of our hooks and checks, not of a link). Compression: {first['model']}, batch {first['batch']}, "
+        "AMP (`16-mixed`; `bf16-mixed` for the bf16 rows), each hook's cost against its strategy without a hook. "
+        "Fits interleaved in one process, order rotated every round, medians; each launch's first round not kept."
+    )
+    return f"{table(('measure', 'value', 'goal', 'met'), rows)}\n\n{note}"

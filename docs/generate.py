@@ -64,6 +64,8 @@ def _blocks() -> dict[str, Block]:
         "bench-comm": bench_tables.bench_comm,
         "bench-soak": bench_tables.soak,
         "bench-watch-overhead": bench_tables.watch_overhead,
+        "bench-gpu-selftest": bench_tables.gpu_selftest,
+        "bench-gpu-figures": bench_tables.gpu_figures,
         "lab-buckets": lab_tables.buckets,
         "lab-headlines": lab_tables.headlines,
         "lab-sweep": partial(lab_tables.sweep, "netlab_sweep"),
