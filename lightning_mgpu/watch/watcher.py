@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import sys
 import threading
 import time
@@ -636,12 +637,25 @@ class HangWatch:
         thread.join(timeout=LOGGERS_WAIT_S)
 
     def _say(self, text: str) -> None:
-        stream = self._output or sys.stderr
+        """One message, whole, on this process's standard error (or the stream the watch was given).
+
+        Below Python's ``sys.stderr``: its buffer is flushed first (order kept), then the bytes go to file
+        descriptor 2 with ``os.write``, every byte, retried while the descriptor would block. What the exit
+        status alone cannot tell (which rank reported, where each was) must not depend on a Python stream the
+        main thread may be closing, replacing or writing a traceback to while this thread says it, nor on a
+        descriptor another process of the job left non-blocking."""
+        if self._output is not None:
+            try:
+                self._output.write(text + "\n")
+                self._output.flush()
+            except (OSError, ValueError):
+                pass
+            return
         try:
-            stream.write(text + "\n")
-            stream.flush()
-        except (OSError, ValueError):
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001  (closed, replaced by None, locked up: the bytes below still go)
             pass
+        write_whole(2, (text + "\n").encode(errors="replace"))
 
     def _end(self, code: int) -> None:
         self.concluded = code
@@ -651,6 +665,25 @@ class HangWatch:
             except (OSError, ValueError):
                 pass
         self._exit(code)
+
+
+def write_whole(fd: int, data: bytes, *, patience_s: float = 2.0) -> bool:
+    """Every byte of ``data`` to ``fd`` (partial writes continued; a descriptor that would block is waited for up
+    to ``patience_s`` in all); False if it could not be done (the descriptor closed, or blocked throughout)."""
+    view = memoryview(data)
+    deadline = time.monotonic() + patience_s
+    while view:
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            select.select([], [fd], [], 0.05)
+            continue
+        except OSError:
+            return False
+        view = view[written:]
+    return True
 
 
 _WATCH: Optional[HangWatch] = None

@@ -252,3 +252,50 @@ def test_a_store_that_fails_between_publishing_and_reading_costs_a_tick_not_the_
     finally:
         rank0.watch.stop()
         rank1.watch.stop()
+
+
+def test_what_the_watch_says_reaches_the_descriptor_whole_even_past_pythons_stream_and_a_full_pipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watch's last words (which rank reported, its own exit line) go to descriptor 2 below ``sys.stderr``:
+    a stream closed under it (the main thread ending) loses nothing, and a pipe left non-blocking and full (a
+    reader that is slow) is waited for, not given up on at the first EAGAIN."""
+    import sys
+    import threading
+    import time
+
+    from lightning_mgpu.watch.watcher import HangWatch, write_whole
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        filler = b"x" * 65536  # fill the pipe: the next write would block
+        while write_whole(write, filler[:4096], patience_s=0.0):
+            pass
+        line = ("[lightning_mgpu] rank 0: the job hangs; exiting with status 124 at 1.0." * 100).encode()
+        drained: list[bytes] = []
+
+        def drain() -> None:  # a slow reader: starts after the writer found the pipe full
+            time.sleep(0.2)
+            while True:
+                chunk = os.read(read, 65536)
+                drained.append(chunk)
+                if chunk.endswith(b"1.0."):
+                    return
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        assert write_whole(write, line, patience_s=5.0)
+        reader.join(timeout=10)
+        assert b"".join(drained).endswith(line)
+    finally:
+        os.close(read)
+        os.close(write)
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)  # Python's stream is gone; descriptor 2 is not
+    said: list[tuple[int, bytes]] = []
+    monkeypatch.setattr("lightning_mgpu.watch.watcher.write_whole", lambda fd, data: said.append((fd, data)) or True)
+    HangWatch()._say("[lightning_mgpu] rank 1: the job hangs; exiting with status 124 at 2.0.")
+    assert said == [(2, b"[lightning_mgpu] rank 1: the job hangs; exiting with status 124 at 2.0.\n")]
