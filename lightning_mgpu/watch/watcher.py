@@ -27,9 +27,12 @@ the failed collective (gloo) or, where that never comes (NCCL), by the hang verd
 Concluding, on every rank: publish the final state with the main thread's stack; the reporter (rank 0,
 or the first to claim it when rank 0 does not within ``CLAIM_WAIT_S``) gathers those, diagnoses
 (:mod:`.diagnosis`), prints the one report, writes ``hang_report.json`` to the log directory, hands
-the report to ``on_report`` (the loggers) and marks it done; the others wait for that. Then every
-rank ends its process at once (``os._exit``: the main thread is blocked in C++ and cannot be unwound)
-with status :data:`HANG_EXIT_CODE`, or 128 + the signal's number after a preemption signal.
+the report to ``on_report`` (the loggers), says its own exit line and marks the report done; the others
+wait for that, say theirs and leave. No rank exits before every rank has left (or ``LEAVE_WAIT_S``
+passed): Lightning's launcher SIGKILLs every other process of the job within 5 s of a child's non-zero
+exit, and would cut a rank off before its line. Then every rank ends its process (``os._exit``: the
+main thread is blocked in C++ and cannot be unwound) with status :data:`HANG_EXIT_CODE`, or 128 + the
+signal's number after a preemption signal.
 """
 
 from __future__ import annotations
@@ -530,11 +533,16 @@ class HangWatch:
     # ------------------------------------------------------------------ ending the job
 
     def _conclude(self, run: Run, channel: Channel, declaration: dict[str, Any], state: RankState) -> None:
-        """A hang was declared: every rank's part (see the module docstring), then the process ends."""
+        """A hang was declared: every rank's part (see the module docstring), then the process ends.
+
+        No rank exits before every rank has said its exit line (or a few seconds have passed): under Lightning's
+        launcher the first child to exit non-zero has the parent SIGKILL every other process of the job (its
+        child-process observer), and a rank killed before its line leaves the job's output one rank short."""
         self._concluding = True
         signum = declaration.get("signal")
         code = 128 + int(signum) if signum else HANG_EXIT_CODE
         reporter: Optional[int] = None
+        said = False
         try:
             channel.put_final(run.rank, state.as_dict(with_stack=True))
             reporter = channel.claim("reporter", 0) if run.rank == 0 else None
@@ -547,7 +555,10 @@ class HangWatch:
                     self._sleep(0.1)
             if reporter == run.rank:
                 others = self._report(run, channel, declaration, state, code)
-                # This process may serve the store: the others read "done" through it, then say they leave.
+                self._say(self._last_words(run, reporter, signum, code))
+                said = True
+                channel.mark_done()
+                # This process may serve the store: the others read "done" through it, say their lines, then leave.
                 deadline = self._clock() + LEAVE_WAIT_S
                 while channel.left() < others and self._clock() < deadline:
                     self._sleep(0.05)
@@ -555,18 +566,26 @@ class HangWatch:
                 deadline = self._clock() + DONE_WAIT_S
                 while not channel.done() and self._clock() < deadline:
                     self._sleep(0.1)
+                self._say(self._last_words(run, reporter, signum, code))
+                said = True
                 channel.leave()
+                leavers = len(_live_ranks(run, declaration)) - 1  # every rank but the reporter leaves
+                deadline = self._clock() + LEAVE_WAIT_S
+                while channel.left() < leavers and self._clock() < deadline:
+                    self._sleep(0.05)
         except _STORE_ERRORS as error:
             self._say(f"{MARK} rank {run.rank}: the store failed while the hang was reported ({error})")
-        by = f"rank {reporter}'s report" if reporter is not None and reporter != run.rank else "the report"
-        why = f"after {signal_name(int(signum))}, " if signum else ""
-        self._say(
-            f"{MARK} rank {run.rank}: the job hangs ({why}see {by} above); exiting with status {code} at {time.time():.3f}."
-        )
+        if not said:
+            self._say(self._last_words(run, reporter, signum, code))
         self._end(code)
 
+    def _last_words(self, run: Run, reporter: Optional[int], signum: Any, code: int) -> str:
+        by = f"rank {reporter}'s report" if reporter is not None and reporter != run.rank else "the report"
+        why = f"after {signal_name(int(signum))}, " if signum else ""
+        return f"{MARK} rank {run.rank}: the job hangs ({why}see {by} above); exiting with status {code} at {time.time():.3f}."
+
     def _report(self, run: Run, channel: Channel, declaration: dict[str, Any], state: RankState, code: int) -> int:
-        """Gather, diagnose, print, write, hand over, mark done; the number of other ranks expected to leave."""
+        """Gather, diagnose, print, write, hand over; the number of other ranks expected to leave."""
         decided = declaration.get("verdict") or {}
         verdict = Verdict(
             True,
@@ -575,7 +594,7 @@ class HangWatch:
             list(decided.get("unresponsive", [])),
             float(decided.get("timeout_s", run.timeout)),
         )
-        expected = [r for r in range(run.world_size) if r not in verdict.dead and r not in verdict.unresponsive]
+        expected = _live_ranks(run, declaration)
         deadline = self._clock() + FINALS_WAIT_S
         finals = channel.finals(expected)
         while len(finals) < len(expected) and self._clock() < deadline:
@@ -604,7 +623,6 @@ class HangWatch:
         self._say(report["text"])
         write(report, run.log_dir)
         self._hand_over(run, report)
-        channel.mark_done()
         return len([rank for rank in expected if rank != run.rank])
 
     def _conclude_alone(self, run: Run, state: RankState) -> None:
@@ -665,6 +683,13 @@ class HangWatch:
             except (OSError, ValueError):
                 pass
         self._exit(code)
+
+
+def _live_ranks(run: Run, declaration: dict[str, Any]) -> list[int]:
+    """The ranks the declaration does not name dead or unresponsive: those that take part in ending the job."""
+    decided = declaration.get("verdict") or {}
+    gone = set(decided.get("dead", [])) | set(decided.get("unresponsive", []))
+    return [rank for rank in range(run.world_size) if rank not in gone]
 
 
 def write_whole(fd: int, data: bytes, *, patience_s: float = 2.0) -> bool:

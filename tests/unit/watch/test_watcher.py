@@ -299,3 +299,59 @@ def test_what_the_watch_says_reaches_the_descriptor_whole_even_past_pythons_stre
     monkeypatch.setattr("lightning_mgpu.watch.watcher.write_whole", lambda fd, data: said.append((fd, data)) or True)
     HangWatch()._say("[lightning_mgpu] rank 1: the job hangs; exiting with status 124 at 2.0.")
     assert said == [(2, b"[lightning_mgpu] rank 1: the job hangs; exiting with status 124 at 2.0.\n")]
+
+
+def test_no_rank_exits_before_every_rank_has_said_its_exit_line(tmp_path: Path) -> None:
+    """Under Lightning's launcher the first child to exit non-zero has the parent SIGKILL every other process (its
+    child-process observer): a rank that had not said its exit line yet left the output one rank short (seen in
+    the 4-rank scenarios under load). Three ranks, the watches in threads of their own, one of them slow to see
+    the report done: every exit line is out before the first exit."""
+    import threading
+    import time
+
+    store = dist.HashStore()
+    events: list[tuple[float, int, str]] = []
+    lock = threading.Lock()
+
+    class Said(io.StringIO):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.rank = rank
+
+        def write(self, text: str) -> int:
+            with lock:
+                events.append((time.monotonic(), self.rank, "said" if "exiting with status" in text else "other"))
+            return len(text)
+
+    def one(rank: int) -> None:
+        slow = 6.0 if rank == 2 else 1.0  # rank 2's waits last longer: it sees the report done after rank 1 does
+
+        def leave(code: int) -> None:
+            with lock:
+                events.append((time.monotonic(), rank, "exit"))
+
+        watch = HangWatch(
+            exit=leave,
+            clock=time.monotonic,
+            sleep=lambda s: time.sleep(s * slow),
+            sampler=lambda: Sample(BARRIER_STACK, 0.0, 0),
+            output=Said(rank),
+            threaded=False,
+        )
+        watch.start(owner="test", store=store, rank=rank, world_size=3, timeout=1.0, stage="fit", log_dir=str(tmp_path))
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline and watch.tick():
+                time.sleep(0.05)
+        finally:
+            watch.stop()
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    said = {rank: t for t, rank, what in events if what == "said"}
+    exits = {rank: t for t, rank, what in events if what == "exit"}
+    assert sorted(said) == sorted(exits) == [0, 1, 2], events
+    assert max(said.values()) < min(exits.values()), sorted(events)
