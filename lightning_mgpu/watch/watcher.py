@@ -28,11 +28,12 @@ Concluding, on every rank: publish the final state with the main thread's stack;
 or the first to claim it when rank 0 does not within ``CLAIM_WAIT_S``) gathers those, diagnoses
 (:mod:`.diagnosis`), prints the one report, writes ``hang_report.json`` to the log directory, hands
 the report to ``on_report`` (the loggers), says its own exit line and marks the report done; the others
-wait for that, say theirs and leave. No rank exits before every rank has left (or ``LEAVE_WAIT_S``
-passed): Lightning's launcher SIGKILLs every other process of the job within 5 s of a child's non-zero
-exit, and would cut a rank off before its line. Then every rank ends its process (``os._exit``: the
-main thread is blocked in C++ and cannot be unwound) with status :data:`HANG_EXIT_CODE`, or 128 + the
-signal's number after a preemption signal.
+wait for that, say theirs and leave. No rank exits before every rank has left, and a rank started by
+another rank (Lightning's launcher starts the other local ranks from local rank 0) exits after its
+parent (each wait bounded by ``LEAVE_WAIT_S``): the launcher SIGKILLs every process of the job within
+5 s of a child's non-zero exit, which would cut a rank off before its line or turn its parent's status
+into -9. Then every rank ends its process (``os._exit``: the main thread is blocked in C++ and cannot
+be unwound) with status :data:`HANG_EXIT_CODE`, or 128 + the signal's number after a preemption signal.
 """
 
 from __future__ import annotations
@@ -543,8 +544,10 @@ class HangWatch:
         code = 128 + int(signum) if signum else HANG_EXIT_CODE
         reporter: Optional[int] = None
         said = False
+        parent: Optional[int] = None
         try:
             channel.put_final(run.rank, state.as_dict(with_stack=True))
+            parent = self._parent_rank(run, channel, state)
             reporter = channel.claim("reporter", 0) if run.rank == 0 else None
             deadline = self._clock() + CLAIM_WAIT_S
             while reporter is None:
@@ -577,7 +580,23 @@ class HangWatch:
             self._say(f"{MARK} rank {run.rank}: the store failed while the hang was reported ({error})")
         if not said:
             self._say(self._last_words(run, reporter, signum, code))
+        if parent is not None:
+            # The rank that started this process (Lightning's launcher: local rank 0) goes first: its child-process
+            # observer SIGKILLs it, and every other rank, within 5 s of a child's non-zero exit, whose status would
+            # then be -9, not this one.
+            deadline = self._clock() + LEAVE_WAIT_S
+            while os.getppid() == parent and self._clock() < deadline:
+                self._sleep(0.05)
         self._end(code)
+
+    def _parent_rank(self, run: Run, channel: Channel, state: RankState) -> Optional[int]:
+        """The pid of the rank of this job that started this process (Lightning's launcher starts the other local
+        ranks from local rank 0), or None (torchrun's agent, srun, a user's shell)."""
+        parent = os.getppid()
+        for rank, beat in enumerate(channel.beats(run.world_size)):
+            if rank != run.rank and beat and beat.get("pid") == parent and beat.get("host") == state.host:
+                return parent
+        return None
 
     def _last_words(self, run: Run, reporter: Optional[int], signum: Any, code: int) -> str:
         by = f"rank {reporter}'s report" if reporter is not None and reporter != run.rank else "the report"

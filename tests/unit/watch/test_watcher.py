@@ -355,3 +355,56 @@ def test_no_rank_exits_before_every_rank_has_said_its_exit_line(tmp_path: Path) 
     exits = {rank: t for t, rank, what in events if what == "exit"}
     assert sorted(said) == sorted(exits) == [0, 1, 2], events
     assert max(said.values()) < min(exits.values()), sorted(events)
+
+
+def test_a_rank_started_by_another_rank_exits_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's launcher starts rank 1 from rank 0, and SIGKILLs rank 0 within 5 s of rank 1's non-zero exit: rank
+    0's status was then -9, not the hang's 124 (seen under load). Rank 1 (here a thread whose parent is "rank 0's
+    pid") waits for its parent to be gone; rank 0 does not wait for anyone's parent."""
+    import threading
+    import time
+
+    store = dist.HashStore()
+    events: list[tuple[int, str]] = []
+    parent_gone = threading.Event()
+    real_getppid = os.getppid
+    rank_of_thread: dict[int, int] = {}
+
+    def getppid() -> int:  # rank 1's parent is this process (rank 0's published pid) until rank 0 has exited
+        if rank_of_thread.get(threading.get_ident()) == 1:
+            return 1 if parent_gone.is_set() else os.getpid()
+        return real_getppid()
+
+    monkeypatch.setattr(os, "getppid", getppid)
+
+    def one(rank: int) -> None:
+        rank_of_thread[threading.get_ident()] = rank
+
+        def leave(code: int) -> None:
+            events.append((rank, "exit"))
+            if rank == 0:
+                time.sleep(0.3)  # the parent's process takes a moment to go
+                parent_gone.set()
+
+        watch = HangWatch(
+            exit=leave,
+            clock=time.monotonic,
+            sleep=time.sleep,
+            sampler=lambda: Sample(BARRIER_STACK, 0.0, 0),
+            output=io.StringIO(),
+            threaded=False,
+        )
+        watch.start(owner="test", store=store, rank=rank, world_size=2, timeout=1.0, stage="fit", log_dir=str(tmp_path))
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline and watch.tick():
+                time.sleep(0.05)
+        finally:
+            watch.stop()
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert events == [(0, "exit"), (1, "exit")]
