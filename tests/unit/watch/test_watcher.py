@@ -301,6 +301,33 @@ def test_what_the_watch_says_reaches_the_descriptor_whole_even_past_pythons_stre
     assert said == [(2, b"[lightning_mgpu] rank 1: the job hangs; exiting with status 124 at 2.0.\n")]
 
 
+def hang_in_real_time(watch: HangWatch, store: dist.Store, rank: int, world_size: int, log_dir: Path) -> None:
+    """``watch`` (unthreaded) on ``rank`` of ``world_size``, ticked every 50 ms of real time until it ends its
+    "process": a main thread in a barrier for good, declared hung after 1 s."""
+    import time
+
+    watch.start(
+        owner="test", store=store, rank=rank, world_size=world_size, timeout=1.0, stage="fit", log_dir=str(log_dir)
+    )
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline and watch.tick():
+            time.sleep(0.05)
+    finally:
+        watch.stop()
+
+
+def in_threads(one: Any, ranks: int) -> None:
+    """``one(rank)`` for every rank, each in a thread of its own, all at once."""
+    import threading
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+
 def test_no_rank_exits_before_every_rank_has_said_its_exit_line(tmp_path: Path) -> None:
     """Under Lightning's launcher the first child to exit non-zero has the parent SIGKILL every other process (its
     child-process observer): a rank that had not said its exit line yet left the output one rank short (seen in
@@ -338,19 +365,9 @@ def test_no_rank_exits_before_every_rank_has_said_its_exit_line(tmp_path: Path) 
             output=Said(rank),
             threaded=False,
         )
-        watch.start(owner="test", store=store, rank=rank, world_size=3, timeout=1.0, stage="fit", log_dir=str(tmp_path))
-        deadline = time.monotonic() + 30
-        try:
-            while time.monotonic() < deadline and watch.tick():
-                time.sleep(0.05)
-        finally:
-            watch.stop()
+        hang_in_real_time(watch, store, rank, 3, tmp_path)
 
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    in_threads(one, 3)
     said = {rank: t for t, rank, what in events if what == "said"}
     exits = {rank: t for t, rank, what in events if what == "exit"}
     assert sorted(said) == sorted(exits) == [0, 1, 2], events
@@ -394,17 +411,7 @@ def test_a_rank_started_by_another_rank_exits_after_it(tmp_path: Path, monkeypat
             output=io.StringIO(),
             threaded=False,
         )
-        watch.start(owner="test", store=store, rank=rank, world_size=2, timeout=1.0, stage="fit", log_dir=str(tmp_path))
-        deadline = time.monotonic() + 30
-        try:
-            while time.monotonic() < deadline and watch.tick():
-                time.sleep(0.05)
-        finally:
-            watch.stop()
+        hang_in_real_time(watch, store, rank, 2, tmp_path)
 
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    in_threads(one, 2)
     assert events == [(0, "exit"), (1, "exit")]
