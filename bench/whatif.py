@@ -15,7 +15,7 @@ rank 0, after a warm-up; median over the run, then over rounds):
    link predicts the bucket sizes and compressions at that rate (the link as that profile saw it);
 3. **from a 1-rank profile plus bench-comm**: a one-rank profile and ``lightning-mgpu bench-comm``
    run across the lab's link at each rate (torchrun on both nodes, as a user runs it) predict
-   the 2-rank default run; the same with a rate for the
+   the 2-rank runs with default buckets and with fp16; the same with a rate for the
    link instead (the raw TCP transfer's achieved rate, and the configured, nominal one) says
    what each input is worth.
 
@@ -58,6 +58,9 @@ CAPS = (4.0, 64.0)
 PROFILE_RATE = 1.0
 WARMUP = 8  # PowerSGD starts at step 2 and settles a few steps later (allocations, first Q)
 PROFILE_STEPS = 20
+ONE_RANK_CONFIGS = ("default", "fp16")
+"""What the documented route (a 1-rank profile and the link: bench-comm across it, or a rate) predicts: issue 31
+item 5 asks for default buckets and fp16."""
 # Timed steps per run, fewer where each step takes seconds: the 8M MLP sends 33 MiB per step.
 STEPS = {0.1: 6, 1.0: 12, 2.5: 16, 10.0: 20}
 QUICK = {
@@ -96,6 +99,15 @@ def configs(args: argparse.Namespace) -> list[dict[str, Any]]:
             "powersgd_rank": args.powersgd_rank,
         }
     )
+    if args.configs:
+        kinds = {"default": "default", "fp16": "fp16", "powersgd": f"powersgd r{args.powersgd_rank}"}
+        wanted = {kinds.get(name, name) for name in args.configs}
+        unknown = wanted - {config["name"] for config in out}
+        if unknown:
+            raise SystemExit(f"--configs: no configuration {sorted(unknown)}; these run: {[c['name'] for c in out]}")
+        out = [config for config in out if config["name"] in wanted]
+        if out[0]["name"] != "default":
+            raise SystemExit("--configs must keep default (the profiles and the bench-comm validation use it)")
     return out
 
 
@@ -287,13 +299,12 @@ def validate(
             overhead = float(costs[model].get("allreduce_overhead_ms", 0.0))
             add("profile_at_1gbps", m, at, link_from_profile(load_profile(at["profile"]), overhead_ms=overhead), False)
         sweep = bench_comm.get(f"{rate:g}")
-        if m["config"]["name"] == "default" and sweep is not None:
+        if m["config"]["name"] not in ONE_RANK_CONFIGS:
+            continue
+        if sweep is not None:
             add("one_rank_plus_bench_comm", m, inputs["loopback_1"][model], link_from_bench_comm(sweep), False)
-        if m["config"]["name"] == "default":
-            add(
-                "one_rank_plus_achieved_rate", m, inputs["loopback_1"][model], link_from_gbps(m["achieved_gbps"]), False
-            )
-            add("one_rank_plus_nominal_rate", m, inputs["loopback_1"][model], link_from_gbps(rate), False)
+        add("one_rank_plus_achieved_rate", m, inputs["loopback_1"][model], link_from_gbps(m["achieved_gbps"]), False)
+        add("one_rank_plus_nominal_rate", m, inputs["loopback_1"][model], link_from_gbps(rate), False)
     return validations
 
 
@@ -442,6 +453,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--caps", type=floats, default=list(CAPS), help="bucket sizes measured besides the default (MiB)"
     )
     parser.add_argument("--powersgd-rank", type=int, default=1)
+    parser.add_argument(
+        "--configs",
+        type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+        default=None,
+        help="only these configurations (default, fp16, powersgd, or a cap of --caps such as '4 MiB'); default: all",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="rounds of every configuration (rotated order)")
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: by rate)")

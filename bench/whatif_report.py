@@ -19,7 +19,7 @@ WORST_TARGET_PCT = 20.0
 TITLES = {
     "loopback_profile": "from one loopback profile (default buckets) -> every rate, bucket size and compression",
     "profile_at_1gbps": "from one profile at 1 Gbit/s (default buckets) -> bucket sizes and compression there",
-    "one_rank_plus_bench_comm": "from a 1-rank profile + bench-comm over the link -> 2 ranks, default buckets",
+    "one_rank_plus_bench_comm": "from a 1-rank profile + bench-comm over the link -> 2 ranks, default buckets and fp16",
     "one_rank_plus_achieved_rate": "the same, the link as the rate a raw TCP transfer achieved (--link-gbps)",
     "one_rank_plus_nominal_rate": "the same, the link as its configured (nominal) rate (--link-gbps)",
 }
