@@ -498,6 +498,7 @@ def part_whatif(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer_ms": gpu.optimizer_ms,
             "other_ms": gpu.other_ms,
         },
+        "cpu_threads": max(1, (os.cpu_count() or 2) // 2),  # what _profile gives the CPU run
         "compute_scale": scale,
         "predicted_gpu_step_ms": predicted,
         "measured_gpu_step_ms": gpu.step_ms,

@@ -646,7 +646,8 @@ def gpu_figures() -> str:
     for launch in wi["launches"]:
         rows.append(
             (
-                "`whatif --compute-scale`: GPU / CPU compute of the 8M MLP (same machine)",
+                "`whatif --compute-scale`: GPU / CPU compute of the 8M MLP (same machine; CPU: "
+                f"{launch.get('cpu_threads', 'half its cores as')} threads)",
                 f"{launch['compute_scale']:.3f} (GPU {launch['gpu']['compute_ms']:.2f} ms, "
                 f"CPU {launch['cpu']['compute_ms']:.2f} ms)",
                 "–",
