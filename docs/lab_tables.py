@@ -29,9 +29,9 @@ def _errors(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return statistics.median(errors), max(errors)
 
 
-def whatif_summary() -> str:
+def whatif_summary(name: str = "whatif") -> str:
     """``bench/whatif.py``: each validation's median and worst error against the targets."""
-    r = load("whatif")
+    r = load(name)
     rows = []
     for name, title in _VALIDATIONS.items():
         found = r["validations"].get(name) or []
@@ -58,6 +58,49 @@ def whatif_summary() -> str:
     )
     header = ("prediction", "runs", "median |error|", "worst |error|", "met")
     return f"{table(header, rows)}\n\n{note}"
+
+
+_ROUTE = {
+    "one_rank_plus_bench_comm": "`bench-comm` over the link",
+    "one_rank_plus_achieved_rate": "the rate a raw TCP transfer achieved",
+    "one_rank_plus_nominal_rate": "the link's nominal rate",
+}
+
+
+def whatif_route(name: str = "whatif", split_gbps: float = 2.5) -> str:
+    """The documented route (a 1-rank profile + the link) by link input, up to ``split_gbps`` and above it."""
+    r = load(name)
+
+    def cell(rows: list[dict[str, Any]]) -> str:
+        if not rows:
+            return "–"
+        errors = sorted(abs(row["error_pct"]) for row in rows)
+        worst = max(rows, key=lambda row: abs(row["error_pct"]))
+        middle = statistics.median(errors)
+        return f"{middle:.1f}% / {errors[-1]:.1f}% ({worst['model']}, {worst['config']}, {worst['rate_gbps']:g} Gbit/s)"
+
+    rates = sorted({row["rate_gbps"] for rows in r["validations"].values() for row in rows})
+    low = [rate for rate in rates if rate <= split_gbps]
+    high = [rate for rate in rates if rate > split_gbps]
+    rows = []
+    for key, title in _ROUTE.items():
+        found = r["validations"].get(key) or []
+        rows.append(
+            (
+                title,
+                cell([row for row in found if row["rate_gbps"] <= split_gbps]),
+                cell([row for row in found if row["rate_gbps"] > split_gbps]),
+            )
+        )
+    n_low = sum(1 for row in r["validations"].get("one_rank_plus_bench_comm", []) if row["rate_gbps"] <= split_gbps)
+    n_high = sum(1 for row in r["validations"].get("one_rank_plus_bench_comm", []) if row["rate_gbps"] > split_gbps)
+    header = (
+        "link input",
+        f"{'–'.join(f'{x:g}' for x in (low[0], low[-1])) if low else '–'} Gbit/s ({n_low} runs): median / worst",
+        f"{', '.join(f'{x:g}' for x in high) or '–'} Gbit/s ({n_high} runs): median / worst",
+    )
+    configs = ", ".join(dict.fromkeys(row["config"] for row in r["validations"].get("one_rank_plus_bench_comm", [])))
+    return f"{table(header, rows)}\n\nA 1-rank profile and the link → 2 ranks, {configs}; `bench/results/{name}.json`."
 
 
 def whatif_by_rate() -> str:
