@@ -32,7 +32,9 @@ def test_whatif_quick_run_and_repredict(tmp_path: Path) -> None:
     configs = {"default", "4 MiB", "fp16", "powersgd r1"}
     assert {row["config"] for row in report["validations"]["loopback_profile"]} == configs
     assert {row["config"] for row in report["validations"]["profile_at_1gbps"]} == configs - {"default"}
-    assert [row["config"] for row in report["validations"]["one_rank_plus_bench_comm"]] == ["default"]
+    # the documented route (a 1-rank profile + the link) on what issue 31 item 5 names: default buckets and fp16
+    for route in ("one_rank_plus_bench_comm", "one_rank_plus_achieved_rate", "one_rank_plus_nominal_rate"):
+        assert [row["config"] for row in report["validations"][route]] == ["default", "fp16"], route
     for rows in report["validations"].values():
         for row in rows:
             assert row["predicted_ms"] > 0 and row["measured_ms"] > 0
