@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bench.whatif import VALIDATIONS, validate
+from bench.whatif import ONE_RANK_CONFIGS, VALIDATIONS, validate
 from bench.whatif_report import summarize_errors
 from tests.conftest import REPO
 
@@ -30,7 +30,8 @@ def test_a_rate_instead_of_the_sweep_predicts_the_same_runs_and_the_kept_summary
         for name in ("one_rank_plus_bench_comm", "one_rank_plus_achieved_rate", "one_rank_plus_nominal_rate")
     )
     key = [(r["model"], r["rate_gbps"], r["measured_ms"]) for r in sweep]
-    assert len(key) == 12 and [(r["model"], r["rate_gbps"], r["measured_ms"]) for r in achieved] == key
+    runs = len(settings["models"]) * len(settings["rates_gbps"]) * len(ONE_RANK_CONFIGS)  # 3 x 4 x (default, fp16)
+    assert len(key) == runs == 24 and [(r["model"], r["rate_gbps"], r["measured_ms"]) for r in achieved] == key
     assert [(r["model"], r["rate_gbps"], r["measured_ms"]) for r in nominal] == key
     for fast, slow in zip(nominal, achieved):  # TCP delivers less than the nominal rate: the nominal link is faster
         assert slow["achieved_gbps"] < slow["rate_gbps"] and fast["predicted_ms"] < slow["predicted_ms"]
