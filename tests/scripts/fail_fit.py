@@ -319,7 +319,9 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint, or 'latest' in OUT/ckpt (none: start afresh)")
     parser.add_argument("--profiler", action="store_true", help="CommProfiler(warmup_steps=2, every_n_steps=4)")
     parser.add_argument(
-        "--doctor", action="store_true", help="DistributedDoctor(check_every_n_batches=--ckpt-every or 4)"
+        "--doctor",
+        action="store_true",
+        help="DistributedDoctor(check_every_n_batches=--ckpt-every or 4), wall-clock rule off",
     )
     parser.add_argument("--wandb", action="store_true", help="WandbLogger (offline) and CSVLogger under OUT")
     parser.add_argument("--linger-s", type=float, default=0.0, help="the failing rank's slow exit (see above)")
@@ -359,7 +361,11 @@ def main() -> None:
     if args.profiler:
         callbacks.append(CommProfiler(warmup_steps=2, every_n_steps=4, export_dir=args.out_dir / "profile"))
     if args.doctor:
-        callbacks.append(DistributedDoctor(check_every_n_batches=every))
+        # The resume tests compare the doctor's state bit for bit with an uninterrupted run's; "dataloader-starving"
+        # judges wall-clock time (this model's steps take a few ms, so one fetch delayed by a loaded machine can
+        # exceed 25% of a check's window: it fired in one CI run's resumed run and not in its reference). Every
+        # other rule sees only what the run computes.
+        callbacks.append(DistributedDoctor(check_every_n_batches=every, disable=("dataloader-starving",)))
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out_dir / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1)

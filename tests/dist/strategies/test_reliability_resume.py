@@ -1,7 +1,7 @@
 """Killed after a checkpoint, resumed: the same run as one never interrupted, bit for bit.
 
 Each group (tests/scripts/fail_fit.py, 2 CPU ranks, ModelCheckpoint every N steps, CommProfiler and
-DistributedDoctor attached, checkpoints at steps that are not epoch ends) is run three times:
+DistributedDoctor attached (its one wall-clock rule off), checkpoints at steps that are not epoch ends) is run three times:
 
 * ``ref``: uninterrupted;
 * ``kill``: the same, one rank killed with ``SIGKILL`` a few steps after a checkpoint (this is
