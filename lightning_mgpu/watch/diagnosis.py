@@ -75,6 +75,8 @@ class Diagnosis:
 
 def ranks_text(ranks: Sequence[int]) -> str:
     ranks = sorted(ranks)
+    if not ranks:
+        return "no rank"
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
@@ -129,6 +131,16 @@ def diagnose(states: Sequence[RankState], verdict: Verdict) -> Diagnosis:
         found = rule(states, verdict, by_rank)
         if found is not None:
             return found
+    if not verdict.hang:  # a failure report: ranks left (e.g. one that ended its run while the others train)
+        left = list(verdict.dead) + list(verdict.unresponsive)
+        return Diagnosis(
+            "unknown",
+            f"{ranks_text(left)} left the job while the others were still in it; no known pattern fits (every "
+            "rank's place is listed above).",
+            "Read each rank's line above: a rank that ended its run early had fewer batches than the others "
+            "(uneven batches) or stopped on its own condition.",
+            left,
+        )
     return Diagnosis(
         "unknown",
         f"{ranks_text(verdict.blocked)} made no progress for {verdict.timeout:g} s; no known pattern fits "

@@ -290,7 +290,11 @@ class HangWatch:
         run, channel = self._run, self._main_channel
         if run is None or channel is None or not self._watching or self._concluding:
             return None  # concluding: the collective failed because the others are leaving after the hang's report
-        return self._report_left(run, channel, self._state(self._sample(), idle=0.0, run=run))
+        try:
+            return self._report_left(run, channel, self._state(self._sample(), idle=0.0, run=run))
+        except Exception as error:  # noqa: BLE001  (called while the run fails: its own error must stay the one raised)
+            self._say(f"{MARK} the report of the ranks that left failed: {type(error).__name__}: {error}")
+            return None
 
     def _report_left(self, run: Run, channel: Channel, mine: RankState) -> Optional[str]:
         """The ranks that left the run (process gone, or failed on their own), where each was: reported once per job."""

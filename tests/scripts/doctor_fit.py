@@ -41,6 +41,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -296,7 +297,8 @@ def main() -> None:
         report.update(completed=False, error_rules=error.rules, error=str(error), error_step=trainer.global_step)
         raise
     except BaseException as error:
-        report.update(completed=False, error_type=type(error).__name__, error=str(error))
+        where = traceback.format_exception(error)[-12:]  # kept for the test's message: where it was raised
+        report.update(completed=False, error_type=type(error).__name__, error=str(error), traceback="".join(where))
         raise
     finally:
         report.update(

@@ -126,3 +126,31 @@ def test_every_rank_in_the_same_collective() -> None:
     found = diagnose(*judged(*states))  # type: ignore[arg-type]
     assert found.cause == "stuck-in-collective" and found.culprits == []
     assert "NCCL_DEBUG=INFO" in found.fix
+
+
+def test_a_rank_that_ended_its_run_while_the_others_train_is_named_not_a_crash() -> None:
+    """Seen in CI (tests/dist/callbacks/doctor/test_doctor.py, uneven batches with the doctor only warning): rank 1
+    ended its fit and its process while rank 0 still trained; rank 0's failure report found no pattern and built its
+    fallback text from the (empty) list of blocked ranks: IndexError, raised from the strategy's on_exception in place
+    of DDP's own error."""
+    finished = state(1, "after_run", watching=False, gone=True)
+    diagnosis = diagnose([state(0, "backward"), finished], Verdict(False, [], [1], [], 300.0))
+    assert diagnosis.culprits == [1] and "rank 1 left the job" in diagnosis.summary
+
+
+def test_the_failure_report_never_replaces_the_runs_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from lightning_mgpu.watch import watcher
+
+    watch = watcher.HangWatch(output=io.StringIO(), threaded=False)
+
+    def broken(*_: object) -> str:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(watch, "_report_left", broken)
+    monkeypatch.setattr(watch, "_state", lambda *_, **__: None)
+    monkeypatch.setattr(watch, "_sample", lambda: None)
+    watch._run, watch._main_channel, watch._watching = object(), object(), True  # type: ignore[assignment]
+    assert watch.report_failure(RuntimeError("Connection closed by peer")) is None
+    assert "the report of the ranks that left failed: IndexError" in watch._output.getvalue()  # type: ignore[union-attr]
