@@ -203,12 +203,7 @@ class ScaledFp16Allreduce:
         scale = scale.exp2_()
         self._peaks.append(peak)
         self.exchanged_buckets += 1
-        nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
-        compressed = torch.empty(buffer.shape, dtype=torch.float16, device=buffer.device)
-        torch.mul(buffer, scale / world_size, out=compressed)  # one pass: the product in float32, stored as float16
-        if nonzero is not None:
-            self._nonzero.append(nonzero)
-            self._lost.append(nonzero - torch.count_nonzero(compressed))
+        compressed = self._compress(buffer, scale / world_size, in_place=False)
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -286,14 +281,21 @@ class ScaledFp16Allreduce:
         result: torch.futures.Future[torch.Tensor] = future.then(decompress)
         return result
 
-    def _compress(self, buffer: torch.Tensor, factor: Any, *, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``buffer * factor`` in float16 (the bucket's own buffer is scaled in place: the average overwrites it
-        anyway), counting the elements lost to underflow on a counted step."""
+    def _compress(
+        self, buffer: torch.Tensor, factor: Any, *, into: Optional[torch.Tensor] = None, in_place: bool = True
+    ) -> torch.Tensor:
+        """``buffer * factor`` in float16, counting the elements lost to underflow on a counted step. ``in_place``
+        (the carried path, CPU): the bucket is scaled in place, then cast; otherwise (the exchanged path, GPUs) one
+        pass computes the product in float32 and stores it as float16, the bucket left as it is."""
         nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
-        # A same-dtype multiply then a cast is ~4x faster on CPU than one multiply writing float16
-        # (torch.mul(..., out=half) takes an unvectorised casting path), and rounds the same.
-        scaled = buffer.mul_(factor)
-        compressed = scaled.to(torch.float16) if into is None else into.copy_(scaled)
+        if in_place:
+            # A same-dtype multiply then a cast is ~4x faster on CPU than one multiply writing float16
+            # (torch.mul(..., out=half) takes an unvectorised casting path), and rounds the same.
+            scaled = buffer.mul_(factor)
+            compressed = scaled.to(torch.float16) if into is None else into.copy_(scaled)
+        else:
+            compressed = into if into is not None else torch.empty_like(buffer, dtype=torch.float16)
+            torch.mul(buffer, factor, out=compressed)
         if nonzero is not None:
             self._nonzero.append(nonzero)
             self._lost.append(nonzero - torch.count_nonzero(compressed))
