@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,12 +55,6 @@ MLP_BATCH = 256
 
 
 # ----------------------------------------------------------------------------------------------- shared
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _card(device: str) -> dict[str, Any]:
     import torch
 
@@ -535,7 +528,9 @@ def _run_part(
         argv.append("--quick")
     if args.configs:
         argv += ["--configs", args.configs]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
+    from lightning_mgpu.comm.distributed import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     if (device or args.device) == "cpu":
