@@ -103,7 +103,7 @@ class StageGradients:
             param_grads: dict[int, torch.Tensor] = {}
         elif split_weight:
             graph = reached_graph(roots)
-            _claim(micro, j, graph[0], self.split_points)
+            _claim(j, graph[0], self.split_points)
             micro.splitting = j
             try:
                 results, param_grads, deferred = split_backward(
@@ -139,11 +139,6 @@ class StageGradients:
         micro.sources = {key: value for key, value in micro.sources.items() if value[0] != j}
         if j == len(self.devices) - 1:
             micro.result, micro.loss = map_tensors(micro.result, torch.Tensor.detach), None
-        if j == 0:
-            # Every stage's B has run: the claims served their purpose. Kept, they would hold every node of the
-            # retained graphs (zero-bubble's B keeps the graph for W) and with them the saved activations of
-            # all the step's micro-batches until the step ends, far past the schedule's bound.
-            micro.claimed.clear()
         return onward
 
     def weight(self, j: int, micro: MicroRun) -> None:
@@ -239,16 +234,25 @@ def _explain(exc: RuntimeError, split_points: Sequence[str], stage: int) -> Base
     return exc
 
 
-def _claim(micro: MicroRun, stage: int, nodes: set[Any], split_points: Sequence[str]) -> None:
-    """Record the autograd nodes of ``stage``'s backward for ``micro``; refuse a node a later stage's backward reached.
+_CLAIM = (
+    "lightning_mgpu.pipeline_stage"  # key of an autograd node's metadata: the stage whose split backward reached it
+)
+
+
+def _claim(stage: int, nodes: set[Any], split_points: Sequence[str]) -> None:
+    """Mark the autograd nodes of ``stage``'s backward; refuse a node a later stage's backward reached.
 
     With a split backward (``B`` keeps the graph for ``W``), the freed-buffer error that gives away a tensor crossing
     a split point unpassed comes only if the two stages' backward passes happen not to run the shared node at the
-    same moment; this finds it every time. Leaf nodes (a parameter's accumulator, used by every stage) are not claimed."""
+    same moment; this finds it every time. Leaf nodes (a parameter's accumulator, used by every stage) are not claimed.
+
+    The mark lives in the node's own ``metadata`` and dies with it. A table of nodes held by the micro-batch until
+    stage 0's ``B`` kept every node of a stage's retained graph, and with it the saved tensors its ``W`` does not
+    free, for as long as the earlier stages lagged: past the schedule's memory bound whenever they did."""
     for node in nodes:
         if not node.next_functions:
             continue
-        other = micro.claimed.setdefault(node, stage)
+        other = node.metadata.setdefault(_CLAIM, stage)
         if other != stage:
             raise _crossing(split_points, stage, f"stage {other}'s backward also reached")
 

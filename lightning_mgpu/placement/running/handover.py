@@ -81,7 +81,6 @@ class MicroRun:
     sources: dict[tuple[int, int], tuple[int, GradientEdge]] = field(default_factory=dict)
     leaf_stage: dict[int, int] = field(default_factory=dict)  # id(leaf) -> its stage (pass-through detection)
     deferred: dict[int, Any] = field(default_factory=dict)  # stage -> what its W pass needs
-    claimed: dict[Any, int] = field(default_factory=dict)  # autograd node -> the stage whose split backward reached it
     splitting: int = -1  # the stage running this micro-batch's split backward (B) now, if any
     linear_deferred: dict[int, list[Any]] = field(default_factory=dict)  # stage -> nn.Linear weight gradients for W
 
