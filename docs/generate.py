@@ -75,6 +75,7 @@ def _blocks() -> dict[str, Block]:
         "lab-whatif-slurm": partial(lab_tables.whatif_summary, "whatif_slurm"),
         "lab-whatif-slurm-route": partial(lab_tables.whatif_route, "whatif_slurm"),
         "lab-whatif-by-rate": lab_tables.whatif_by_rate,
+        "lab-whatif-sources": lab_tables.whatif_sources,
         "lab-cluster-preemption": lab_tables.cluster_preemption,
         "package-map": package_map.package_map,
         "import-graph": package_map.import_graph,

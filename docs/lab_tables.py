@@ -13,7 +13,7 @@ from bench.netlab_sweep import headline_ms, headline_speedup
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 
-__all__ = ["buckets", "cluster_preemption", "headlines", "sweep", "whatif_by_rate", "whatif_summary"]
+__all__ = ["buckets", "cluster_preemption", "headlines", "sweep", "whatif_by_rate", "whatif_sources", "whatif_summary"]
 
 _VALIDATIONS = {
     "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
@@ -332,3 +332,35 @@ def cluster_preemption() -> str:
         f"{s['scheduler']}."
     )
     return f"{table(header, rows)}\n\n{note}"
+
+
+def whatif_sources() -> str:
+    """``bench/whatif_sources.py``: one model's 1-rank prediction error taken apart, input by input, per rate."""
+    r = load("whatif_sources")
+    rows = []
+    for row in r["rows"]:
+        errors, compute = row["error_pct"], row["compute_ms"]
+        rows.append(
+            (
+                f"{row['rate_gbps']:g} Gbit/s",
+                f"{row['achieved_gbps']:.2f} / {row['bench_comm_16mib_gbps']:.2f}",
+                f"{row['measured_ms']:.1f}",
+                *(f"{errors[name]:+.1f}%" for name in ("nominal", "achieved", "bench_comm", "shared_profile")),
+                f"{compute['one_rank']:.1f} / {compute['beside']:.1f} / {compute['lab']:.1f}",
+            )
+        )
+    header = (
+        "link",
+        "TCP / bench-comm Gbit/s",
+        "measured ms",
+        "nominal",
+        "achieved",
+        "bench-comm",
+        "+ profile beside a copy",
+        "compute ms: alone / beside / in the 2-node run",
+    )
+    rounds = r["settings"]["rounds"]
+    return (
+        f"{table(header, rows)}\n\nError of each input's prediction against the measured 2-node step (median of "
+        f"{rounds} runs), {r['settings']['model']}; {_machine(r)}; `bench/results/whatif_sources.json`."
+    )

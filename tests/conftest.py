@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional, Sequence
 
 import pytest
-import torch
 
 from tests import warm
 
@@ -97,8 +96,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
     # Each pytest-xdist worker computes on its share of the cores: torch's default (a thread per core in
     # every worker) oversubscribes them, and a tiny backward then waits on the other worker's threads.
+    # torch is imported where it is needed, not at the top: pytest-xdist's controller process runs no test and
+    # would import it for nothing (about 1 s before the workers start).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
+        import torch
+
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
@@ -267,6 +270,8 @@ def run_recipe(
     record = workdir / "record.pt"
     script_path = str(RECIPES / recipe / script)
     proc = run_python([*launcher, script_path, *flags, "--record", str(record)], cwd=workdir, timeout=timeout)
+    import torch
+
     result: dict[str, Any] = torch.load(record, weights_only=True)
     return result, proc
 

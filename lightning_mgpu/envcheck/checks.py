@@ -178,38 +178,21 @@ def check_devices(environ: Mapping[str, str]) -> list[Check]:
     described = f"{count} GPU(s){': ' + ', '.join(names) if names else ''}; CUDA_VISIBLE_DEVICES=" + (
         "unset" if visible_value is None else repr(visible_value)
     )
+    device_fix = None
     if problem:
-        checks.append(
-            Check(
-                "devices",
-                "warn",
-                described,
-                details=details,
-                fix=f"{problem}: set it to distinct GPU indices or UUIDs, e.g. CUDA_VISIBLE_DEVICES=0,1",
-            )
-        )
+        device_fix = f"{problem}: set it to distinct GPU indices or UUIDs, e.g. CUDA_VISIBLE_DEVICES=0,1"
     elif entries == [] and physical:
-        checks.append(
-            Check(
-                "devices",
-                "warn",
-                described,
-                details=details,
-                fix=f"CUDA_VISIBLE_DEVICES is empty and hides all {physical} GPU(s): unset it "
-                "(unless CPU training is what you want)",
-            )
+        device_fix = (
+            f"CUDA_VISIBLE_DEVICES is empty and hides all {physical} GPU(s): unset it "
+            "(unless CPU training is what you want)"
         )
     elif physical is not None and entries is None and count < physical:
-        checks.append(
-            Check(
-                "devices",
-                "warn",
-                described,
-                details=details,
-                fix=f"torch sees {count} of the {physical} GPUs nvidia-smi lists: check the driver and "
-                "that no other process holds them in exclusive mode",
-            )
+        device_fix = (
+            f"torch sees {count} of the {physical} GPUs nvidia-smi lists: check the driver and "
+            "that no other process holds them in exclusive mode"
         )
+    if device_fix is not None:
+        checks.append(Check("devices", "warn", described, details=details, fix=device_fix))
     else:
         checks.append(
             Check("devices", "ok", described + ("" if count else " (CPU processes will use gloo)"), details=details)

@@ -313,17 +313,8 @@ class HangWatch:
         ]
         if not lost:
             return None
-        verdict = Verdict(False, [], lost, [], run.timeout)
-        diagnosis = diagnose(list(states.values()), verdict)
-        report = build(
-            list(states.values()),
-            verdict,
-            diagnosis,
-            reporter=run.rank,
-            hang_timeout=run.timeout,
-            exit_code=None,
-            failure=True,
-            log_dir=run.log_dir,
+        report = self._build_report(
+            run, states, Verdict(False, [], lost, [], run.timeout), exit_code=None, failure=True
         )
         with self._left_lock:  # once per job, and once per rank: its watch thread may have seen the death first
             try:
@@ -631,22 +622,27 @@ class HangWatch:
             states[rank].gone = True
         for rank in verdict.unresponsive:
             states[rank].silent_s = max(states[rank].silent_s, self._silent_limit(run))
-        diagnosis = diagnose(list(states.values()), verdict)
         signum = declaration.get("signal")
-        report = build(
-            list(states.values()),
-            verdict,
-            diagnosis,
-            reporter=run.rank,
-            hang_timeout=run.timeout,
-            exit_code=code,
-            signum=int(signum) if signum else None,
-            log_dir=run.log_dir,
-        )
+        report = self._build_report(run, states, verdict, exit_code=code, signum=int(signum) if signum else None)
         self._say(report["text"])
         write(report, run.log_dir)
         self._hand_over(run, report)
         return len([rank for rank in expected if rank != run.rank])
+
+    @staticmethod
+    def _build_report(run: Run, states: dict[int, RankState], verdict: Verdict, **how: Any) -> dict[str, Any]:
+        """The report of ``verdict`` over every rank's state, as this rank writes it (``how``: :func:`build`'s
+        exit_code, signum, failure)."""
+        ranks = list(states.values())
+        return build(
+            ranks,
+            verdict,
+            diagnose(ranks, verdict),
+            reporter=run.rank,
+            hang_timeout=run.timeout,
+            log_dir=run.log_dir,
+            **how,
+        )
 
     def _conclude_alone(self, run: Run, state: RankState) -> None:
         """No store to meet the others through: say what this rank knows, and end it."""
