@@ -76,7 +76,8 @@ machine's ceiling::
                "time_us": f,          # slowest rank's median time per all_reduce
                "algbw_gbps": f, "busbw_gbps": f,
                "wrong": int,          # wrong elements, all ranks together
-               "rank_time_us": [f, ...]}, ...],   # each rank's median, by rank
+               "rank_time_us": [f, ...],          # each rank's median, by rank
+               "cpu_us": f}, ...],    # the busiest rank's process CPU time per all_reduce (mean)
      "bus_factor": f,                 # 2(n-1)/n
      "peak_busbw_gbps": f, "peak_busbw_bytes": int,
      "latency_us": f, "latency_bytes": int,       # time at the smallest size
@@ -332,27 +333,40 @@ def warm_up_group(nbytes: int, *, device: torch.device, count: int = SWEEP_WARMU
 
 def measure_size(
     nbytes: int, *, iters: int, warmup: int, rank: int, world_size: int, device: torch.device
-) -> tuple[float, int]:
-    """This rank's median seconds per all_reduce of ``nbytes``, and its wrong elements in the check."""
+) -> tuple[float, int, float]:
+    """This rank's median seconds per all_reduce of ``nbytes``, its wrong elements in the check, and the CPU
+    seconds its process spent per all_reduce (every thread: gloo's copies and sums and the kernel's socket work
+    charged to it), the mean over the timed batch."""
     buffer = torch.zeros(nbytes // ELEMENT_BYTES, dtype=torch.float32, device=device)
     for _ in range(warmup):
         dist.all_reduce(buffer)
     _line_up(device)
+    cpu_before = time.process_time()
     seconds = time_iterations(lambda: dist.all_reduce(buffer), iters, device=device)
+    cpu = (time.process_time() - cpu_before) / max(1, iters)
 
     fill_check_pattern(buffer, rank)
     dist.all_reduce(buffer)
     wrong = count_wrong(buffer, world_size)
-    return statistics.median(seconds), wrong
+    return statistics.median(seconds), wrong, cpu
 
 
 def size_row(
-    nbytes: int, rank_seconds: Sequence[float], rank_wrong: Sequence[int], *, iters: int, warmup: int
+    nbytes: int,
+    rank_seconds: Sequence[float],
+    rank_wrong: Sequence[int],
+    *,
+    iters: int,
+    warmup: int,
+    rank_cpu_seconds: Optional[Sequence[float]] = None,
 ) -> dict[str, Any]:
-    """One table row from every rank's median time and wrong count: the slowest rank decides."""
+    """One table row from every rank's median time and wrong count: the slowest rank decides (``cpu_us``, the CPU
+    time per all_reduce, is the busiest rank's, when given)."""
     world_size = len(rank_seconds)
     seconds = max(rank_seconds)
+    cpu = {} if rank_cpu_seconds is None else {"cpu_us": max(rank_cpu_seconds) * 1e6}
     return {
+        **cpu,
         "bytes": nbytes,
         "count": nbytes // ELEMENT_BYTES,
         "iters": iters,

@@ -100,14 +100,11 @@ def _sweep_rows(
     for nbytes in settings.sizes:
         iters = timed_iterations(nbytes, settings.iters)
         warmup = warmup_iterations(nbytes, settings.warmup)
-        seconds, wrong = measure_size(
-            nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device
-        )
+        measured = measure_size(nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device)
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, (seconds, wrong))  # outside the timed batch
-        row = size_row(
-            nbytes, [item[0] for item in gathered], [item[1] for item in gathered], iters=iters, warmup=warmup
-        )
+        dist.all_gather_object(gathered, measured)  # outside the timed batch
+        seconds, wrong, cpu = zip(*gathered)
+        row = size_row(nbytes, seconds, wrong, iters=iters, warmup=warmup, rank_cpu_seconds=cpu)
         rows.append(row)
         if progress and rank == 0:
             print(

@@ -58,6 +58,10 @@ class Link:
     """Measured end to end (bench-comm, or the profile): the host's own per-byte cost is in it."""
     curve: tuple[tuple[int, float], ...] = ()
     """Measured (bytes, busbw GB/s) points, increasing in size; :meth:`busbw_at` interpolates them."""
+    cpu_share: tuple[tuple[int, float], ...] = ()
+    """Measured (bytes, CPU share) points, increasing in size: the CPU time a rank's process spent per all-reduce
+    over the all-reduce's time (bench-comm's ``cpu_us / time_us``: gloo's copies, sums and waiting, the kernel's
+    socket work charged to it), capped at 1 (one core); :meth:`cpu_share_at` interpolates them."""
     measured_world_size: int = 0
     """Ranks the curve was measured with (its small-message busbw holds 2(n-1) steps of latency)."""
     measured_nodes: Optional[int] = None
@@ -78,17 +82,11 @@ class Link:
     def busbw_at(self, nbytes: float) -> float:
         """Bus bandwidth (GB/s) for one all-reduce of ``nbytes``: the measured curve, interpolated
         in log(size) and held flat beyond its ends, or :attr:`busbw_gbps`."""
-        if not self.curve:
-            return self.busbw_gbps
-        sizes = [size for size, _ in self.curve]
-        if nbytes <= sizes[0]:
-            return self.curve[0][1]
-        if nbytes >= sizes[-1]:
-            return self.curve[-1][1]
-        i = bisect.bisect_right(sizes, nbytes)
-        (s0, b0), (s1, b1) = self.curve[i - 1], self.curve[i]
-        w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
-        return b0 + w * (b1 - b0)
+        return _interpolate(self.curve, nbytes) if self.curve else self.busbw_gbps
+
+    def cpu_share_at(self, nbytes: float) -> float:
+        """The measured CPU share of one all-reduce of ``nbytes`` (see :attr:`cpu_share`), 0 when not measured."""
+        return _interpolate(self.cpu_share, nbytes) if self.cpu_share else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +99,19 @@ class Link:
             "nominal": self.nominal,
             "source": self.source,
         }
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], nbytes: float) -> float:
+    """``points`` (size, value), increasing in size: interpolated in log(size), held flat beyond the ends."""
+    sizes = [size for size, _ in points]
+    if nbytes <= sizes[0]:
+        return points[0][1]
+    if nbytes >= sizes[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(sizes, nbytes)
+    (s0, v0), (s1, v1) = points[i - 1], points[i]
+    w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return v0 + w * (v1 - v0)
 
 
 def _ethernet(gbit: float, name: str) -> Link:
@@ -212,6 +223,7 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
             "run `lightning-mgpu bench-comm --json FILE` across the link"
         )
     curve = tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in rows))
+    cpu_share = _cpu_share(rows, where)
     latency_us = report.get("latency_us", 0.0)
     if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
         raise ProfileError(f"{where}: 'latency_us' must be a number >= 0, got {latency_us!r:.60}")
@@ -229,12 +241,28 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
         latency_us=latency,
         includes_host=True,
         curve=curve,
+        cpu_share=cpu_share if report.get("device_type", "cpu") == "cpu" else (),
         measured_world_size=world_size,
         measured_nodes=nodes,
         caveat=caveat,
         nominal=f"{world_size} ranks, {report.get('backend', '?')}",
         source=f"lightning-mgpu bench-comm {placed}: {where}",
     )
+
+
+def _cpu_share(rows: list[Any], where: str) -> tuple[tuple[int, float], ...]:
+    """Each row's ``cpu_us / time_us`` capped at 1, by size; () when a row lacks ``cpu_us`` (bench-comm before it
+    recorded CPU time)."""
+    points = []
+    for i, row in enumerate(rows):
+        cpu, took = row.get("cpu_us"), row.get("time_us")
+        if cpu is None or took is None:
+            return ()
+        for key, value in (("cpu_us", cpu), ("time_us", took)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+                raise ProfileError(f"{where}: rows[{i}].{key} must be a number >= 0, got {value!r:.60}")
+        points.append((int(row["bytes"]), min(1.0, float(cpu) / float(took)) if took > 0 else 0.0))
+    return tuple(sorted(points))
 
 
 def _placement(report: Mapping[str, Any], where: str) -> tuple[Optional[int], str]:

@@ -25,9 +25,10 @@ bucket's all-reduce is simulated on the target :class:`System`:
   lever are then about optimizer steps, as a user's throughput is.
 
 What the model ignores (``docs/whatif.md`` discusses it): contention between compute and
-communication for the same cores or memory bandwidth beyond the compression work it places on
-backward's cores (a loopback profile's compute already carries the contention of a fast
-all-reduce; a 1-rank profile carries none of two ranks sharing a machine); stragglers beyond the
+communication for the same cores or memory bandwidth beyond the compression work and the host's
+all-reduce work it places on backward's cores (a loopback profile's compute already carries the
+contention of a fast all-reduce; a 1-rank profile carries none, and gets the CPU share bench-comm
+measured over the link, when it did); stragglers beyond the
 profiled slowest rank; collectives running concurrently (gloo has two threads; one bucket at a
 time on the link gives the same end time when the link is the bottleneck); congestion from other
 jobs; the steps before PowerSGD starts; network topology beyond two levels; the data loader.
@@ -127,6 +128,16 @@ class System:
             host += self._link_seconds(self.host, nbytes) * 1e3
         return host
 
+    def contention_ms(self, nbytes: float, took_ms: float, *, host_extra_ms: float = 0.0) -> float:
+        """CPU time one all-reduce of ``nbytes`` lasting ``took_ms`` takes from the cores backward runs on: the host's
+        own work as :meth:`host_ms` knows it, and, on a link measured end to end with its CPU time (bench-comm), the
+        measured share of the all-reduce's time (the host's part of such a link is in its time, not in
+        :meth:`host_ms`)."""
+        if self.world_size == 1:
+            return 0.0
+        measured = max(link.cpu_share_at(nbytes) for link in self.links) * took_ms
+        return self.host_ms(nbytes, host_extra_ms=host_extra_ms) + measured
+
     def _link_seconds(self, link: Link, nbytes: float) -> float:
         steps = self.steps()
         if link.curve and link.measured_world_size:
@@ -175,7 +186,9 @@ class Scenario:
     host_contention: bool = True
     """CPU/gloo: the host's own all-reduce work (copying, summing) while backward computes takes
     backward's cores too: backward is pushed back by it, net of what the profile's backward
-    already carried from its own buckets. False: it runs beside backward for free."""
+    already carried from its own buckets. From a 1-rank profile (whose backward carried none) over
+    a link bench-comm measured with its CPU time, that work is the measured share of each
+    all-reduce's time (:attr:`Link.cpu_share`). False: it runs beside backward for free."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", check_compression(self.compression))
@@ -366,6 +379,18 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
         )
     if system.nodes > 1 and system.inter.caveat:
         assumptions.append(system.inter.caveat)
+    measured_links = [link for link in system.links if link.curve]
+    if (
+        run.world_size == 1
+        and run.device_type == "cpu"
+        and scenario.host_contention
+        and measured_links
+        and not any(link.cpu_share for link in measured_links)
+    ):
+        assumptions.append(
+            "the link's CPU time was not measured (a bench-comm result from before it recorded cpu_us): the "
+            "all-reduces' work on backward's cores is not counted, and the step may be predicted fast"
+        )
     if system.world_size == 1:
         return Prediction(
             scenario,
@@ -427,7 +452,10 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
                 took = system.allreduce_ms(amount, host_extra_ms=extra)
                 if scenario.host_contention and took > 0 and clock < compute_end_now:
                     share = min(1.0, (compute_end_now - clock) / took)
-                    contention += share * system.host_ms(amount, host_extra_ms=extra)
+                    if run.world_size == 1:  # the profile's backward carried no all-reduce: all of it is new
+                        contention += share * system.contention_ms(amount, took, host_extra_ms=extra)
+                    else:
+                        contention += share * system.host_ms(amount, host_extra_ms=extra)
                 clock += took
                 continue
             work = amount * scale

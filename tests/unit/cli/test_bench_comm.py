@@ -118,6 +118,12 @@ def test_the_slowest_rank_decides_a_row() -> None:
     assert row["count"] == MiB // 4 and row["wrong"] == 3
 
 
+def test_a_row_keeps_the_busiest_ranks_cpu_time_per_all_reduce() -> None:
+    row = size_row(MiB, [0.001, 0.002], [0, 0], iters=5, warmup=1, rank_cpu_seconds=[0.0015, 0.0005])
+    assert row["cpu_us"] == pytest.approx(1500.0)
+    assert "cpu_us" not in size_row(MiB, [0.001], [0], iters=5, warmup=1)
+
+
 def test_summary_names_the_peak_and_the_small_message_latency() -> None:
     rows = [size_row(n, [t, t / 2], [0, 0], iters=5, warmup=1) for n, t in ((KiB, 50e-6), (MiB, 1e-3), (4 * MiB, 8e-3))]
     summary = summarize_rows(rows)

@@ -199,6 +199,25 @@ def test_a_bench_comm_result_gives_a_measured_curve() -> None:
         link_from_bench_comm({**report, "world_size": 1})
 
 
+def test_a_bench_comm_results_cpu_time_gives_the_share_of_a_core_its_all_reduces_took() -> None:
+    rows = [
+        {"bytes": 4096, "busbw_gbps": 0.01, "time_us": 400.0, "cpu_us": 600.0},  # busy-waiting threads: capped at 1
+        {"bytes": 1 << 20, "busbw_gbps": 0.2, "time_us": 5000.0, "cpu_us": 1000.0},
+        {"bytes": 4 << 20, "busbw_gbps": 0.3, "time_us": 14000.0, "cpu_us": 7000.0},
+    ]
+    report = {"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": rows}
+    link = link_from_bench_comm(report)
+    assert link.cpu_share == ((4096, 1.0), (1 << 20, 0.2), (4 << 20, 0.5))
+    assert link.cpu_share_at(2 << 20) == pytest.approx(0.35)  # halfway in log(size)
+    assert link.cpu_share_at(1 << 30) == 0.5 and link.cpu_share_at(1) == 1.0  # flat past the ends
+    # not measured: a bench-comm from before it recorded CPU time, or a GPU's (its host time is not backward's)
+    assert link_from_bench_comm({**report, "rows": [*rows[:2], {**rows[2], "cpu_us": None}]}).cpu_share == ()
+    assert link_from_bench_comm({**report, "device_type": "cuda"}).cpu_share == ()
+    assert link_from_gbps(1).cpu_share_at(1 << 20) == 0.0
+    with pytest.raises(ProfileError, match=r"rows\[1\]\.cpu_us must be a number >= 0"):
+        link_from_bench_comm({**report, "rows": [rows[0], {**rows[1], "cpu_us": -1.0}, rows[2]]})
+
+
 def test_the_profiled_link_is_the_bytes_over_the_time_buckets_held_it() -> None:
     run = load_profile(simple_profile())
     assert service_times(run) == [1.0, 1.0]
@@ -353,6 +372,28 @@ def test_on_a_cpu_host_all_reduce_work_during_backward_takes_backwards_cores() -
     assert small.backward_compute_ms > 25.0 and free.backward_compute_ms == pytest.approx(25.0)
     assert small.step_ms == pytest.approx(on_loopback(None, True).step_ms, rel=0.01)
     assert free.step_ms < small.step_ms  # without contention the model would promise a gain
+
+
+def test_a_one_rank_profile_pays_the_measured_cpu_share_of_all_reduces_that_overlap_backward() -> None:
+    curve = ((1, 1.0),)  # 1 GB/s at every size, as bench-comm measured it
+    measured = Link(name="measured", busbw_gbps=1.0, includes_host=True, curve=curve, cpu_share=((1, 0.5),))
+    plain = Link(name="measured", busbw_gbps=1.0, includes_host=True, curve=curve)
+
+    def backward(profile_ranks: int, link: Link, contention: bool = True) -> float:
+        run = load_profile(mlp_profile(world_size=profile_ranks))
+        scenario = Scenario(system=System(nodes=2, inter=link), host_contention=contention)
+        return predict(run, scenario).backward_compute_ms
+
+    first = nbytes(MLP_BUCKETS[0])
+    # bucket 0 (ready at 3 ms) is on the link for first/1e6 ms, all of it while backward runs (until 25 ms): half a
+    # core for that long; bucket 1 is ready when backward ends and takes nothing from it
+    assert backward(1, plain) == pytest.approx(25.0)
+    old_result = predict(load_profile(mlp_profile(world_size=1)), Scenario(system=System(nodes=2, inter=plain)))
+    assert any("CPU time was not measured" in note for note in old_result.assumptions)
+    assert backward(1, measured) == pytest.approx(25.0 + 0.5 * first / 1e6)
+    assert backward(1, measured, contention=False) == pytest.approx(25.0)
+    # a profile of 2 ranks already carries its own all-reduces' work in its backward: not added again
+    assert backward(2, measured) == pytest.approx(backward(2, plain))
 
 
 def test_predicting_the_profiled_system_gives_back_the_profiled_step() -> None:

@@ -33,7 +33,10 @@ def test_a_rate_instead_of_the_sweep_predicts_the_same_runs_and_the_kept_summary
     runs = len(settings["models"]) * len(settings["rates_gbps"]) * len(ONE_RANK_CONFIGS)  # 3 x 4 x (default, fp16)
     assert len(key) == runs == 24 and [(r["model"], r["rate_gbps"], r["measured_ms"]) for r in achieved] == key
     assert [(r["model"], r["rate_gbps"], r["measured_ms"]) for r in nominal] == key
-    for fast, slow in zip(nominal, achieved):  # TCP delivers less than the nominal rate: the nominal link is faster
-        assert slow["achieved_gbps"] < slow["rate_gbps"] and fast["predicted_ms"] < slow["predicted_ms"]
+    # TCP delivers less than the nominal rate: the nominal link is faster, never slower (as fast where the transfer
+    # hides entirely behind backward and the host's work)
+    for fast, slow in zip(nominal, achieved):
+        assert slow["achieved_gbps"] < slow["rate_gbps"] and fast["predicted_ms"] <= slow["predicted_ms"]
+    assert sum(fast["predicted_ms"] < slow["predicted_ms"] for fast, slow in zip(nominal, achieved)) > runs // 2
     for name in ("one_rank_plus_bench_comm", "one_rank_plus_achieved_rate", "one_rank_plus_nominal_rate"):
         assert summarize_errors(again[name]) == kept["summary"][name]  # the docs' table is this
