@@ -163,7 +163,7 @@ def test_windows_with_a_compression_hook_pause_stamping_without_rewrapping(tmp_p
 
 ACCUMULATE, ACCUMULATED_STEPS = 4, 14
 PREDICTION_TOLERANCE = 0.25
-"""How far whatif's predicted optimizer step may be from the measured one (relative). Two gloo ranks
+"""How far an optimizer step figure may be from the one it is compared with (relative). Two gloo ranks
 on this project's 2-core machine, shared with other work: one run's optimizer steps ranged from 48
 to 329 ms around a median of 134, so the median of 11 steps moves by tens of percent between runs
 (predicted 130 ms against 134 measured in that run). Without the micro-batches that do not
@@ -190,8 +190,13 @@ def test_with_accumulation_the_profile_and_whatif_are_about_the_whole_optimizer_
     accumulated: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Issue 28: accumulate_grad_batches=4: the profile records the factor and the optimizer step's
-    full time, and whatif's prediction for the system as profiled is the optimizer step measured
-    apart from the profiler (every micro-batch, on rank 0), not its synchronising micro-batch."""
+    full time (rank 0's agrees with the optimizer step measured apart from the profiler, every
+    micro-batch, on rank 0), and whatif's prediction for the system as profiled is that whole step,
+    the slowest rank's as the profile's summary has it, not its synchronising micro-batch.
+
+    Each figure is compared with the same rank's: rank 0's clock with the profile's rank 0, whatif's
+    replay with the summary it replays (the slowest rank's). Comparing rank 0's clock with the
+    slowest rank's figures failed on CI's loaded machine (57.7 ms against 44.1, the ranks apart)."""
     from lightning_mgpu.cli import main
     from lightning_mgpu.whatif import load_profile
 
@@ -204,17 +209,19 @@ def test_with_accumulation_the_profile_and_whatif_are_about_the_whole_optimizer_
     assert 0 < summary["accumulation_compute_ms"] <= summary["accumulation_ms"] < full["median"]
     measured_by_step = {int(step): ms for step, ms in accumulated["optimizer_steps_ms"].items()}
     measured = statistics.median(measured_by_step[step] for step in accumulated["profiled_steps"])
-    assert full["median"] == pytest.approx(measured, rel=PREDICTION_TOLERANCE)
+    rank0 = accumulated["rank0"]["optimizer_step_ms"]
+    assert rank0 == pytest.approx(measured, rel=PREDICTION_TOLERANCE)
+    assert full["median"] >= rank0  # the summary is the slowest rank's
 
     assert main(["whatif", str(path), "--json", "--costs", "none"]) == 0  # the system as profiled
     predicted = json.loads(capsys.readouterr().out)["predicted"]
     assert predicted["world_size"] == 2 and predicted["accumulate_grad_batches"] == ACCUMULATE
-    assert predicted["step_ms"] == pytest.approx(measured, rel=PREDICTION_TOLERANCE)
+    assert predicted["step_ms"] == pytest.approx(full["median"], rel=PREDICTION_TOLERANCE)
     # the prediction without the micro-batches that do not communicate (before the fix) misses
     run = load_profile(path)
     synchronising_only = predicted["step_ms"] - predicted["accumulation_ms"]
     assert predicted["accumulation_ms"] == pytest.approx(run.accumulation_ms)
-    assert abs(synchronising_only / measured - 1) > PREDICTION_TOLERANCE
+    assert abs(synchronising_only / full["median"] - 1) > PREDICTION_TOLERANCE
     # the "what would help" block speaks of the same step
     block = json.loads(path.read_text())["what_would_help"]
     assert f"per optimizer step of {ACCUMULATE} micro-batches" in block["title"]
