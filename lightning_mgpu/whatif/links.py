@@ -210,10 +210,12 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
     for i, row in enumerate(document["rows"]):
         if not isinstance(row, Mapping):
             raise ProfileError(f"{where}: rows[{i}] must be an object; expected {expected}")
-        for key in ("bytes", "busbw_gbps"):
+        for key in ("bytes", "busbw_gbps", "time_us", "cpu_us"):  # the last two absent in old results
             value = row.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ProfileError(f"{where}: rows[{i}].{key} must be a number, got {value!r:.60}")
+            if value is None and key == "cpu_us":
+                continue  # not measured (see _cpu_share)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ProfileError(f"{where}: rows[{i}].{key} must be a number >= 0, got {value!r:.60}")
         if row.get("busbw_gbps", 0) > 0:
             rows.append(row)
     report = document
@@ -223,7 +225,7 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
             "run `lightning-mgpu bench-comm --json FILE` across the link"
         )
     curve = tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in rows))
-    cpu_share = _cpu_share(rows, where)
+    cpu_share = _cpu_share(rows)
     latency_us = report.get("latency_us", 0.0)
     if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
         raise ProfileError(f"{where}: 'latency_us' must be a number >= 0, got {latency_us!r:.60}")
@@ -250,19 +252,16 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
     )
 
 
-def _cpu_share(rows: list[Any], where: str) -> tuple[tuple[int, float], ...]:
-    """Each row's ``cpu_us / time_us`` capped at 1, by size; () when a row lacks ``cpu_us`` (bench-comm before it
-    recorded CPU time)."""
-    points = []
-    for i, row in enumerate(rows):
-        cpu, took = row.get("cpu_us"), row.get("time_us")
-        if cpu is None or took is None:
-            return ()
-        for key, value in (("cpu_us", cpu), ("time_us", took)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-                raise ProfileError(f"{where}: rows[{i}].{key} must be a number >= 0, got {value!r:.60}")
-        points.append((int(row["bytes"]), min(1.0, float(cpu) / float(took)) if took > 0 else 0.0))
-    return tuple(sorted(points))
+def _cpu_share(rows: list[Any]) -> tuple[tuple[int, float], ...]:
+    """Each (checked) row's ``cpu_us / time_us`` capped at 1, by size; () when a row lacks ``cpu_us`` (bench-comm
+    before it recorded CPU time)."""
+    if any(row.get("cpu_us") is None or row.get("time_us") is None for row in rows):
+        return ()
+    return tuple(
+        sorted(
+            (int(row["bytes"]), min(1.0, row["cpu_us"] / row["time_us"]) if row["time_us"] > 0 else 0.0) for row in rows
+        )
+    )
 
 
 def _placement(report: Mapping[str, Any], where: str) -> tuple[Optional[int], str]:

@@ -128,14 +128,16 @@ class System:
             host += self._link_seconds(self.host, nbytes) * 1e3
         return host
 
-    def contention_ms(self, nbytes: float, took_ms: float, *, host_extra_ms: float = 0.0) -> float:
+    def contention_ms(
+        self, nbytes: float, took_ms: float, *, host_extra_ms: float = 0.0, measured_cpu: bool = True
+    ) -> float:
         """CPU time one all-reduce of ``nbytes`` lasting ``took_ms`` takes from the cores backward runs on: the host's
-        own work as :meth:`host_ms` knows it, and, on a link measured end to end with its CPU time (bench-comm), the
-        measured share of the all-reduce's time (the host's part of such a link is in its time, not in
-        :meth:`host_ms`)."""
+        own work as :meth:`host_ms` knows it, and (``measured_cpu``), on a link measured end to end with its CPU time
+        (bench-comm), the measured share of the all-reduce's time (the host's part of such a link is in its time,
+        not in :meth:`host_ms`)."""
         if self.world_size == 1:
             return 0.0
-        measured = max(link.cpu_share_at(nbytes) for link in self.links) * took_ms
+        measured = max(link.cpu_share_at(nbytes) for link in self.links) * took_ms if measured_cpu else 0.0
         return self.host_ms(nbytes, host_extra_ms=host_extra_ms) + measured
 
     def _link_seconds(self, link: Link, nbytes: float) -> float:
@@ -431,6 +433,7 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     profiled = _profiled_host_work(run, system, scale) if scenario.host_contention else []
     included_total = _host_work_before(profiled, undelayed_end)
     contention = 0.0  # the host's all-reduce work while backward computes, in this scenario
+    fresh = run.world_size == 1  # the profile's backward carried no all-reduce: the measured CPU share is all new
     previous_hook = 0.0
     for (nbytes, ready, _), plan in zip(buckets, plans):
         pre = plan.pre_ms * scale
@@ -452,10 +455,7 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
                 took = system.allreduce_ms(amount, host_extra_ms=extra)
                 if scenario.host_contention and took > 0 and clock < compute_end_now:
                     share = min(1.0, (compute_end_now - clock) / took)
-                    if run.world_size == 1:  # the profile's backward carried no all-reduce: all of it is new
-                        contention += share * system.contention_ms(amount, took, host_extra_ms=extra)
-                    else:
-                        contention += share * system.host_ms(amount, host_extra_ms=extra)
+                    contention += share * system.contention_ms(amount, took, host_extra_ms=extra, measured_cpu=fresh)
                 clock += took
                 continue
             work = amount * scale

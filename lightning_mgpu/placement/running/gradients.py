@@ -234,9 +234,8 @@ def _explain(exc: RuntimeError, split_points: Sequence[str], stage: int) -> Base
     return exc
 
 
-_CLAIM = (
-    "lightning_mgpu.pipeline_stage"  # key of an autograd node's metadata: the stage whose split backward reached it
-)
+# The key of an autograd node's metadata that names the stage whose split backward reached it.
+_CLAIM = "lightning_mgpu.pipeline_stage"
 
 
 def _claim(stage: int, nodes: set[Any], split_points: Sequence[str]) -> None:
