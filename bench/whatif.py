@@ -175,7 +175,19 @@ def bench_comm_sweep(
     scratch.mkdir(parents=True, exist_ok=True)
     out = scratch / "link.json"
     target = ["-m", "lightning_mgpu.cli", "bench-comm", "--min-bytes", "4096", "--max-bytes", str(max_bytes)]
-    target += ["--factor", "4", "--iters", "5", "--warmup", "1", "--quiet", "--json", str(out)]
+    target += [
+        "--factor",
+        "4",
+        "--iters",
+        "5",
+        "--warmup",
+        "1",
+        "--dtype",
+        "float32,float16",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     if cluster is not None:
         env = {**JOB_ENV, "PYTHONPATH": pythonpath_with_repo()}
         job = cluster.srun_job([sys.executable, *target], nodes=2, workdir=scratch, env=env, name="bench_comm")

@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench-comm",
         help="all_reduce bandwidth sweep, nccl-tests style (size, time, algbw, busbw, #wrong)",
-        description="Time all_reduce of float32 tensors from --min-bytes to --max-bytes in --nproc processes "
+        description="Time all_reduce of float32 tensors (or --dtype's) from --min-bytes to --max-bytes in --nproc processes "
         "it starts itself (127.0.0.1 only), check the results, and print algbw / busbw as nccl-tests does. "
         "Started by torchrun or srun on every node instead, it joins that world and measures the link "
         "between the nodes: one sweep, one table and one --json, from rank 0.",
@@ -38,6 +38,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--min-bytes", type=size, default=None, metavar="SIZE", help="smallest message (default 1KiB)")
     parser.add_argument("--max-bytes", type=size, default=None, metavar="SIZE", help="largest message (default 256MiB)")
     parser.add_argument("--factor", type=int, default=None, help="size multiplier between steps (default 2)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        metavar="LIST",
+        help="element types to sweep, comma-separated: float32 (default), float16, bfloat16; one sweep each. "
+        "`whatif --link-bench` predicts fp16/bf16 compression from a 16-bit sweep when the file has one "
+        "(on CPU gloo sums 16-bit types slower than float32)",
+    )
     parser.add_argument(
         "--iters",
         type=int,
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "timeout_s": args.timeout,
+        "dtypes": args.dtype,
     }
     try:
         settings = allreduce_bench.SweepSettings(**{name: value for name, value in given.items() if value is not None})
@@ -132,13 +141,23 @@ def where_line(report: dict[str, Any]) -> str:
     return f"{nodes} ({report.get('launcher')}): {placed}"
 
 
+def sweeps(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(dtype, its sweep: ``rows`` and the summary fields) for every dtype of a report, the top-level one first."""
+    return [(report.get("dtype", "float32"), report), *report.get("other_dtypes", {}).items()]
+
+
 def summary_line(report: dict[str, Any]) -> str:
-    """``peak busbw 1.83 GB/s at 64 MiB; small-message latency 312.4 us (1 KiB); 0 wrong; 19 sizes in 12.3 s``."""
-    line = (
-        f"peak busbw {report['peak_busbw_gbps']:.2f} GB/s at {format_size(report['peak_busbw_bytes'])}; "
-        f"small-message latency {report['latency_us']:,.1f} µs ({format_size(report['latency_bytes'])}); "
-        f"{report['wrong_total']} wrong; {len(report['rows'])} sizes in {report['duration_s']:.1f} s"
+    """``peak busbw 1.83 GB/s at 64 MiB; small-message latency 312.4 us (1 KiB); 0 wrong; 19 sizes in 12.3 s``
+    (with more than one dtype, the peak and latency of each)."""
+    measured = sweeps(report)
+    each = "; ".join(
+        (f"{dtype}: " if len(measured) > 1 else "")
+        + f"peak busbw {sweep['peak_busbw_gbps']:.2f} GB/s at {format_size(sweep['peak_busbw_bytes'])}; "
+        f"small-message latency {sweep['latency_us']:,.1f} µs ({format_size(sweep['latency_bytes'])})"
+        for dtype, sweep in measured
     )
+    sizes = sum(len(sweep["rows"]) for _, sweep in measured)
+    line = f"{each}; {report['wrong_total']} wrong; {sizes} sizes in {report['duration_s']:.1f} s"
     if report["world_size"] == 1:
         line += " (one process: nothing crosses a link, so busbw is 0 by definition)"
     return line
@@ -153,25 +172,30 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
     if not console.is_terminal:
         console.width = max(console.width, 120)  # piped to a log: don't squeeze the table into 80 columns
     machine = report["machine"]
-    title = f"all_reduce (float32, sum, in place): {report['world_size']} ranks, {report['backend']}, {report['device_type']}"
     notes = (
         f"time: slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × {report['bus_factor']:.2f}"
         f" · GB/s = 10^9 B/s · torch {machine.get('torch')}, {machine.get('device_name')}"
     )
-    table = Table(title=title)
-    for index, column in enumerate(("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    for row in report["rows"]:
-        table.add_row(
-            format_size(row["bytes"]),
-            f"{row['count']:,}",
-            str(row["iters"]),
-            f"{row['time_us']:,.1f}",
-            f"{row['algbw_gbps']:.2f}",
-            f"{row['busbw_gbps']:.2f}",
-            str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
+    for dtype, sweep in sweeps(report):
+        title = (
+            f"all_reduce ({dtype}, sum, in place): {report['world_size']} ranks, {report['backend']}, "
+            f"{report['device_type']}"
         )
-    console.print(table)
+        table = Table(title=title)
+        columns = ("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")
+        for index, column in enumerate(columns):
+            table.add_column(column, justify="left" if index == 0 else "right")
+        for row in sweep["rows"]:
+            table.add_row(
+                format_size(row["bytes"]),
+                f"{row['count']:,}",
+                str(row["iters"]),
+                f"{row['time_us']:,.1f}",
+                f"{row['algbw_gbps']:.2f}",
+                f"{row['busbw_gbps']:.2f}",
+                str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
+            )
+        console.print(table)
     console.print(where_line(report), highlight=False, markup=False, soft_wrap=True)
     console.print(notes, style="dim", highlight=False, soft_wrap=True)
     style = "bold" if report["wrong_total"] == 0 else "bold red"

@@ -9,7 +9,9 @@ ceiling DDP's gradient buckets are measured against::
     lightning-mgpu bench-comm --nproc 4 --min-bytes 8 --max-bytes 1GiB --factor 4 --iters 50
 
 For each message size (``--min-bytes`` to ``--max-bytes``, multiplied by ``--factor`` each
-step) every rank all-reduces (sum, in place) a float32 tensor of that size:
+step) every rank all-reduces (sum, in place) a float32 tensor of that size (``--dtype``: of each
+dtype named, one sweep after the other; a 16-bit sweep is what fp16 / bf16 compression sends, and
+on CPU gloo sums 16-bit types slower than float32, which only a sweep of that type shows):
 
 0. once, before the first size: :data:`SWEEP_WARMUP` untimed all-reduces of the smallest size
    (the group's first collectives pay one-time costs that would otherwise land in the first
@@ -31,11 +33,12 @@ step) every rank all-reduces (sum, in place) a float32 tensor of that size:
 5. a correctness check, nccl-tests' ``#wrong`` column: one more all-reduce of a known
    pattern (rank ``r`` holds ``1 + (i + r) mod 251`` at index ``i``, so every rank
    contributes differently and a misplaced chunk shows), compared exactly with the
-   expected sum (small integers: float32 sums them exactly in any order). ``#wrong`` is
+   expected sum (small integers: float32 sums them exactly in any order; a 16-bit type's period is
+   shortened so that the sum over all ranks stays an integer it holds exactly). ``#wrong`` is
    the number of wrong elements, summed over ranks. Any wrong element makes the command
    exit with status 1.
 
-The timed tensor holds zeros: its contents do not change what a float32 sum costs, and
+The timed tensor holds zeros: its contents do not change what a sum costs, and
 zeros stay finite however many times they are summed.
 
 Iterations per size (the rule that keeps a default CPU sweep at about 10-40 s on 2 cores):
@@ -81,9 +84,13 @@ machine's ceiling::
      "bus_factor": f,                 # 2(n-1)/n
      "peak_busbw_gbps": f, "peak_busbw_bytes": int,
      "latency_us": f, "latency_bytes": int,       # time at the smallest size
-     "wrong_total": int, "duration_s": f}
+     "wrong_total": int, "duration_s": f,
+     "other_dtypes": {"float16": {"rows": [...], "peak_busbw_gbps": f, ...}}}   # only with --dtype LIST
 
-Rows are in increasing size. Times are microseconds, bandwidths GB/s (10^9 bytes/s).
+``dtype`` is the sweep at the top level: float32 whenever it was measured (the profiler reads its
+``peak_busbw_gbps``), else the first named; every other dtype's rows and summary are under
+``other_dtypes`` (``wrong_total`` at the top level counts every sweep's). Rows are in increasing size.
+Times are microseconds, bandwidths GB/s (10^9 bytes/s).
 ``launcher``, ``nodes``, ``ranks_per_node`` and ``hosts`` say where the ranks ran (``machine``
 describes rank 0's): a file without them was written before bench-comm could cross nodes, by its
 own processes on one host. ``address`` is the one a node reaches the first node from (two nodes
@@ -107,7 +114,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -146,6 +153,10 @@ SCHEMA_VERSION = 1
 COLLECTIVE = "all_reduce"
 ELEMENT_BYTES = 4  # float32
 CHECK_PERIOD = 251  # prime, so a chunk landing at a wrong offset never lines up with the pattern
+DTYPES = {"float32": 1 << 24, "float16": 1 << 11, "bfloat16": 1 << 8}
+"""The dtypes a sweep can all-reduce, each with the integer up to which it holds every integer exactly
+(the correctness check's sums stay at or below it)."""
+DEFAULT_DTYPES = ("float32",)
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -194,6 +205,8 @@ class SweepSettings:
     """Untimed all-reduces per size, before the large-size rule lowers it."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Deadline for the whole run, and the process group's collective timeout."""
+    dtypes: Sequence[str] = DEFAULT_DTYPES
+    """The element types swept, one sweep each (float32 first when named; see :data:`DTYPES`)."""
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -241,42 +254,76 @@ class SweepSettings:
                 f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT_S:g} (7 days), got {self.timeout_s}"
             )
 
+        self.dtypes = check_dtypes(self.dtypes)
+
     @property
     def sizes(self) -> list[int]:
         return message_sizes(self.min_bytes, self.max_bytes, self.factor)
 
 
+def check_dtypes(dtypes: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    """``"float16,float32"`` or a sequence -> ``("float32", "float16")``: known, each once, float32 first when
+    named (the report's top level is its sweep); ValueError naming ``--dtype`` otherwise."""
+    names = [d.strip() for d in dtypes.split(",")] if isinstance(dtypes, str) else [str(d).strip() for d in dtypes]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown or not names:
+        raise ValueError(f"--dtype must name one or more of {', '.join(DTYPES)} (comma-separated), got {dtypes!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--dtype names a type twice: {dtypes!r}")
+    return tuple(sorted(names, key=lambda name: name != "float32"))
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes per element of one of :data:`DTYPES`."""
+    return 4 if dtype == "float32" else 2
+
+
 # ---------------------------------------------------------------------------------------
 # Measuring one size (runs in every worker)
 # ---------------------------------------------------------------------------------------
-def _check_block(rank: int, device: torch.device) -> torch.Tensor:
-    """One period of rank ``rank``'s check pattern: ``1 + (j + rank) mod CHECK_PERIOD``."""
-    return ((torch.arange(CHECK_PERIOD, device=device) + rank) % CHECK_PERIOD + 1).to(torch.float32)
+def check_period(dtype: torch.dtype, world_size: int) -> int:
+    """The check pattern's period for ``world_size`` ranks summing ``dtype``: :data:`CHECK_PERIOD`, or the largest
+    prime below it whose sum over the ranks the type still holds exactly (ValueError when even 1 per rank is too
+    much: bfloat16 over more than 256 ranks)."""
+    exact = DTYPES[str(dtype).removeprefix("torch.")]
+    limit = min(CHECK_PERIOD, exact // max(1, world_size))
+    if limit < 1:
+        raise ValueError(
+            f"{str(dtype).removeprefix('torch.')} holds integers exactly only up to {exact}: the correctness check "
+            f"cannot sum {world_size} ranks in it (sweep float32 or float16)"
+        )
+    while limit > 2 and any(limit % d == 0 for d in range(2, math.isqrt(limit) + 1)):
+        limit -= 1
+    return limit
 
 
-def _expected_block(world_size: int, device: torch.device) -> torch.Tensor:
-    return sum((_check_block(rank, device) for rank in range(world_size)), torch.zeros(CHECK_PERIOD, device=device))
+def _check_block(rank: int, period: int, like: torch.Tensor) -> torch.Tensor:
+    """One period of rank ``rank``'s check pattern: ``1 + (j + rank) mod period``."""
+    return ((torch.arange(period, device=like.device) + rank) % period + 1).to(like.dtype)
 
 
-def _by_period(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The buffer as whole periods (rows x CHECK_PERIOD) and the tail, without copying."""
-    whole = buffer.numel() // CHECK_PERIOD * CHECK_PERIOD
-    return buffer[:whole].view(-1, CHECK_PERIOD), buffer[whole:]
+def _by_period(buffer: torch.Tensor, period: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffer as whole periods (rows x period) and the tail, without copying."""
+    whole = buffer.numel() // period * period
+    return buffer[:whole].view(-1, period), buffer[whole:]
 
 
-def fill_check_pattern(buffer: torch.Tensor, rank: int) -> None:
-    """Write rank ``rank``'s contribution of the correctness check into ``buffer`` (in place)."""
-    block = _check_block(rank, buffer.device)
-    periods, tail = _by_period(buffer)
+def fill_check_pattern(buffer: torch.Tensor, rank: int, world_size: int) -> None:
+    """Write rank ``rank``'s contribution of the correctness check over ``world_size`` ranks into ``buffer``."""
+    period = check_period(buffer.dtype, world_size)
+    block = _check_block(rank, period, buffer)
+    periods, tail = _by_period(buffer, period)
     periods.copy_(block.expand_as(periods))
     tail.copy_(block[: tail.numel()])
 
 
 def count_wrong(buffer: torch.Tensor, world_size: int) -> int:
     """Elements of an all-reduced check buffer that differ from the exact sum over ``world_size`` ranks."""
-    expected = _expected_block(world_size, buffer.device)
-    periods, tail = _by_period(buffer)
-    wrong = (periods != expected).sum() + (tail != expected[: tail.numel()]).sum()
+    period = check_period(buffer.dtype, world_size)
+    as_float = torch.zeros(period, device=buffer.device)
+    expected = sum((_check_block(rank, period, as_float) for rank in range(world_size)), as_float)
+    periods, tail = _by_period(buffer, period)
+    wrong = (periods.float() != expected).sum() + (tail.float() != expected[: tail.numel()]).sum()
     return int(wrong.item())
 
 
@@ -332,12 +379,12 @@ def warm_up_group(nbytes: int, *, device: torch.device, count: int = SWEEP_WARMU
 
 
 def measure_size(
-    nbytes: int, *, iters: int, warmup: int, rank: int, world_size: int, device: torch.device
+    nbytes: int, *, iters: int, warmup: int, rank: int, world_size: int, device: torch.device, dtype: str = "float32"
 ) -> tuple[float, int, float]:
-    """This rank's median seconds per all_reduce of ``nbytes``, its wrong elements in the check, and the CPU
-    seconds its process spent per all_reduce (every thread: gloo's copies and sums and the kernel's socket work
+    """This rank's median seconds per all_reduce of ``nbytes`` of ``dtype``, its wrong elements in the check, and the
+    CPU seconds its process spent per all_reduce (every thread: gloo's copies and sums and the kernel's socket work
     charged to it), the mean over the timed batch."""
-    buffer = torch.zeros(nbytes // ELEMENT_BYTES, dtype=torch.float32, device=device)
+    buffer = torch.zeros(nbytes // element_bytes(dtype), dtype=getattr(torch, dtype), device=device)
     for _ in range(warmup):
         dist.all_reduce(buffer)
     _line_up(device)
@@ -345,7 +392,7 @@ def measure_size(
     seconds = time_iterations(lambda: dist.all_reduce(buffer), iters, device=device)
     cpu = (time.process_time() - cpu_before) / max(1, iters)
 
-    fill_check_pattern(buffer, rank)
+    fill_check_pattern(buffer, rank, world_size)
     dist.all_reduce(buffer)
     wrong = count_wrong(buffer, world_size)
     return statistics.median(seconds), wrong, cpu
@@ -359,6 +406,7 @@ def size_row(
     iters: int,
     warmup: int,
     rank_cpu_seconds: Optional[Sequence[float]] = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """One table row from every rank's median time and wrong count: the slowest rank decides (``cpu_us``, the CPU
     time per all_reduce, is the busiest rank's, when given)."""
@@ -368,7 +416,7 @@ def size_row(
     return {
         **cpu,
         "bytes": nbytes,
-        "count": nbytes // ELEMENT_BYTES,
+        "count": nbytes // element_bytes(dtype),
         "iters": iters,
         "warmup": warmup,
         "time_us": seconds * 1e6,
@@ -421,9 +469,13 @@ __all__ = [
     "GiB",
     "KiB",
     "MiB",
+    "DTYPES",
     "SCHEMA_VERSION",
     "SweepSettings",
+    "check_dtypes",
+    "check_period",
     "count_wrong",
+    "element_bytes",
     "fill_check_pattern",
     "format_size",
     "load_report",

@@ -92,28 +92,33 @@ def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, A
 
 def _sweep_rows(
     settings: SweepSettings, *, rank: int, world_size: int, device: torch.device, progress: bool
-) -> list[dict[str, Any]]:
-    """Every size of the sweep on the joined group (every rank calls it): the rows, the same on every rank."""
+) -> dict[str, list[dict[str, Any]]]:
+    """Every size of the sweep, per dtype, on the joined group (every rank calls it): the rows by dtype, the same on
+    every rank."""
     if settings.warmup > 0:  # the group's start-up costs, before the first (smallest) size is timed
         warm_up_group(min(settings.sizes), device=device)
-    rows = []
-    for nbytes in settings.sizes:
-        iters = timed_iterations(nbytes, settings.iters)
-        warmup = warmup_iterations(nbytes, settings.warmup)
-        measured = measure_size(nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, measured)  # outside the timed batch
-        seconds, wrong, cpu = zip(*gathered)
-        row = size_row(nbytes, seconds, wrong, iters=iters, warmup=warmup, rank_cpu_seconds=cpu)
-        rows.append(row)
-        if progress and rank == 0:
-            print(
-                f"bench-comm: {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
-                f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
-                file=sys.stderr,
-                flush=True,
+    sweeps: dict[str, list[dict[str, Any]]] = {}
+    for dtype in settings.dtypes:
+        rows = sweeps.setdefault(dtype, [])
+        for nbytes in settings.sizes:
+            iters = timed_iterations(nbytes, settings.iters)
+            warmup = warmup_iterations(nbytes, settings.warmup)
+            measured = measure_size(
+                nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device, dtype=dtype
             )
-    return rows
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, measured)  # outside the timed batch
+            seconds, wrong, cpu = zip(*gathered)
+            row = size_row(nbytes, seconds, wrong, iters=iters, warmup=warmup, rank_cpu_seconds=cpu, dtype=dtype)
+            rows.append(row)
+            if progress and rank == 0:
+                print(
+                    f"bench-comm: {dtype:>8} {format_size(nbytes):>8}  {row['time_us']:>12,.1f} us  "
+                    f"busbw {row['busbw_gbps']:8.2f} GB/s  ({iters} iters)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return sweeps
 
 
 def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_path: str, progress: bool) -> None:
@@ -135,9 +140,9 @@ def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_pa
     else:
         dist.init_process_group(str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        rows = _sweep_rows(settings, rank=rank, world_size=world_size, device=device, progress=progress)
+        sweeps = _sweep_rows(settings, rank=rank, world_size=world_size, device=device, progress=progress)
         if rank == 0:
-            payload = {"machine": _machine_facts(settings, device), "rows": rows}
+            payload = {"machine": _machine_facts(settings, device), "sweeps": sweeps}
             partial = Path(result_path + ".partial")
             partial.write_text(json.dumps(payload))
             partial.replace(result_path)
@@ -233,14 +238,14 @@ def run_sweep(settings: SweepSettings, *, progress: bool = False) -> dict[str, A
     del store
     world_size = int(settings.nproc or 1)
     hosts = [{"node": 0, "hostname": socket.gethostname(), "address": LOOPBACK, "ranks": list(range(world_size))}]
-    return _report(settings, world_size, measured["machine"], measured["rows"], started, "bench-comm", hosts)
+    return _report(settings, world_size, measured["machine"], measured["sweeps"], started, "bench-comm", hosts)
 
 
 def _report(
     settings: SweepSettings,
     world_size: int,
     machine: dict[str, Any],
-    rows: list[dict[str, Any]],
+    sweeps: dict[str, list[dict[str, Any]]],
     started: float,
     launcher: str,
     hosts: list[dict[str, Any]],
@@ -251,10 +256,15 @@ def _report(
     }
     settings_record["timing"] = "cuda_events" if settings.device == "cuda" else "host_clock"
     settings_record["iteration_rule"] = ITERATION_RULE
+    settings_record["dtypes"] = list(settings.dtypes)
+    first, *others = settings.dtypes  # float32 first whenever it was swept
+    rows = sweeps[first]
+    other_dtypes = {dtype: {"rows": sweeps[dtype], **summarize_rows(sweeps[dtype])} for dtype in others}
+    more = {"other_dtypes": other_dtypes} if other_dtypes else {}
     return {
         "schema_version": SCHEMA_VERSION,
         "collective": COLLECTIVE,
-        "dtype": "float32",
+        "dtype": first,
         "op": "sum",
         "in_place": True,
         "world_size": world_size,
@@ -269,7 +279,9 @@ def _report(
         "rows": rows,
         "bus_factor": bus_factor(COLLECTIVE, world_size),
         **summarize_rows(rows),
+        "wrong_total": sum(summarize_rows(sweep)["wrong_total"] for sweep in sweeps.values()),
         "duration_s": time.monotonic() - started,
+        **more,
     }
 
 
@@ -342,11 +354,11 @@ def run_launched_sweep(settings: SweepSettings, world: LaunchedWorld, *, progres
         if device.type == "cpu":  # the node's ranks share its cores
             on_my_node = next(len(h["ranks"]) for h in hosts if world.rank in h["ranks"])
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_my_node))
-        rows = _sweep_rows(settings, rank=world.rank, world_size=world.world_size, device=device, progress=progress)
+        sweeps = _sweep_rows(settings, rank=world.rank, world_size=world.world_size, device=device, progress=progress)
         machine = _machine_facts(settings, device)
     finally:
         dist.destroy_process_group()
-    return _report(settings, world.world_size, machine, rows, started, world.launcher, hosts)
+    return _report(settings, world.world_size, machine, sweeps, started, world.launcher, hosts)
 
 
 __all__ = ["BenchCommError", "hosts_of", "launch_workers", "link_address", "run_launched_sweep", "run_sweep"]

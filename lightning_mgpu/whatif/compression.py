@@ -34,6 +34,8 @@ from lightning_mgpu.whatif.records import Gradient
 
 COMPRESSIONS: tuple[Optional[str], ...] = (None, "fp16", "bf16", "powersgd")
 CASTING = ("fp16", "bf16")
+WIRE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+"""The element type a casting compression all-reduces."""
 MIN_COMPRESSION_RATE = 2
 
 Segment = tuple[str, float]
@@ -89,7 +91,7 @@ class CompressionCosts:
     def reduction_extra_ms_per_mib(self, compression: str) -> float:
         """What gloo spends beyond a float32 all-reduce of the same wire bytes, per MiB, when it
         sums the compression's 16-bit type (0 when not measured, or not slower)."""
-        name = {"fp16": "float16", "bf16": "bfloat16"}.get(compression)
+        name = WIRE_DTYPES.get(compression)
         if name is None or name not in self.gloo_ms_per_mib or "float32" not in self.gloo_ms_per_mib:
             return 0.0
         return max(0.0, self.gloo_ms_per_mib[name] - self.gloo_ms_per_mib["float32"])

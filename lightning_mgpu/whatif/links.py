@@ -11,7 +11,9 @@ Three ways to get one:
 * :func:`link_from_gbps` (``--link-gbps 2.5``): a payload rate in Gbit/s, as ``iperf3`` or
   the netlab's socket test report it;
 * :func:`link_from_bench_comm` (``--link-bench FILE``): a ``lightning-mgpu bench-comm --json``
-  result measured on the link itself: its whole busbw-by-size curve, host costs included;
+  result measured on the link itself: its whole busbw-by-size curve, host costs included (and,
+  from ``bench-comm --dtype float32,float16``, the curve of 16-bit all-reduces, which fp16 / bf16
+  compression sends: on CPU gloo sums them slower than float32);
 * :func:`link_from_profile`: the link as the profile saw it (each bucket's service time), the
   default when no link is named.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -68,6 +70,9 @@ class Link:
     """Nodes the curve was measured across (1: one host's loopback); None: not recorded, or not measured."""
     caveat: str = ""
     """What a prediction across nodes must say about this link (see :func:`link_from_bench_comm`)."""
+    by_dtype: tuple[tuple[str, Link], ...] = ()
+    """The same link measured all-reducing other element types (``("float16", link)``, ...; bench-comm's
+    ``--dtype``): :meth:`for_dtype` picks one."""
     nominal: str = ""
     """The rate as sold (``"10 Gbit/s"``), for tables."""
     source: str = ""
@@ -84,6 +89,15 @@ class Link:
         in log(size) and held flat beyond its ends, or :attr:`busbw_gbps`."""
         return _interpolate(self.curve, nbytes) if self.curve else self.busbw_gbps
 
+    def for_dtype(self, dtype: Optional[str]) -> Link:
+        """This link as measured all-reducing ``dtype`` (``"float16"``, ...): that sweep when there was one, else
+        this link itself (float32, or not measured per type)."""
+        return dict(self.by_dtype).get(dtype or "float32", self)
+
+    def measures(self, dtype: Optional[str]) -> bool:
+        """Whether the link was measured all-reducing ``dtype`` itself (float32: whenever it was measured)."""
+        return dtype in dict(self.by_dtype) or (bool(self.curve) and dtype in (None, "float32"))
+
     def cpu_share_at(self, nbytes: float) -> float:
         """The measured CPU share of one all-reduce of ``nbytes`` (see :attr:`cpu_share`), 0 when not measured."""
         return _interpolate(self.cpu_share, nbytes) if self.cpu_share else 0.0
@@ -96,6 +110,7 @@ class Link:
             "includes_host": self.includes_host,
             "measured": bool(self.curve),
             "measured_nodes": self.measured_nodes,
+            "measured_dtypes": [name for name, _ in self.by_dtype],
             "nominal": self.nominal,
             "source": self.source,
         }
@@ -197,7 +212,8 @@ def link_from_gbps(gbps: float, *, latency_us: float = TCP_STEP_LATENCY_US, name
 
 
 def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Link:
-    """The link a ``lightning-mgpu bench-comm --json`` result measured: busbw by size, host included."""
+    """The link a ``lightning-mgpu bench-comm --json`` result measured: busbw by size, host included (its float32
+    sweep; any other dtype's sweep as :attr:`Link.by_dtype`)."""
     where = "bench-comm result" if isinstance(report, Mapping) else str(report)
     expected = "a `lightning-mgpu bench-comm --json FILE` result"
     document: Any = report if isinstance(report, Mapping) else read_json(report, expected=expected)
@@ -206,50 +222,86 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
     world_size = document.get("world_size", 0)
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ProfileError(f"{where}: 'world_size' must be an integer, got {world_size!r:.60}; expected {expected}")
-    rows = []
-    for i, row in enumerate(document["rows"]):
-        if not isinstance(row, Mapping):
-            raise ProfileError(f"{where}: rows[{i}] must be an object; expected {expected}")
-        for key in ("bytes", "busbw_gbps", "time_us", "cpu_us"):  # the last two absent in old results
-            value = row.get(key, 0)
-            if value is None and key == "cpu_us":
-                continue  # not measured (see _cpu_share)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ProfileError(f"{where}: rows[{i}].{key} must be a number >= 0, got {value!r:.60}")
-        if row.get("busbw_gbps", 0) > 0:
-            rows.append(row)
-    report = document
-    if world_size < 2 or not rows:
+    others = document.get("other_dtypes", {})
+    if not isinstance(others, Mapping) or not all(
+        isinstance(sweep, Mapping) and isinstance(sweep.get("rows"), list) for sweep in others.values()
+    ):
+        raise ProfileError(f"{where}: 'other_dtypes' must map each dtype to an object with a 'rows' list")
+    top = str(document.get("dtype", "float32"))
+    if top != "float32":
+        raise ValueError(
+            f"{where}: a {top} sweep only; the link's curve is its float32 sweep: run "
+            f"`lightning-mgpu bench-comm --dtype float32,{top} --json FILE` across the link"
+        )
+    if world_size < 2:
         raise ValueError(
             f"{where}: needs a bench-comm run with --nproc >= 2 (busbw is 0 for one process by definition); "
             "run `lightning-mgpu bench-comm --json FILE` across the link"
         )
-    curve = tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in rows))
-    cpu_share = _cpu_share(rows)
-    latency_us = report.get("latency_us", 0.0)
+    on_cpu = document.get("device_type", "cpu") == "cpu"
+    curve, cpu_share = _measured_rows(document["rows"], where, "rows")
+    latency_us = document.get("latency_us", 0.0)
     if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
         raise ProfileError(f"{where}: 'latency_us' must be a number >= 0, got {latency_us!r:.60}")
-    latency = float(latency_us) / (2 * (world_size - 1))
-    nodes, placed = _placement(report, where)
+    nodes, placed = _placement(document, where)
     caveat = ""
     if nodes is None:
         caveat = (
             f"{where} does not record where its ranks ran (a bench-comm from before it crossed nodes): if they "
             "ran on one host it measured that host's loopback, not a link between nodes"
         )
-    return Link(
+    link = Link(
         name=f"measured: {Path(where).name}",
         busbw_gbps=max(b for _, b in curve),
-        latency_us=latency,
+        latency_us=float(latency_us) / (2 * (world_size - 1)),
         includes_host=True,
         curve=curve,
-        cpu_share=cpu_share if report.get("device_type", "cpu") == "cpu" else (),
+        cpu_share=cpu_share if on_cpu else (),
         measured_world_size=world_size,
         measured_nodes=nodes,
         caveat=caveat,
-        nominal=f"{world_size} ranks, {report.get('backend', '?')}",
+        nominal=f"{world_size} ranks, {document.get('backend', '?')}",
         source=f"lightning-mgpu bench-comm {placed}: {where}",
     )
+    by_dtype = []
+    for dtype, sweep in others.items():
+        other_curve, other_share = _measured_rows(sweep["rows"], where, f"other_dtypes.{dtype}.rows")
+        by_dtype.append(
+            (
+                str(dtype),
+                replace(
+                    link,
+                    name=f"{link.name} ({dtype})",
+                    busbw_gbps=max(b for _, b in other_curve),
+                    curve=other_curve,
+                    cpu_share=other_share if on_cpu else (),
+                ),
+            )
+        )
+    return replace(link, by_dtype=tuple(by_dtype))
+
+
+def _measured_rows(
+    rows: list[Any], where: str, field: str
+) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+    """One sweep's rows, checked -> its (bytes, busbw) curve and (bytes, CPU share) points."""
+    kept = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ProfileError(f"{where}: {field}[{i}] must be an object; expected a bench-comm --json result")
+        for key in ("bytes", "busbw_gbps", "time_us", "cpu_us"):  # the last two absent in old results
+            value = row.get(key, 0)
+            if value is None and key == "cpu_us":
+                continue  # not measured (see _cpu_share)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ProfileError(f"{where}: {field}[{i}].{key} must be a number >= 0, got {value!r:.60}")
+        if row.get("busbw_gbps", 0) > 0:
+            kept.append(row)
+    if not kept:
+        raise ValueError(
+            f"{where}: {field} has no row with busbw > 0; run `lightning-mgpu bench-comm --json FILE` across the link"
+        )
+    return tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in kept)), _cpu_share(kept)
 
 
 def _cpu_share(rows: list[Any]) -> tuple[tuple[int, float], ...]:

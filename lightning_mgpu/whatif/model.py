@@ -28,7 +28,8 @@ What the model ignores (``docs/whatif.md`` discusses it): contention between com
 communication for the same cores or memory bandwidth beyond the compression work and the host's
 all-reduce work it places on backward's cores (a loopback profile's compute already carries the
 contention of a fast all-reduce; a 1-rank profile carries none, and gets the CPU share bench-comm
-measured over the link, when it did); stragglers beyond the
+measured over the link, when it did: that work slows backward and, as the cores are shared, the
+all-reduce by as much); stragglers beyond the
 profiled slowest rank; collectives running concurrently (gloo has two threads; one bucket at a
 time on the link gives the same end time when the link is the bottleneck); congestion from other
 jobs; the steps before PowerSGD starts; network topology beyond two levels; the data loader.
@@ -47,6 +48,7 @@ from lightning_mgpu.whatif.compression import (
     NO_COSTS,
     BucketPlan,
     CompressionCosts,
+    WIRE_DTYPES,
     check_compression,
     plan_bucket,
 )
@@ -106,15 +108,16 @@ class System:
             return 0
         return 2 * (n - 1) if self.algorithm == "ring" else 2 * math.ceil(math.log2(n))
 
-    def allreduce_ms(self, nbytes: float, *, host_extra_ms: float = 0.0) -> float:
-        """Time of one all-reduce of ``nbytes`` (per rank) on this system, in ms.
+    def allreduce_ms(self, nbytes: float, *, host_extra_ms: float = 0.0, dtype: Optional[str] = None) -> float:
+        """Time of one all-reduce of ``nbytes`` (per rank) of ``dtype`` (None: float32) on this system, in ms.
 
-        The wire's time and the host's (its own cost where the links do not include it, plus
+        The wire's time (each link's curve for ``dtype`` where it was measured with it, see
+        :meth:`Link.for_dtype`) and the host's (its own cost where the links do not include it, plus
         ``host_extra_ms``) combine as ``max + (1 - host_overlap) * min``.
         """
         if self.world_size == 1:
             return 0.0
-        wire = max(self._link_seconds(link, nbytes) for link in self.links) * 1e3
+        wire = max(self._link_seconds(link.for_dtype(dtype), nbytes) for link in self.links) * 1e3
         host = self.host_ms(nbytes, host_extra_ms=host_extra_ms)
         return max(wire, host) + (1.0 - self.host_overlap) * min(wire, host)
 
@@ -128,8 +131,18 @@ class System:
             host += self._link_seconds(self.host, nbytes) * 1e3
         return host
 
+    def measures(self, dtype: Optional[str]) -> bool:
+        """Whether every link was measured all-reducing ``dtype`` (its time then holds the host's sums of it)."""
+        return all(link.measures(dtype) for link in self.links)
+
     def contention_ms(
-        self, nbytes: float, took_ms: float, *, host_extra_ms: float = 0.0, measured_cpu: bool = True
+        self,
+        nbytes: float,
+        took_ms: float,
+        *,
+        host_extra_ms: float = 0.0,
+        measured_cpu: bool = True,
+        dtype: Optional[str] = None,
     ) -> float:
         """CPU time one all-reduce of ``nbytes`` lasting ``took_ms`` takes from the cores backward runs on: the host's
         own work as :meth:`host_ms` knows it, and (``measured_cpu``), on a link measured end to end with its CPU time
@@ -137,8 +150,15 @@ class System:
         not in :meth:`host_ms`)."""
         if self.world_size == 1:
             return 0.0
-        measured = max(link.cpu_share_at(nbytes) for link in self.links) * took_ms if measured_cpu else 0.0
+        measured = self.measured_cpu_ms(nbytes, took_ms, dtype=dtype) if measured_cpu else 0.0
         return self.host_ms(nbytes, host_extra_ms=host_extra_ms) + measured
+
+    def measured_cpu_ms(self, nbytes: float, took_ms: float, *, dtype: Optional[str] = None) -> float:
+        """The CPU time of one all-reduce of ``nbytes`` of ``dtype`` lasting ``took_ms``, as the links measured it end
+        to end (bench-comm's ``cpu_us``; 0 where they did not)."""
+        if self.world_size == 1:
+            return 0.0
+        return max(link.for_dtype(dtype).cpu_share_at(nbytes) for link in self.links) * took_ms
 
     def _link_seconds(self, link: Link, nbytes: float) -> float:
         steps = self.steps()
@@ -190,7 +210,9 @@ class Scenario:
     backward's cores too: backward is pushed back by it, net of what the profile's backward
     already carried from its own buckets. From a 1-rank profile (whose backward carried none) over
     a link bench-comm measured with its CPU time, that work is the measured share of each
-    all-reduce's time (:attr:`Link.cpu_share`). False: it runs beside backward for free."""
+    all-reduce's time (:attr:`Link.cpu_share`, of the 16-bit sweep for fp16/bf16 when the link has
+    one), and the all-reduce, waiting for the same cores, takes as much longer. False: it runs beside
+    backward for free."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", check_compression(self.compression))
@@ -434,6 +456,8 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     included_total = _host_work_before(profiled, undelayed_end)
     contention = 0.0  # the host's all-reduce work while backward computes, in this scenario
     fresh = run.world_size == 1  # the profile's backward carried no all-reduce: the measured CPU share is all new
+    wire_dtype = WIRE_DTYPES.get(scenario.compression or "")
+    summed_on_link = wire_dtype is not None and system.measures(wire_dtype)  # the link's time holds the 16-bit sums
     previous_hook = 0.0
     for (nbytes, ready, _), plan in zip(buckets, plans):
         pre = plan.pre_ms * scale
@@ -451,11 +475,15 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
                 continue  # taken with the all-reduce it belongs to
             if kind == "allreduce":
                 following = segments[index + 1] if index + 1 < len(segments) else ("", 0.0)
-                extra = following[1] * scale if following[0] == "host" else 0.0
-                took = system.allreduce_ms(amount, host_extra_ms=extra)
+                extra = following[1] * scale if following[0] == "host" and not summed_on_link else 0.0
+                took = system.allreduce_ms(amount, host_extra_ms=extra, dtype=wire_dtype)
                 if scenario.host_contention and took > 0 and clock < compute_end_now:
                     share = min(1.0, (compute_end_now - clock) / took)
-                    contention += share * system.contention_ms(amount, took, host_extra_ms=extra, measured_cpu=fresh)
+                    contention += share * system.contention_ms(
+                        amount, took, host_extra_ms=extra, measured_cpu=fresh, dtype=wire_dtype
+                    )
+                    if fresh:  # the cores are shared both ways: the all-reduce's own CPU work waits as long
+                        took += share * system.measured_cpu_ms(amount, took, dtype=wire_dtype)
                 clock += took
                 continue
             work = amount * scale

@@ -13,6 +13,8 @@ from lightning_mgpu._sizes import GiB, KiB, MiB, format_size, parse_size
 from lightning_mgpu.cli.bench_comm import summary_line
 from lightning_mgpu.comm.allreduce_bench import (
     SweepSettings,
+    check_dtypes,
+    check_period,
     count_wrong,
     fill_check_pattern,
     message_sizes,
@@ -79,15 +81,19 @@ def test_large_messages_get_fewer_iterations_by_the_documented_rule() -> None:
 
 @pytest.mark.parametrize("count", [1, 250, 251, 252, 1000, 65536])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
-def test_check_pattern_sums_exactly_and_catches_wrong_elements(count: int, world_size: int) -> None:
-    # What an all_reduce would leave: the sum of every rank's pattern.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_check_pattern_sums_exactly_and_catches_wrong_elements(count: int, world_size: int, dtype: torch.dtype) -> None:
+    # What an all_reduce would leave: the sum of every rank's pattern, summed in the type itself.
+    period = check_period(dtype, world_size)
     contributions = []
     for rank in range(world_size):
-        buffer = torch.full((count,), float("nan"))
-        fill_check_pattern(buffer, rank)
-        assert not buffer.isnan().any() and buffer.min() >= 1 and buffer.max() <= 251
+        buffer = torch.full((count,), float("nan"), dtype=dtype)
+        fill_check_pattern(buffer, rank, world_size)
+        assert not buffer.isnan().any() and buffer.min() >= 1 and buffer.max() <= period
         contributions.append(buffer)
-    reduced = torch.stack(contributions).sum(0)
+    reduced = contributions[0].clone()
+    for contribution in contributions[1:]:
+        reduced += contribution
     assert count_wrong(reduced, world_size) == 0
 
     if world_size > 1:  # ranks contribute differently (else a mixed-up rank would go unnoticed)
@@ -95,10 +101,33 @@ def test_check_pattern_sums_exactly_and_catches_wrong_elements(count: int, world
     corrupted = reduced.clone()
     corrupted[count // 2] += 1
     assert count_wrong(corrupted, world_size) == 1
-    assert count_wrong(reduced, world_size + 1) == count  # a rank's contribution missing: all wrong
-    if count > 251:
+    if check_period(dtype, world_size + 1) == period:
+        assert count_wrong(reduced, world_size + 1) == count  # a rank's contribution missing: all wrong
+    if count > period:
         shifted = torch.roll(reduced, 1)  # right values, wrong places
         assert count_wrong(shifted, world_size) > 0
+
+
+def test_the_check_period_keeps_every_sum_exact_in_its_type() -> None:
+    # float32 holds 2^24 exactly: 251 for any world a test could start; 16 bits hold far less.
+    assert check_period(torch.float32, 1024) == 251
+    assert check_period(torch.float16, 2) == 251 and check_period(torch.float16, 16) == 127  # 2048 // 16 = 128
+    assert check_period(torch.bfloat16, 2) == 127 and check_period(torch.bfloat16, 8) == 31  # 256 // 8 = 32
+    assert check_period(torch.bfloat16, 256) == 1
+    for dtype, exact in ((torch.float16, 2048), (torch.bfloat16, 256)):
+        for world_size in (2, 3, 7, 64):
+            assert check_period(dtype, world_size) * world_size <= exact
+    with pytest.raises(ValueError, match="bfloat16 holds integers exactly only up to 256"):
+        check_period(torch.bfloat16, 257)
+
+
+def test_dtypes_are_checked_and_float32_comes_first() -> None:
+    assert check_dtypes("float16,float32") == ("float32", "float16")
+    assert check_dtypes(["bfloat16"]) == ("bfloat16",)
+    assert SweepSettings(device="cpu", dtypes="float16, float32").dtypes == ("float32", "float16")
+    for bad, match in (("float64", "--dtype must name"), ("float16,float16", "twice"), ("", "--dtype must name")):
+        with pytest.raises(ValueError, match=match):
+            check_dtypes(bad)
 
 
 def test_time_iterations_on_cpu_reads_the_clock_between_calls() -> None:
@@ -132,6 +161,13 @@ def test_summary_names_the_peak_and_the_small_message_latency() -> None:
     report = {"rows": rows, "world_size": 2, "duration_s": 1.0, **summary}
     assert summary_line(report) == (
         "peak busbw 1.05 GB/s at 1 MiB; small-message latency 50.0 µs (1 KiB); 0 wrong; 3 sizes in 1.0 s"
+    )
+    halves = [size_row(n, [t, t], [0, 0], iters=5, warmup=1, dtype="float16") for n, t in ((KiB, 80e-6), (MiB, 2e-3))]
+    report["other_dtypes"] = {"float16": {"rows": halves, **summarize_rows(halves)}}
+    assert halves[1]["count"] == MiB // 2
+    assert summary_line(report) == (
+        "float32: peak busbw 1.05 GB/s at 1 MiB; small-message latency 50.0 µs (1 KiB); "
+        "float16: peak busbw 0.52 GB/s at 1 MiB; small-message latency 80.0 µs (1 KiB); 0 wrong; 5 sizes in 1.0 s"
     )
 
 

@@ -47,7 +47,7 @@ def two_node_report(launcher: str) -> dict[str, Any]:
     rows = [size_row(nbytes, [1e-4, 1.1e-4], [0, 0], iters=5, warmup=1) for nbytes in (1024, 4096)]
     settings = SweepSettings(device="cpu", nproc=1, min_bytes=1024, max_bytes=4096, factor=4)
     hosts = allreduce_run.hosts_of(records)
-    return allreduce_run._report(settings, 2, {"torch": "x"}, rows, 0.0, launcher, hosts)
+    return allreduce_run._report(settings, 2, {"torch": "x"}, {"float32": rows}, 0.0, launcher, hosts)
 
 
 def test_ranks_are_grouped_by_node_in_node_order() -> None:
