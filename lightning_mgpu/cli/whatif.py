@@ -119,7 +119,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--first-bucket-cap-mb", type=_positive_float, default=None, metavar="B", help="first bucket (default 1 MiB)"
     )
-    parser.add_argument("--compression", choices=("none", "fp16", "bf16", "powersgd"), default=None)
+    parser.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16", "powersgd"),
+        default=None,
+        help="default: as profiled (a casting hook shows as the profile's 2x compression ratio); none: without",
+    )
     parser.add_argument("--powersgd-rank", type=bounded_int(1024), default=1, help="PowerSGD rank (default 1)")
     parser.add_argument(
         "--compute-scale", type=_positive_float, default=1.0, metavar="S", help="x forward/backward/optimizer time"
@@ -279,7 +284,7 @@ def build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pr
         system=system,
         bucket_cap_mb=args.bucket_cap_mb,
         first_bucket_cap_mb=args.first_bucket_cap_mb,
-        compression=args.compression,
+        compression=run.compression if args.compression is None else args.compression,
         powersgd_rank=args.powersgd_rank,
         compute_scale=args.compute_scale,
         costs=costs,

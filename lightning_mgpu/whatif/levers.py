@@ -229,7 +229,8 @@ def what_would_help(
             ("lightning-mgpu whatif comm_profile.json --world-size 2 --link 10gbe",),
         )
     system = System(nodes=nodes or run.world_size, inter=chosen)
-    scenario = Scenario(system=system, costs=costs)
+    # the configuration as profiled: a profile taken with fp16 replays with it (and is not told to turn it on)
+    scenario = Scenario(system=system, costs=costs, compression=run.compression)
     measured = costs is not NO_COSTS
     levers = rank_levers(run, scenario, powersgd_ranks=POWERSGD_RANKS if measured else ())
     step_levers = [lever for lever in levers if lever.kind == "step"][:top]

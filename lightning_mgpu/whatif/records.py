@@ -50,6 +50,9 @@ DTYPE_BYTES: dict[str, int] = {
     "double": 8,
 }
 """Bytes per element of the gradient dtypes DDP buckets (``torch.`` prefix accepted)."""
+CASTING_RATIO_MAX = 2.5
+"""A profile compressed by at most this much on the wire (and more than 1.5x) was taken with a casting hook (fp16 /
+bf16 send exactly half); more is another hook (PowerSGD)."""
 
 
 SHARED_CORES_NOTE = (
@@ -343,11 +346,22 @@ def load_profile(
     if optimizer_ms is None:
         notes.append("the profile has no optimizer_ms: counted in 'other'")
     compression = summary.get("compression", document.get("compression"))
+    if compression is not None and str(compression).lower() not in ("none", "fp16", "bf16", "powersgd"):
+        notes.append(f"the profile names a compression the model does not know ({compression!r:.40}): replayed without")
+        compression = None
+    elif compression is not None:
+        compression = None if str(compression).lower() == "none" else str(compression).lower()
     ratio = summary.get("compression_ratio")
     wire_ratio: Optional[float] = 1.0 / float(ratio) if isinstance(ratio, (int, float)) and ratio > 0 else 1.0
     if compression is None and isinstance(ratio, (int, float)) and ratio > 1.5:
-        compression = "fp16"  # a casting hook: fp16 or bf16 cost the same for the model
-        notes.append("the profile was taken with a casting compression (fp16 or bf16)")
+        if ratio <= CASTING_RATIO_MAX:
+            compression = "fp16"  # a casting hook: fp16 or bf16 cost the same for the model
+            notes.append("the profile was taken with a casting compression (fp16 or bf16)")
+        else:
+            notes.append(
+                f"the profile's hook sent {ratio:.1f}x fewer bytes than the gradients (PowerSGD?), which the model "
+                "cannot name: the profiled configuration replays as uncompressed (name one: --compression)"
+            )
     if summary.get("measures_comm") is False:
         notes.append("the profile did not time communication (no CommHookHost strategy)")
     nodes = document.get("nodes")

@@ -62,6 +62,20 @@ def test_flags_reach_the_scenario(profile: Path, capsys: pytest.CaptureFixture[s
     assert nodes["predicted"]["world_size"] == 8 and nodes["inputs"]["system"]["intra"]["name"] == "loopback"
 
 
+def test_a_profile_taken_with_fp16_is_predicted_with_it_unless_told_otherwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = mlp_profile()
+    document["summary"]["compression_ratio"] = 2.0
+    path = tmp_path / "comm_profile.json"
+    path.write_text(json.dumps(document))
+    as_profiled = run_json(capsys, str(path), "--link", "1gbe")
+    assert as_profiled["inputs"]["compression"] == "fp16"
+    without = run_json(capsys, str(path), "--link", "1gbe", "--compression", "none")
+    assert without["inputs"]["compression"] is None
+    assert without["predicted"]["wire_bytes_per_step"] == 2 * as_profiled["predicted"]["wire_bytes_per_step"]
+
+
 def test_sweep_prints_the_curve_and_writes_a_png(
     profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -218,6 +218,49 @@ def test_a_bench_comm_results_cpu_time_gives_the_share_of_a_core_its_all_reduces
         link_from_bench_comm({**report, "rows": [rows[0], {**rows[1], "cpu_us": -1.0}, rows[2]]})
 
 
+def test_a_bench_comm_results_16_bit_sweep_is_the_link_fp16_and_bf16_buckets_take() -> None:
+    rows = [{"bytes": 1 << 20, "busbw_gbps": 1.0, "time_us": 1000.0, "cpu_us": 500.0}]
+    halves = [{"bytes": 1 << 20, "busbw_gbps": 0.5, "time_us": 2000.0, "cpu_us": 1500.0}]
+    report = {"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": rows}
+    both = {**report, "other_dtypes": {"float16": {"rows": halves}}}
+    link = link_from_bench_comm(both)
+    assert [name for name, _ in link.by_dtype] == ["float16"] and link.as_dict()["measured_dtypes"] == ["float16"]
+    sixteen = link.for_dtype("float16")
+    assert sixteen.busbw_at(4 << 20) == 0.5 and sixteen.cpu_share_at(1 << 20) == 0.75
+    assert sixteen.latency_us == link.latency_us and sixteen.measured_world_size == 2
+    assert link.for_dtype(None) is link and link.for_dtype("bfloat16") is link  # not measured: the float32 sweep
+    assert link.measures("float16") and link.measures(None) and not link.measures("bfloat16")
+    assert not link_from_bench_comm(report).measures("float16") and not link_from_gbps(1).measures(None)
+    with pytest.raises(ValueError, match=r"a float16 sweep only.*--dtype float32,float16"):
+        link_from_bench_comm({**report, "dtype": "float16"})
+    with pytest.raises(ProfileError, match="'other_dtypes' must map each dtype"):
+        link_from_bench_comm({**report, "other_dtypes": {"float16": halves}})
+    with pytest.raises(ProfileError, match=r"other_dtypes\.float16\.rows\[0\]\.time_us must be a number >= 0"):
+        link_from_bench_comm({**report, "other_dtypes": {"float16": {"rows": [{**halves[0], "time_us": -1}]}}})
+
+
+def test_fp16_buckets_over_a_link_measured_in_16_bits_take_that_curve_and_no_probed_sum() -> None:
+    run = load_profile(mlp_profile(world_size=1))
+    costs = CompressionCosts(gloo_ms_per_mib={"float32": 1.0, "float16": 3.0})  # the loopback probe: +2 ms/MiB
+    float32 = {"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": [{"bytes": 1, "busbw_gbps": 1.0}]}
+    sixteen = {"float16": {"rows": [{"bytes": 1, "busbw_gbps": 0.5}]}}  # gloo's 16-bit sum halves the rate
+
+    def last_bucket_ms(report: dict[str, Any], compression: Any = "fp16") -> float:
+        scenario = Scenario(
+            system=System(nodes=2, inter=link_from_bench_comm(report)), compression=compression, costs=costs
+        )
+        last = predict(run, scenario).buckets[-1]
+        return last.done_ms - last.start_ms
+
+    wire = nbytes(MLP_BUCKETS[1]) / 2  # fp16: half the bytes; 2 ranks: each byte once (2(n-1)/n = 1)
+    # measured in 16 bits: its own rate, the sum inside it (the probe's cost is not added again)
+    assert last_bucket_ms({**float32, "other_dtypes": sixteen}) == pytest.approx(wire / 0.5e6)
+    # measured in float32 only: its rate, and the probe's extra sum work beside the wire (the longer of the two)
+    assert last_bucket_ms(float32) == pytest.approx(max(wire / 1e6, 2.0 * wire / MIB))
+    # an uncompressed bucket never takes the 16-bit curve
+    assert last_bucket_ms({**float32, "other_dtypes": sixteen}, None) == pytest.approx(2 * wire / 1e6)
+
+
 def test_the_profiled_link_is_the_bytes_over_the_time_buckets_held_it() -> None:
     run = load_profile(simple_profile())
     assert service_times(run) == [1.0, 1.0]
@@ -395,6 +438,17 @@ def test_a_one_rank_profile_pays_the_measured_cpu_share_of_all_reduces_that_over
     # a profile of 2 ranks already carries its own all-reduces' work in its backward: not added again
     assert backward(2, measured) == pytest.approx(backward(2, plain))
 
+    def first_bucket_ms(profile_ranks: int, link: Link, contention: bool = True) -> float:
+        run = load_profile(mlp_profile(world_size=profile_ranks))
+        bucket = predict(run, Scenario(system=System(nodes=2, inter=link), host_contention=contention)).buckets[0]
+        return bucket.done_ms - bucket.start_ms
+
+    # the cores are shared both ways: bucket 0's own CPU work (half its time) waits for backward as long
+    assert first_bucket_ms(1, measured) == pytest.approx(1.5 * first / 1e6)
+    assert first_bucket_ms(1, plain) == pytest.approx(first / 1e6)
+    assert first_bucket_ms(1, measured, contention=False) == pytest.approx(first / 1e6)
+    assert first_bucket_ms(2, measured) == pytest.approx(first_bucket_ms(2, plain))
+
 
 def test_predicting_the_profiled_system_gives_back_the_profiled_step() -> None:
     run = load_profile(mlp_profile())
@@ -472,6 +526,37 @@ def test_what_would_help_replays_the_profile_on_its_own_link() -> None:
         what_would_help(mlp_profile(), link="fddi")
     no_shapes = what_would_help(mlp_profile(params=False))
     assert "PowerSGD not predicted: the profile lists no gradient shapes" in no_shapes.notes
+
+
+def fp16_profile() -> dict[str, Any]:
+    """mlp_profile taken with a casting hook: half the bytes on the wire (compression ratio 2)."""
+    document = mlp_profile()
+    document["summary"]["compression_ratio"] = 2.0
+    return document
+
+
+def test_a_profile_taken_with_fp16_replays_with_it_and_is_not_told_to_turn_it_on() -> None:
+    run = load_profile(fp16_profile())
+    assert run.compression == "fp16" and run.wire_ratio == 0.5
+    as_profiled = link_from_profile(run)
+    assert as_profiled is not None
+    system = System(nodes=2, inter=as_profiled)
+    same = predict(run, Scenario(system=system, compression="fp16"))
+    uncompressed = predict(run, Scenario(system=system))
+    assert uncompressed.step_ms > same.step_ms  # twice the bytes over the link the profile measured
+    advice = what_would_help(fp16_profile())
+    assert not any(lever.name == "fp16/bf16 compression" for lever in advice.levers)
+    assert any(lever.name == "no compression" for lever in advice.levers)
+    # every lever is measured against the configuration as profiled
+    assert all(lever.base_step_ms == pytest.approx(same.step_ms) for lever in advice.levers)
+    # a ratio no cast gives (PowerSGD's) is not taken for one: replayed uncompressed, and the note says so
+    document = mlp_profile()
+    document["summary"]["compression_ratio"] = 12.0
+    powersgd = load_profile(document)
+    assert powersgd.compression is None and any("12.0x fewer bytes" in note for note in powersgd.notes)
+    document["summary"]["compression"] = "topk"
+    assert load_profile(document).compression is None
+    assert any("does not know ('topk')" in note for note in load_profile(document).notes)
 
 
 # ------------------------------------------------------------------ gradient accumulation (issue 28)
