@@ -42,6 +42,8 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], s
             "1MiB",
             "--iters",
             "3",
+            "--dtype",
+            "float16,float32",
             "--json",
             str(out),
         ],
@@ -66,6 +68,12 @@ def test_cli_run_measures_every_size_and_gloo_sums_correctly(cli_run: tuple[dict
         assert row["time_us"] == max(row["rank_time_us"])
         assert row["wrong"] == 0
     assert report["wrong_total"] == 0
+    # --dtype: float32 at the top level whatever the order named, float16's sweep beside it, summed as exactly
+    assert report["dtype"] == "float32" and report["settings"]["dtypes"] == ["float32", "float16"]
+    halves = report["other_dtypes"]["float16"]["rows"]
+    assert [row["bytes"] for row in halves] == [row["bytes"] for row in rows]
+    assert all(row["count"] == row["bytes"] // 2 and row["wrong"] == 0 and row["time_us"] > 0 for row in halves)
+    assert report["other_dtypes"]["float16"]["peak_busbw_gbps"] == max(row["busbw_gbps"] for row in halves)
 
 
 @pytest.mark.multiprocess
@@ -100,7 +108,8 @@ def test_cli_prints_the_table_and_a_summary_line(cli_run: tuple[dict[str, Any], 
     summary = [line for line in stdout.splitlines() if line.startswith("peak busbw")]
     assert len(summary) == 1
     assert f"at {format_size(report['peak_busbw_bytes'])};" in summary[0]
-    assert "small-message latency" in summary[0] and "0 wrong" in summary[0]
+    assert "small-message latency" in summary[0] and "0 wrong" in summary[0] and "; float16: peak busbw" in summary[0]
+    assert "all_reduce (float32, sum, in place)" in stdout and "all_reduce (float16, sum, in place)" in stdout
     # What the profiler will read back.
     copy = tmp_path / "copy.json"
     copy.write_text(json.dumps(report))

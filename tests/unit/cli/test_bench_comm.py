@@ -166,7 +166,7 @@ def test_summary_names_the_peak_and_the_small_message_latency() -> None:
     report["other_dtypes"] = {"float16": {"rows": halves, **summarize_rows(halves)}}
     assert halves[1]["count"] == MiB // 2
     assert summary_line(report) == (
-        "float32: peak busbw 1.05 GB/s at 1 MiB; small-message latency 50.0 µs (1 KiB); "
+        "peak busbw 1.05 GB/s at 1 MiB; small-message latency 50.0 µs (1 KiB); "
         "float16: peak busbw 0.52 GB/s at 1 MiB; small-message latency 80.0 µs (1 KiB); 0 wrong; 5 sizes in 1.0 s"
     )
 
