@@ -17,7 +17,12 @@ rank 0, after a warm-up; median over the run, then over rounds):
    run across the lab's link at each rate (torchrun on both nodes, as a user runs it) predict
    the 2-rank runs with default buckets and with fp16; the same with a rate for the
    link instead (the raw TCP transfer's achieved rate, and the configured, nominal one) says
-   what each input is worth.
+   what each input is worth. bench-comm sweeps float32 and float16, each also beside compute;
+4. **the same, the profile taken where a lab node computes**: the 1-rank profile taken while a
+   second copy of the same runs computes beside it. The lab's two nodes are one machine's two
+   cores: a node computes with the other core busy and the memory shared, slower than a lone
+   process does. A real node is its own machine, and its 1-rank profile is taken there; this
+   row says how much of (3)'s error is that difference of the lab, not the link.
 
 Compression compute (fp16 casts, PowerSGD's matrix products) is measured on this machine with
 one thread, as each rank trains (:func:`lightning_mgpu.whatif.measure.measure_costs`).
@@ -38,6 +43,8 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -74,12 +81,14 @@ QUICK = {
     "sweep_max_mib": 4,
 }
 LAUNCH_TIMEOUT_S = 7200
+COMPANION_HEAD_START_S = 5.0  # the companion's start-up (imports, model) before the profiled runs start
 VALIDATIONS = (
     "loopback_profile",
     "profile_at_1gbps",
     "one_rank_plus_bench_comm",
     "one_rank_plus_achieved_rate",
     "one_rank_plus_nominal_rate",
+    "one_rank_beside_plus_bench_comm",
 )
 """The last two are the same 1-rank predictions as ``one_rank_plus_bench_comm`` with a rate for the link instead of
 its sweep: the raw TCP transfer's achieved rate, and the configured (nominal) one: which input gives which accuracy."""
@@ -130,6 +139,29 @@ def fit_item(
 # ----------------------------------------------------------------------------- launches
 
 
+def beside_a_copy(plan: list[dict[str, Any]], *, label: str, scratch: Path) -> list[dict[str, Any]]:
+    """``plan``'s 1-rank runs on loopback while a second copy of them (twice the steps, started first, not profiled)
+    computes beside them: a lab node's compute, the other core busy and the memory shared."""
+    companion = [{**item, "steps": 2 * item["steps"], "profile_dir": None} for item in plan]
+    failed: list[BaseException] = []
+
+    def run_companion() -> None:
+        try:
+            measure(companion, nproc=1, label=f"{label}_companion", scratch=scratch)
+        except BaseException as error:  # noqa: BLE001 - reported after the profiled runs
+            failed.append(error)
+
+    thread = threading.Thread(target=run_companion, name="companion")
+    thread.start()
+    time.sleep(COMPANION_HEAD_START_S)
+    try:
+        return measure(plan, nproc=1, label=label, scratch=scratch)
+    finally:
+        thread.join()
+        if failed:
+            raise launch.LaunchFailed(f"{label}: the companion run failed: {failed[0]}")
+
+
 def measure(
     plan: list[dict[str, Any]],
     *,
@@ -175,19 +207,8 @@ def bench_comm_sweep(
     scratch.mkdir(parents=True, exist_ok=True)
     out = scratch / "link.json"
     target = ["-m", "lightning_mgpu.cli", "bench-comm", "--min-bytes", "4096", "--max-bytes", str(max_bytes)]
-    target += [
-        "--factor",
-        "4",
-        "--iters",
-        "5",
-        "--warmup",
-        "1",
-        "--dtype",
-        "float32,float16",
-        "--quiet",
-        "--json",
-        str(out),
-    ]
+    target += ["--factor", "4", "--iters", "5", "--warmup", "1", "--dtype", "float32,float16", "--beside-compute"]
+    target += ["--quiet", "--json", str(out)]
     if cluster is not None:
         env = {**JOB_ENV, "PYTHONPATH": pythonpath_with_repo()}
         job = cluster.srun_job([sys.executable, *target], nodes=2, workdir=scratch, env=env, name="bench_comm")
@@ -315,6 +336,9 @@ def validate(
             continue
         if sweep is not None:
             add("one_rank_plus_bench_comm", m, inputs["loopback_1"][model], link_from_bench_comm(sweep), False)
+            beside = inputs.get("loopback_1_beside", {}).get(model)  # absent in results from before it was taken
+            if beside is not None:
+                add("one_rank_beside_plus_bench_comm", m, beside, link_from_bench_comm(sweep), False)
         add("one_rank_plus_achieved_rate", m, inputs["loopback_1"][model], link_from_gbps(m["achieved_gbps"]), False)
         add("one_rank_plus_nominal_rate", m, inputs["loopback_1"][model], link_from_gbps(rate), False)
     return validations
@@ -368,6 +392,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     profiles2 = {r["model"]: r for r in measure(plan2, nproc=2, label="profile_2ranks", scratch=scratch)}
     profiles1 = {r["model"]: r for r in measure(plan1, nproc=1, label="profile_1rank", scratch=scratch)}
+    plan1_beside = [
+        fit_item(m, cfgs[0], steps=args.profile_steps, warmup=args.warmup, profile_dir=scratch / f"loop1b_{m}")
+        for m in args.models
+    ]
+    profiles1_beside = {
+        r["model"]: r for r in beside_a_copy(plan1_beside, label="profile_1rank_beside", scratch=scratch)
+    }
     costs = {}
     for model in args.models:
         run0 = load_profile(profiles2[model]["profile"], parameters=profiles2[model]["gradients"])
@@ -422,7 +453,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     inputs = {
         name: {m: {"profile": r["profile"], "gradients": r["gradients"]} for m, r in runs.items()}
-        for name, runs in (("loopback_2", profiles2), ("loopback_1", profiles1), ("at_1gbps", profiles_at))
+        for name, runs in (
+            ("loopback_2", profiles2),
+            ("loopback_1", profiles1),
+            ("loopback_1_beside", profiles1_beside),
+            ("at_1gbps", profiles_at),
+        )
     }
     bench_comm = {f"{rate:g}": sweep for rate, sweep in sweeps.items()}
     validations = validate(

@@ -22,6 +22,7 @@ TITLES = {
     "one_rank_plus_bench_comm": "from a 1-rank profile + bench-comm over the link -> 2 ranks, default buckets and fp16",
     "one_rank_plus_achieved_rate": "the same, the link as the rate a raw TCP transfer achieved (--link-gbps)",
     "one_rank_plus_nominal_rate": "the same, the link as its configured (nominal) rate (--link-gbps)",
+    "one_rank_beside_plus_bench_comm": "from a 1-rank profile taken beside a copy (a lab node's compute) + bench-comm",
 }
 
 
@@ -92,6 +93,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         "one_rank_plus_bench_comm": "^",
         "one_rank_plus_achieved_rate": "v",
         "one_rank_plus_nominal_rate": "x",
+        "one_rank_beside_plus_bench_comm": "D",
     }
     short = {
         "loopback_profile": "2-rank loopback profile",
@@ -99,6 +101,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         "one_rank_plus_bench_comm": "1-rank profile + bench-comm",
         "one_rank_plus_achieved_rate": "1-rank profile + achieved rate",
         "one_rank_plus_nominal_rate": "1-rank profile + nominal rate",
+        "one_rank_beside_plus_bench_comm": "1-rank profile beside a copy + bench-comm",
     }
     values: list[float] = []
     for name, rows in report["validations"].items():

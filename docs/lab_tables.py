@@ -21,6 +21,7 @@ _VALIDATIONS = {
     "one_rank_plus_bench_comm": "a 1-rank profile + `bench-comm` over the link → 2 ranks",
     "one_rank_plus_achieved_rate": "a 1-rank profile + the rate a raw TCP transfer achieved (`--link-gbps`) → 2 ranks",
     "one_rank_plus_nominal_rate": "a 1-rank profile + the link's nominal rate (`--link-gbps`) → 2 ranks",
+    "one_rank_beside_plus_bench_comm": "a 1-rank profile taken beside a copy (a lab node's compute) + `bench-comm` → 2 ranks",
 }
 
 
@@ -64,6 +65,7 @@ _ROUTE = {
     "one_rank_plus_bench_comm": "`bench-comm` over the link",
     "one_rank_plus_achieved_rate": "the rate a raw TCP transfer achieved",
     "one_rank_plus_nominal_rate": "the link's nominal rate",
+    "one_rank_beside_plus_bench_comm": "`bench-comm`, the profile taken beside a copy",
 }
 
 

@@ -58,6 +58,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="untimed all_reduces first (default 5): min(warmup, max(1, 256MiB // size))",
     )
+    parser.add_argument(
+        "--beside-compute",
+        action="store_true",
+        help="CPU: time each size again with a thread computing beside it on every rank (as backward does while DDP "
+        "all-reduces): the JSON's beside_time_us and beside_compute_share, which `whatif --link-bench` uses for the "
+        "all-reduces that overlap backward",
+    )
     # A plain float: the settings check it, with the message programmatic callers get too.
     parser.add_argument(
         "--timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long (default 300)"
@@ -99,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "timeout_s": args.timeout,
         "dtypes": args.dtype,
+        "beside_compute": args.beside_compute or None,
     }
     try:
         settings = allreduce_bench.SweepSettings(**{name: value for name, value in given.items() if value is not None})
@@ -177,17 +185,24 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
         f"time: slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × {report['bus_factor']:.2f}"
         f" · GB/s = 10^9 B/s · torch {machine.get('torch')}, {machine.get('device_name')}"
     )
+    if report.get("settings", {}).get("beside_compute"):
+        notes += (
+            " · beside compute: the same all_reduce with a thread multiplying matrices on every rank; compute kept: "
+            "its rate meanwhile over its rate alone (the worst-hit rank's)"
+        )
     for dtype, sweep in sweeps(report):
         title = (
             f"all_reduce ({dtype}, sum, in place): {report['world_size']} ranks, {report['backend']}, "
             f"{report['device_type']}"
         )
         table = Table(title=title)
-        columns = ("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")
+        beside = all("beside_time_us" in row for row in sweep["rows"]) and bool(sweep["rows"])
+        columns: tuple[str, ...] = ("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")
+        columns += ("beside compute (µs)", "compute kept") if beside else ()
         for index, column in enumerate(columns):
             table.add_column(column, justify="left" if index == 0 else "right")
         for row in sweep["rows"]:
-            table.add_row(
+            cells = [
                 format_size(row["bytes"]),
                 f"{row['count']:,}",
                 str(row["iters"]),
@@ -195,7 +210,10 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
                 f"{row['algbw_gbps']:.2f}",
                 f"{row['busbw_gbps']:.2f}",
                 str(row["wrong"]) if row["wrong"] == 0 else f"[bold red]{row['wrong']}[/]",
-            )
+            ]
+            if beside:
+                cells += [f"{row['beside_time_us']:,.1f}", f"{row['beside_compute_share']:.0%}"]
+            table.add_row(*cells)
         console.print(table)
     console.print(where_line(report), highlight=False, markup=False, soft_wrap=True)
     console.print(notes, style="dim", highlight=False, soft_wrap=True)

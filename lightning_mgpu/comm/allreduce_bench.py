@@ -111,6 +111,7 @@ import json
 import math
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,13 @@ DEVICES = ("cpu", "cuda")
 SCHEMA_VERSION = 1
 COLLECTIVE = "all_reduce"
 ELEMENT_BYTES = 4  # float32
+BESIDE_CALIBRATION_S = 0.5
+"""How long each rank times its compute alone before a ``--beside-compute`` sweep."""
+BESIDE_WARMUP = 50
+"""Untimed multiplications before the compute's rate alone is timed."""
+BESIDE_MIN_S = 0.2
+"""A size's batch beside compute lasts at least about this long (more iterations than ``iters`` when they are short),
+so that the compute's share is counted over many multiplications."""
 CHECK_PERIOD = 251  # prime, so a chunk landing at a wrong offset never lines up with the pattern
 DTYPES = {"float32": 1 << 24, "float16": 1 << 11, "bfloat16": 1 << 8}
 """The dtypes a sweep can all-reduce, each with the integer up to which it holds every integer exactly
@@ -207,6 +215,10 @@ class SweepSettings:
     """Deadline for the whole run, and the process group's collective timeout."""
     dtypes: Sequence[str] = DEFAULT_DTYPES
     """The element types swept, one sweep each (float32 first when named; see :data:`DTYPES`)."""
+    beside_compute: bool = False
+    """CPU: time each size a second time with a thread computing beside it on every rank (what backward does to the
+    cores while DDP all-reduces), recording how much slower the all-reduce gets and how much of its rate the compute
+    keeps (``beside_time_us``, ``beside_compute_share``)."""
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -255,6 +267,10 @@ class SweepSettings:
             )
 
         self.dtypes = check_dtypes(self.dtypes)
+        if self.beside_compute and self.device != "cpu":
+            raise ValueError(
+                "--beside-compute measures an all-reduce sharing the CPU's cores with compute: CPU (gloo) only"
+            )
 
     @property
     def sizes(self) -> list[int]:
@@ -378,12 +394,74 @@ def warm_up_group(nbytes: int, *, device: torch.device, count: int = SWEEP_WARMU
     _line_up(device)
 
 
+class ComputeBeside:
+    """Compute on this rank's cores while something else runs: a thread multiplying two 128 x 128 float32 matrices
+    back to back (torch's intra-op threads, as backward uses them). :meth:`rate` is multiplications per second,
+    alone; :meth:`share_during` runs it beside ``work`` and says what share of that rate it kept."""
+
+    SIZE = 128  # small: the share is counted in whole multiplications, many of them within one batch
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.a = torch.rand(self.SIZE, self.SIZE, generator=generator)
+        self.b = torch.rand(self.SIZE, self.SIZE, generator=generator)
+        self.alone = 0.0
+
+    def rate(self, seconds: float = BESIDE_CALIBRATION_S) -> float:
+        """Multiplications per second with nothing else of this process running (kept as :attr:`alone`): the same
+        thread :meth:`share_during` runs, beside a sleep."""
+        self.alone = 0.0
+        _, rate = self._spin_during(lambda: time.sleep(seconds), warmup=BESIDE_WARMUP)
+        self.alone = rate
+        return rate
+
+    def share_during(self, work: Callable[[], Any]) -> tuple[Any, float]:
+        """``work()``'s result, and the share of :attr:`alone`'s rate the compute kept while it ran."""
+        result, rate = self._spin_during(work)
+        return result, (rate / self.alone if self.alone > 0 else math.nan)
+
+    def _spin_during(self, work: Callable[[], Any], warmup: int = 0) -> tuple[Any, float]:
+        """``work()``'s result and the multiplications per second a thread did while it ran (after ``warmup``
+        untimed ones, done before ``work`` starts)."""
+        stop, started, count = threading.Event(), threading.Event(), [0]
+        threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the same as the caller's
+
+        def spin() -> None:
+            torch.set_num_threads(threads)
+            for _ in range(warmup):  # the first multiplications pay one-time costs (kernels, thread pool)
+                torch.mm(self.a, self.b)
+            started.set()
+            while not stop.is_set():
+                torch.mm(self.a, self.b)
+                count[0] += 1
+
+        thread = threading.Thread(target=spin, name="bench-comm-compute", daemon=True)
+        thread.start()
+        started.wait()
+        begin = time.perf_counter()
+        try:
+            result = work()
+        finally:
+            stop.set()
+            thread.join()
+        return result, count[0] / max(1e-9, time.perf_counter() - begin)
+
+
 def measure_size(
-    nbytes: int, *, iters: int, warmup: int, rank: int, world_size: int, device: torch.device, dtype: str = "float32"
-) -> tuple[float, int, float]:
-    """This rank's median seconds per all_reduce of ``nbytes`` of ``dtype``, its wrong elements in the check, and the
+    nbytes: int,
+    *,
+    iters: int,
+    warmup: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    dtype: str = "float32",
+    beside: Optional[ComputeBeside] = None,
+) -> tuple[float, int, float, Optional[float], Optional[float]]:
+    """This rank's median seconds per all_reduce of ``nbytes`` of ``dtype``, its wrong elements in the check, the
     CPU seconds its process spent per all_reduce (every thread: gloo's copies and sums and the kernel's socket work
-    charged to it), the mean over the timed batch."""
+    charged to it), the mean over the timed batch, and (``beside``) the median seconds of a second batch timed with
+    ``beside`` computing on this rank, and the share of its rate the compute kept meanwhile (else None, None)."""
     buffer = torch.zeros(nbytes // element_bytes(dtype), dtype=getattr(torch, dtype), device=device)
     for _ in range(warmup):
         dist.all_reduce(buffer)
@@ -392,10 +470,23 @@ def measure_size(
     seconds = time_iterations(lambda: dist.all_reduce(buffer), iters, device=device)
     cpu = (time.process_time() - cpu_before) / max(1, iters)
 
+    beside_seconds: Optional[float] = None
+    kept: Optional[float] = None
+    if beside is not None:
+        # at least BESIDE_MIN_S of all-reduces (as many on every rank: the count comes from an all-reduced figure)
+        longest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        count = max(iters, math.ceil(BESIDE_MIN_S / max(float(longest), 1e-6)))
+        _line_up(device)
+        timed, kept = beside.share_during(
+            lambda: time_iterations(lambda: dist.all_reduce(buffer), count, device=device)
+        )
+        beside_seconds = statistics.median(timed)
+
     fill_check_pattern(buffer, rank, world_size)
     dist.all_reduce(buffer)
     wrong = count_wrong(buffer, world_size)
-    return statistics.median(seconds), wrong, cpu
+    return statistics.median(seconds), wrong, cpu, beside_seconds, kept
 
 
 def size_row(
@@ -407,12 +498,18 @@ def size_row(
     warmup: int,
     rank_cpu_seconds: Optional[Sequence[float]] = None,
     dtype: str = "float32",
+    rank_beside_seconds: Optional[Sequence[Optional[float]]] = None,
+    rank_compute_share: Optional[Sequence[Optional[float]]] = None,
 ) -> dict[str, Any]:
     """One table row from every rank's median time and wrong count: the slowest rank decides (``cpu_us``, the CPU
-    time per all_reduce, is the busiest rank's, when given)."""
+    time per all_reduce, is the busiest rank's, when given; ``beside_time_us`` the slowest rank's time beside compute,
+    ``beside_compute_share`` the share of its rate the worst-hit rank's compute kept)."""
     world_size = len(rank_seconds)
     seconds = max(rank_seconds)
     cpu = {} if rank_cpu_seconds is None else {"cpu_us": max(rank_cpu_seconds) * 1e6}
+    if rank_beside_seconds is not None and rank_compute_share is not None and None not in rank_beside_seconds:
+        cpu["beside_time_us"] = max(t for t in rank_beside_seconds if t is not None) * 1e6
+        cpu["beside_compute_share"] = min(s for s in rank_compute_share if s is not None)
     return {
         **cpu,
         "bytes": nbytes,
@@ -470,6 +567,7 @@ __all__ = [
     "KiB",
     "MiB",
     "DTYPES",
+    "ComputeBeside",
     "SCHEMA_VERSION",
     "SweepSettings",
     "check_dtypes",

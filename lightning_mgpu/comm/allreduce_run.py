@@ -36,6 +36,7 @@ import torch.multiprocessing as torch_mp
 from lightning_mgpu.comm.allreduce_bench import (
     COLLECTIVE,
     ITERATION_RULE,
+    ComputeBeside,
     SCHEMA_VERSION,
     SweepSettings,
     format_size,
@@ -64,6 +65,16 @@ class BenchCommError(RuntimeError):
 # ---------------------------------------------------------------------------------------
 # The worker process
 # ---------------------------------------------------------------------------------------
+def threads_per_rank(ranks_here: int, environ: Optional[dict[str, str]] = None) -> int:
+    """torch's intra-op threads for one of ``ranks_here`` ranks on this host: ``OMP_NUM_THREADS`` when set (as the
+    training job beside it sets it), else the cores shared out, at least 1 (more threads than cores only fight over
+    them: OpenMP's threads spin, and a multiplication beside another rank's can run a hundred times slower)."""
+    given = (environ if environ is not None else os.environ).get("OMP_NUM_THREADS", "")
+    if given.strip().isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
 def _machine_facts(settings: SweepSettings, device: torch.device) -> dict[str, Any]:
     from lightning_mgpu._version import __version__
 
@@ -97,6 +108,10 @@ def _sweep_rows(
     every rank."""
     if settings.warmup > 0:  # the group's start-up costs, before the first (smallest) size is timed
         warm_up_group(min(settings.sizes), device=device)
+    beside = ComputeBeside() if settings.beside_compute else None
+    if beside is not None:  # every rank's compute alone, at once (as the ranks will compute beside the all-reduces)
+        dist.barrier()
+        beside.rate()
     sweeps: dict[str, list[dict[str, Any]]] = {}
     for dtype in settings.dtypes:
         rows = sweeps.setdefault(dtype, [])
@@ -104,12 +119,29 @@ def _sweep_rows(
             iters = timed_iterations(nbytes, settings.iters)
             warmup = warmup_iterations(nbytes, settings.warmup)
             measured = measure_size(
-                nbytes, iters=iters, warmup=warmup, rank=rank, world_size=world_size, device=device, dtype=dtype
+                nbytes,
+                iters=iters,
+                warmup=warmup,
+                rank=rank,
+                world_size=world_size,
+                device=device,
+                dtype=dtype,
+                beside=beside,
             )
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, measured)  # outside the timed batch
-            seconds, wrong, cpu = zip(*gathered)
-            row = size_row(nbytes, seconds, wrong, iters=iters, warmup=warmup, rank_cpu_seconds=cpu, dtype=dtype)
+            seconds, wrong, cpu, beside_seconds, kept = zip(*gathered)
+            row = size_row(
+                nbytes,
+                seconds,
+                wrong,
+                iters=iters,
+                warmup=warmup,
+                rank_cpu_seconds=cpu,
+                dtype=dtype,
+                rank_beside_seconds=beside_seconds,
+                rank_compute_share=kept,
+            )
             rows.append(row)
             if progress and rank == 0:
                 print(
@@ -129,8 +161,7 @@ def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_pa
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-        # Ranks share the cores; more intra-op threads than that only fight over them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(threads_per_rank(world_size))
     timeout = timedelta(seconds=settings.timeout_s)
     store = loopback_store(LOOPBACK, store_port, None, is_master=False, timeout=timeout)
     if device.type == "cuda":  # NCCL binds the group to this rank's GPU at once
@@ -353,7 +384,7 @@ def run_launched_sweep(settings: SweepSettings, world: LaunchedWorld, *, progres
         hosts = hosts_of(everyone)
         if device.type == "cpu":  # the node's ranks share its cores
             on_my_node = next(len(h["ranks"]) for h in hosts if world.rank in h["ranks"])
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_my_node))
+            torch.set_num_threads(threads_per_rank(on_my_node))
         sweeps = _sweep_rows(settings, rank=world.rank, world_size=world.world_size, device=device, progress=progress)
         machine = _machine_facts(settings, device)
     finally:
@@ -361,4 +392,12 @@ def run_launched_sweep(settings: SweepSettings, world: LaunchedWorld, *, progres
     return _report(settings, world.world_size, machine, sweeps, started, world.launcher, hosts)
 
 
-__all__ = ["BenchCommError", "hosts_of", "launch_workers", "link_address", "run_launched_sweep", "run_sweep"]
+__all__ = [
+    "BenchCommError",
+    "hosts_of",
+    "threads_per_rank",
+    "launch_workers",
+    "link_address",
+    "run_launched_sweep",
+    "run_sweep",
+]

@@ -27,7 +27,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from lightning_mgpu.whatif.records import ProfileError, ProfiledRun, read_json
 
@@ -64,6 +64,13 @@ class Link:
     """Measured (bytes, CPU share) points, increasing in size: the CPU time a rank's process spent per all-reduce
     over the all-reduce's time (bench-comm's ``cpu_us / time_us``: gloo's copies, sums and waiting, the kernel's
     socket work charged to it), capped at 1 (one core); :meth:`cpu_share_at` interpolates them."""
+    beside: tuple[tuple[int, float], ...] = ()
+    """Measured (bytes, busbw GB/s) points of the all-reduce timed with compute running beside it on every rank
+    (bench-comm ``--beside-compute``: ``beside_time_us``), increasing in size: the all-reduces that overlap backward.
+    Empty: not measured."""
+    compute_kept: tuple[tuple[int, float], ...] = ()
+    """Measured (bytes, share) points: the share of its rate the compute kept while that all-reduce ran
+    (``beside_compute_share``, the worst-hit rank's), capped at 1."""
     measured_world_size: int = 0
     """Ranks the curve was measured with (its small-message busbw holds 2(n-1) steps of latency)."""
     measured_nodes: Optional[int] = None
@@ -97,6 +104,17 @@ class Link:
     def measures(self, dtype: Optional[str]) -> bool:
         """Whether the link was measured all-reducing ``dtype`` itself (float32: whenever it was measured)."""
         return dtype in dict(self.by_dtype) or (bool(self.curve) and dtype in (None, "float32"))
+
+    def beside_compute(self) -> Optional[Link]:
+        """This link as an all-reduce beside compute crosses it (its :attr:`beside` curve), None when not measured."""
+        if not self.beside:
+            return None
+        return replace(self, curve=self.beside, busbw_gbps=max(b for _, b in self.beside), beside=(), by_dtype=())
+
+    def compute_kept_at(self, nbytes: float) -> float:
+        """The share of its rate compute keeps beside one all-reduce of ``nbytes`` (see :attr:`compute_kept`); 1 when
+        not measured."""
+        return _interpolate(self.compute_kept, nbytes) if self.compute_kept else 1.0
 
     def cpu_share_at(self, nbytes: float) -> float:
         """The measured CPU share of one all-reduce of ``nbytes`` (see :attr:`cpu_share`), 0 when not measured."""
@@ -239,7 +257,7 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
             "run `lightning-mgpu bench-comm --json FILE` across the link"
         )
     on_cpu = document.get("device_type", "cpu") == "cpu"
-    curve, cpu_share = _measured_rows(document["rows"], where, "rows")
+    sweep = _measured_rows(document["rows"], where, "rows", world_size)
     latency_us = document.get("latency_us", 0.0)
     if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
         raise ProfileError(f"{where}: 'latency_us' must be a number >= 0, got {latency_us!r:.60}")
@@ -252,11 +270,9 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
         )
     link = Link(
         name=f"measured: {Path(where).name}",
-        busbw_gbps=max(b for _, b in curve),
+        busbw_gbps=max(b for _, b in sweep.curve),
         latency_us=float(latency_us) / (2 * (world_size - 1)),
         includes_host=True,
-        curve=curve,
-        cpu_share=cpu_share if on_cpu else (),
         measured_world_size=world_size,
         measured_nodes=nodes,
         caveat=caveat,
@@ -264,32 +280,44 @@ def link_from_bench_comm(report: Union[str, os.PathLike[str], Mapping[str, Any]]
         source=f"lightning-mgpu bench-comm {placed}: {where}",
     )
     by_dtype = []
-    for dtype, sweep in others.items():
-        other_curve, other_share = _measured_rows(sweep["rows"], where, f"other_dtypes.{dtype}.rows")
-        by_dtype.append(
-            (
-                str(dtype),
-                replace(
-                    link,
-                    name=f"{link.name} ({dtype})",
-                    busbw_gbps=max(b for _, b in other_curve),
-                    curve=other_curve,
-                    cpu_share=other_share if on_cpu else (),
-                ),
-            )
+    for dtype, other in others.items():
+        measured = _measured_rows(other["rows"], where, f"other_dtypes.{dtype}.rows", world_size)
+        by_dtype.append((str(dtype), measured.onto(replace(link, name=f"{link.name} ({dtype})"), on_cpu)))
+    return replace(sweep.onto(link, on_cpu), by_dtype=tuple(by_dtype))
+
+
+Points = tuple[tuple[int, float], ...]
+
+
+class _Sweep(NamedTuple):
+    """One bench-comm sweep's measured points, by size (see :class:`Link`)."""
+
+    curve: Points
+    cpu_share: Points
+    beside: Points
+    compute_kept: Points
+
+    def onto(self, link: Link, on_cpu: bool) -> Link:
+        """``link`` with these points; the CPU's figures only for a CPU sweep (a GPU's host time is not backward's)."""
+        return replace(
+            link,
+            busbw_gbps=max(b for _, b in self.curve),
+            curve=self.curve,
+            cpu_share=self.cpu_share if on_cpu else (),
+            beside=self.beside if on_cpu else (),
+            compute_kept=self.compute_kept if on_cpu else (),
         )
-    return replace(link, by_dtype=tuple(by_dtype))
 
 
-def _measured_rows(
-    rows: list[Any], where: str, field: str
-) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
-    """One sweep's rows, checked -> its (bytes, busbw) curve and (bytes, CPU share) points."""
+def _measured_rows(rows: list[Any], where: str, field: str, world_size: int) -> _Sweep:
+    """One sweep's rows, checked -> its points (busbw; CPU share; beside compute, when every row has it)."""
     kept = []
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise ProfileError(f"{where}: {field}[{i}] must be an object; expected a bench-comm --json result")
-        for key in ("bytes", "busbw_gbps", "time_us", "cpu_us"):  # the last two absent in old results
+        # time_us and cpu_us are absent in old results, cpu_us None where not measured, the beside figures only
+        # with --beside-compute
+        for key in ("bytes", "busbw_gbps", "time_us", "cpu_us", "beside_time_us", "beside_compute_share"):
             value = row.get(key, 0)
             if value is None and key == "cpu_us":
                 continue  # not measured (see _cpu_share)
@@ -301,7 +329,14 @@ def _measured_rows(
         raise ValueError(
             f"{where}: {field} has no row with busbw > 0; run `lightning-mgpu bench-comm --json FILE` across the link"
         )
-    return tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in kept)), _cpu_share(kept)
+    curve = tuple(sorted((int(row["bytes"]), float(row["busbw_gbps"])) for row in kept))
+    beside: Points = ()
+    compute_kept: Points = ()
+    if all(row.get("beside_time_us", 0) > 0 and "beside_compute_share" in row for row in kept):
+        factor = bus_factor(world_size)
+        beside = tuple(sorted((int(r["bytes"]), factor * r["bytes"] / (r["beside_time_us"] * 1e3)) for r in kept))
+        compute_kept = tuple(sorted((int(r["bytes"]), min(1.0, float(r["beside_compute_share"]))) for r in kept))
+    return _Sweep(curve, _cpu_share(kept), beside, compute_kept)
 
 
 def _cpu_share(rows: list[Any]) -> tuple[tuple[int, float], ...]:

@@ -108,16 +108,22 @@ class System:
             return 0
         return 2 * (n - 1) if self.algorithm == "ring" else 2 * math.ceil(math.log2(n))
 
-    def allreduce_ms(self, nbytes: float, *, host_extra_ms: float = 0.0, dtype: Optional[str] = None) -> float:
+    def allreduce_ms(
+        self, nbytes: float, *, host_extra_ms: float = 0.0, dtype: Optional[str] = None, beside: bool = False
+    ) -> float:
         """Time of one all-reduce of ``nbytes`` (per rank) of ``dtype`` (None: float32) on this system, in ms.
 
         The wire's time (each link's curve for ``dtype`` where it was measured with it, see
-        :meth:`Link.for_dtype`) and the host's (its own cost where the links do not include it, plus
+        :meth:`Link.for_dtype`; ``beside``: its curve beside compute, for links measured so, see
+        :meth:`measures_beside`) and the host's (its own cost where the links do not include it, plus
         ``host_extra_ms``) combine as ``max + (1 - host_overlap) * min``.
         """
         if self.world_size == 1:
             return 0.0
-        wire = max(self._link_seconds(link.for_dtype(dtype), nbytes) for link in self.links) * 1e3
+        links = [link.for_dtype(dtype) for link in self.links]
+        if beside:
+            links = [link.beside_compute() or link for link in links]
+        wire = max(self._link_seconds(link, nbytes) for link in links) * 1e3
         host = self.host_ms(nbytes, host_extra_ms=host_extra_ms)
         return max(wire, host) + (1.0 - self.host_overlap) * min(wire, host)
 
@@ -130,6 +136,15 @@ class System:
         if self.host is not None and not all(link.includes_host for link in self.links):
             host += self._link_seconds(self.host, nbytes) * 1e3
         return host
+
+    def measures_beside(self, dtype: Optional[str]) -> bool:
+        """Whether every link was measured with compute beside its all-reduces of ``dtype`` (bench-comm
+        ``--beside-compute``)."""
+        return self.world_size > 1 and all(link.for_dtype(dtype).beside for link in self.links)
+
+    def compute_kept_at(self, nbytes: float, *, dtype: Optional[str] = None) -> float:
+        """The share of its rate compute keeps beside one all-reduce of ``nbytes`` of ``dtype`` (the worst link's)."""
+        return min(link.for_dtype(dtype).compute_kept_at(nbytes) for link in self.links)
 
     def measures(self, dtype: Optional[str]) -> bool:
         """Whether every link was measured all-reducing ``dtype`` (its time then holds the host's sums of it)."""
@@ -458,6 +473,7 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     fresh = run.world_size == 1  # the profile's backward carried no all-reduce: the measured CPU share is all new
     wire_dtype = WIRE_DTYPES.get(scenario.compression or "")
     summed_on_link = wire_dtype is not None and system.measures(wire_dtype)  # the link's time holds the 16-bit sums
+    beside_measured = system.measures_beside(wire_dtype)
     previous_hook = 0.0
     for (nbytes, ready, _), plan in zip(buckets, plans):
         pre = plan.pre_ms * scale
@@ -478,12 +494,20 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
                 extra = following[1] * scale if following[0] == "host" and not summed_on_link else 0.0
                 took = system.allreduce_ms(amount, host_extra_ms=extra, dtype=wire_dtype)
                 if scenario.host_contention and took > 0 and clock < compute_end_now:
-                    share = min(1.0, (compute_end_now - clock) / took)
-                    contention += share * system.contention_ms(
-                        amount, took, host_extra_ms=extra, measured_cpu=fresh, dtype=wire_dtype
-                    )
-                    if fresh:  # the cores are shared both ways: the all-reduce's own CPU work waits as long
-                        took += share * system.measured_cpu_ms(amount, took, dtype=wire_dtype)
+                    if fresh and beside_measured:
+                        # measured beside compute: how long it takes there, and how much compute it costs
+                        slowed = system.allreduce_ms(amount, host_extra_ms=extra, dtype=wire_dtype, beside=True)
+                        share = min(1.0, (compute_end_now - clock) / slowed)
+                        lost = 1.0 - system.compute_kept_at(amount, dtype=wire_dtype)
+                        contention += share * (slowed * lost + system.host_ms(amount, host_extra_ms=extra))
+                        took = share * slowed + (1.0 - share) * took
+                    else:
+                        share = min(1.0, (compute_end_now - clock) / took)
+                        contention += share * system.contention_ms(
+                            amount, took, host_extra_ms=extra, measured_cpu=fresh, dtype=wire_dtype
+                        )
+                        if fresh:  # the cores are shared both ways: the all-reduce's own CPU work waits as long
+                            took += share * system.measured_cpu_ms(amount, took, dtype=wire_dtype)
                 clock += took
                 continue
             work = amount * scale

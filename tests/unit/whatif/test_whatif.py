@@ -261,6 +261,48 @@ def test_fp16_buckets_over_a_link_measured_in_16_bits_take_that_curve_and_no_pro
     assert last_bucket_ms({**float32, "other_dtypes": sixteen}, None) == pytest.approx(2 * wire / 1e6)
 
 
+def test_a_sweep_beside_compute_gives_the_slowed_curve_and_the_share_compute_keeps() -> None:
+    rows = [
+        {"bytes": 1 << 20, "busbw_gbps": 1.0, "time_us": 1000.0, "beside_time_us": 2000.0, "beside_compute_share": 0.6},
+        {"bytes": 4 << 20, "busbw_gbps": 1.0, "time_us": 4000.0, "beside_time_us": 5000.0, "beside_compute_share": 1.2},
+    ]
+    link = link_from_bench_comm({"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": rows})
+    slowed = link.beside_compute()
+    assert slowed is not None and slowed.curve == ((1 << 20, (1 << 20) / 2e6), (4 << 20, (4 << 20) / 5e6))  # GB/s
+    assert link.compute_kept == ((1 << 20, 0.6), (4 << 20, 1.0))  # capped: compute cannot gain from an all-reduce
+    assert link.compute_kept_at(2 << 20) == pytest.approx(0.8)
+    plain = link_from_bench_comm(
+        {"world_size": 2, "nodes": 2, "rows": [{k: r[k] for k in ("bytes", "busbw_gbps")} for r in rows]}
+    )
+    assert plain.beside_compute() is None and plain.compute_kept_at(1 << 20) == 1.0
+    assert link_from_bench_comm({"world_size": 2, "nodes": 2, "device_type": "cuda", "rows": rows}).beside == ()
+    with pytest.raises(ProfileError, match=r"rows\[0\]\.beside_compute_share must be a number >= 0"):
+        link_from_bench_comm({"world_size": 2, "rows": [{**rows[0], "beside_compute_share": -0.1}, rows[1]]})
+
+
+def test_an_all_reduce_measured_beside_compute_takes_that_long_and_costs_backward_what_compute_lost() -> None:
+    # 1 GB/s alone; beside compute half as fast, and compute keeps 60% of its rate meanwhile
+    row = {"bytes": 10**6, "busbw_gbps": 1.0, "time_us": 1e3, "beside_time_us": 2e3, "beside_compute_share": 0.6}
+    link = link_from_bench_comm({"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": [row]})
+    first = nbytes(MLP_BUCKETS[0])
+
+    def predicted(profile_ranks: int, contention: bool = True) -> Any:
+        run = load_profile(mlp_profile(world_size=profile_ranks))
+        return predict(run, Scenario(system=System(nodes=2, inter=link), host_contention=contention))
+
+    one_rank = predicted(1)
+    bucket = one_rank.buckets[0]  # ready at 3 ms, all of it during backward (until 25 ms)
+    assert bucket.done_ms - bucket.start_ms == pytest.approx(2 * first / 1e6)
+    assert one_rank.backward_compute_ms == pytest.approx(25.0 + 0.4 * 2 * first / 1e6)
+    last = one_rank.buckets[-1]  # ready when backward ends: at the rate alone
+    assert last.done_ms - last.start_ms == pytest.approx(nbytes(MLP_BUCKETS[1]) / 1e6)
+    free = predicted(1, contention=False)
+    assert free.buckets[0].done_ms - free.buckets[0].start_ms == pytest.approx(first / 1e6)
+    assert free.backward_compute_ms == pytest.approx(25.0)
+    # a 2-rank profile's backward and buckets already ran beside each other: nothing more
+    assert predicted(2).backward_compute_ms == pytest.approx(25.0)
+
+
 def test_the_profiled_link_is_the_bytes_over_the_time_buckets_held_it() -> None:
     run = load_profile(simple_profile())
     assert service_times(run) == [1.0, 1.0]
