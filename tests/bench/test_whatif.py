@@ -33,8 +33,15 @@ def test_whatif_quick_run_and_repredict(tmp_path: Path) -> None:
     assert {row["config"] for row in report["validations"]["loopback_profile"]} == configs
     assert {row["config"] for row in report["validations"]["profile_at_1gbps"]} == configs - {"default"}
     # the documented route (a 1-rank profile + the link) on what issue 31 item 5 names: default buckets and fp16
-    for route in ("one_rank_plus_bench_comm", "one_rank_plus_achieved_rate", "one_rank_plus_nominal_rate"):
+    routes = ("one_rank_plus_bench_comm", "one_rank_plus_achieved_rate", "one_rank_plus_nominal_rate")
+    for route in (*routes, "one_rank_beside_plus_bench_comm"):
         assert [row["config"] for row in report["validations"][route]] == ["default", "fp16"], route
+    # bench-comm across the lab swept float16 beside float32, and each beside compute
+    sweep = report["bench_comm"]["1"]
+    assert sweep["nodes"] == 2 and set(sweep["other_dtypes"]) == {"float16"}
+    for row in [*sweep["rows"], *sweep["other_dtypes"]["float16"]["rows"]]:
+        assert row["beside_time_us"] > 0 and 0 < row["beside_compute_share"], row
+    assert set(report["inputs"]["loopback_1_beside"]["mlp"]) == {"profile", "gradients"}
     for rows in report["validations"].values():
         for row in rows:
             assert row["predicted_ms"] > 0 and row["measured_ms"] > 0
