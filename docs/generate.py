@@ -72,6 +72,7 @@ def _blocks() -> dict[str, Block]:
         "lab-sweep-1gbps-mlp": partial(lab_tables.sweep, "netlab_sweep_1gbps_mlp"),
         "lab-whatif": lab_tables.whatif_summary,
         "lab-whatif-route": lab_tables.whatif_route,
+        "lab-whatif-route-parts": lab_tables.whatif_route_parts,
         "lab-whatif-slurm": partial(lab_tables.whatif_summary, "whatif_slurm"),
         "lab-whatif-slurm-route": partial(lab_tables.whatif_route, "whatif_slurm"),
         "lab-whatif-by-rate": lab_tables.whatif_by_rate,

@@ -13,7 +13,16 @@ from bench.netlab_sweep import headline_ms, headline_speedup
 from docs.bench_tables import _machine, _mark, load
 from docs.markdown import table
 
-__all__ = ["buckets", "cluster_preemption", "headlines", "sweep", "whatif_by_rate", "whatif_sources", "whatif_summary"]
+__all__ = [
+    "buckets",
+    "cluster_preemption",
+    "headlines",
+    "sweep",
+    "whatif_by_rate",
+    "whatif_route_parts",
+    "whatif_sources",
+    "whatif_summary",
+]
 
 _VALIDATIONS = {
     "loopback_profile": "one 2-rank loopback profile → every rate, bucket size and compression",
@@ -69,18 +78,20 @@ _ROUTE = {
 }
 
 
+def _route_cell(rows: list[dict[str, Any]]) -> str:
+    """``median / worst (model, config, rate)`` of some predictions' absolute errors; ``–`` for none."""
+    if not rows:
+        return "–"
+    errors = sorted(abs(row["error_pct"]) for row in rows)
+    worst = max(rows, key=lambda row: abs(row["error_pct"]))
+    middle = statistics.median(errors)
+    return f"{middle:.1f}% / {errors[-1]:.1f}% ({worst['model']}, {worst['config']}, {worst['rate_gbps']:g} Gbit/s)"
+
+
 def whatif_route(name: str = "whatif", split_gbps: float = 2.5) -> str:
     """The documented route (a 1-rank profile + the link) by link input, up to ``split_gbps`` and above it."""
     r = load(name)
-
-    def cell(rows: list[dict[str, Any]]) -> str:
-        if not rows:
-            return "–"
-        errors = sorted(abs(row["error_pct"]) for row in rows)
-        worst = max(rows, key=lambda row: abs(row["error_pct"]))
-        middle = statistics.median(errors)
-        return f"{middle:.1f}% / {errors[-1]:.1f}% ({worst['model']}, {worst['config']}, {worst['rate_gbps']:g} Gbit/s)"
-
+    cell = _route_cell
     rates = sorted({row["rate_gbps"] for rows in r["validations"].values() for row in rows})
     low = [rate for rate in rates if rate <= split_gbps]
     high = [rate for rate in rates if rate > split_gbps]
@@ -103,6 +114,44 @@ def whatif_route(name: str = "whatif", split_gbps: float = 2.5) -> str:
     )
     configs = ", ".join(dict.fromkeys(row["config"] for row in r["validations"].get("one_rank_plus_bench_comm", [])))
     return f"{table(header, rows)}\n\nA 1-rank profile and the link → 2 ranks, {configs}; `bench/results/{name}.json`."
+
+
+_PARTS = {
+    "the float32 sweep (curve and CPU time)": (False, False),
+    "+ the float16 sweep (`--dtype float32,float16`)": (True, False),
+    "+ the all-reduce beside compute (`--beside-compute`)": (True, True),
+}
+
+
+def whatif_route_parts(name: str = "whatif") -> str:
+    """The documented route re-predicted from the kept results with parts of bench-comm's measurement left out."""
+    from bench.whatif import validate
+
+    r = load(name)
+
+    def keep(sweep: dict[str, Any], dtypes: bool, beside: bool) -> dict[str, Any]:
+        def rows(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return found if beside else [{k: v for k, v in row.items() if not k.startswith("beside")} for row in found]
+
+        others = {d: {**o, "rows": rows(o["rows"])} for d, o in sweep.get("other_dtypes", {}).items()} if dtypes else {}
+        return {**sweep, "rows": rows(sweep["rows"]), "other_dtypes": others}
+
+    out = []
+    for title, (dtypes, beside) in _PARTS.items():
+        sweeps = {rate: keep(sweep, dtypes, beside) for rate, sweep in r["bench_comm"].items()}
+        validations = validate(
+            r["measurements"], r["inputs"], sweeps, r["compression_costs"], r["settings"]["host_overlap"]
+        )
+        found = validations["one_rank_plus_bench_comm"]
+        low = [row for row in found if row["rate_gbps"] <= 2.5]
+        high = [row for row in found if row["rate_gbps"] > 2.5]
+        out.append((title, _route_cell(found), _route_cell(low), _route_cell(high)))
+    header = ("what the link's measurement holds", "all runs", "0.1–2.5 Gbit/s", "10 Gbit/s")
+    return (
+        f"{table(header, out)}\n\nThe documented route (a 1-rank profile + `bench-comm` over the link → 2 ranks, "
+        f"default and fp16) re-predicted from `bench/results/{name}.json` with parts of each sweep left out: "
+        "median / worst |error|."
+    )
 
 
 def whatif_by_rate() -> str:

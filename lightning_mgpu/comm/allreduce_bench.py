@@ -80,12 +80,19 @@ machine's ceiling::
                "algbw_gbps": f, "busbw_gbps": f,
                "wrong": int,          # wrong elements, all ranks together
                "rank_time_us": [f, ...],          # each rank's median, by rank
-               "cpu_us": f}, ...],    # the busiest rank's process CPU time per all_reduce (mean)
+               "cpu_us": f,           # the busiest rank's process CPU time per all_reduce (mean)
+               "beside_time_us": f,   # --beside-compute: the slowest rank's median with compute beside it
+               "beside_compute_share": f}, ...],  # ... and the share of its rate the worst-hit rank's compute kept
      "bus_factor": f,                 # 2(n-1)/n
      "peak_busbw_gbps": f, "peak_busbw_bytes": int,
      "latency_us": f, "latency_bytes": int,       # time at the smallest size
      "wrong_total": int, "duration_s": f,
      "other_dtypes": {"float16": {"rows": [...], "peak_busbw_gbps": f, ...}}}   # only with --dtype LIST
+
+``--beside-compute`` (CPU): after each size's batch, every rank times it again while a thread of its own
+multiplies 128 x 128 matrices (its intra-op threads, as backward computes; ``OMP_NUM_THREADS`` when set),
+at least :data:`BESIDE_MIN_S` of it, and counts the products against its rate alone (timed once, before
+the sweep, the same way beside a sleep).
 
 ``dtype`` is the sweep at the top level: float32 whenever it was measured (the profiler reads its
 ``peak_busbw_gbps``), else the first named; every other dtype's rows and summary are under
