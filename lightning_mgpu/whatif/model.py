@@ -430,6 +430,24 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
             "the link's CPU time was not measured (a bench-comm result from before it recorded cpu_us): the "
             "all-reduces' work on backward's cores is not counted, and the step may be predicted fast"
         )
+    elif (
+        run.world_size == 1
+        and run.device_type == "cpu"
+        and scenario.host_contention
+        and measured_links
+        and not all(link.beside for link in measured_links)
+    ):
+        assumptions.append(
+            "the link was not measured beside compute (bench-comm --beside-compute): what the all-reduces that "
+            "overlap backward cost it is estimated from their CPU time, which on a busy host undercounts it"
+        )
+    sixteen = WIRE_DTYPES.get(scenario.compression or "")
+    if sixteen is not None and run.device_type == "cpu" and measured_links and not system.measures(sixteen):
+        assumptions.append(
+            f"the link was measured in float32 only: {scenario.compression}'s {sixteen} all-reduces are predicted "
+            f"from it and gloo's 16-bit sum timed on this host's loopback (bench-comm --dtype float32,{sixteen} "
+            "measures them over the link)"
+        )
     if system.world_size == 1:
         return Prediction(
             scenario,

@@ -260,6 +260,14 @@ def test_fp16_buckets_over_a_link_measured_in_16_bits_take_that_curve_and_no_pro
     # an uncompressed bucket never takes the 16-bit curve
     assert last_bucket_ms({**float32, "other_dtypes": sixteen}, None) == pytest.approx(2 * wire / 1e6)
 
+    # the output says which it was
+    def notes(report: dict[str, Any]) -> str:
+        scenario = Scenario(system=System(nodes=2, inter=link_from_bench_comm(report)), compression="fp16", costs=costs)
+        return " ".join(predict(run, scenario).assumptions)
+
+    assert "measured in float32 only: fp16's float16 all-reduces" in notes(float32)
+    assert "float32 only" not in notes({**float32, "other_dtypes": sixteen})
+
 
 def test_a_sweep_beside_compute_gives_the_slowed_curve_and_the_share_compute_keeps() -> None:
     rows = [
@@ -301,6 +309,15 @@ def test_an_all_reduce_measured_beside_compute_takes_that_long_and_costs_backwar
     assert free.backward_compute_ms == pytest.approx(25.0)
     # a 2-rank profile's backward and buckets already ran beside each other: nothing more
     assert predicted(2).backward_compute_ms == pytest.approx(25.0)
+    # without the measurement the output says what it estimates instead
+    assert not any("beside compute" in note for note in one_rank.assumptions)
+    without = {"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": [{**row, "cpu_us": 100.0}]}
+    without["rows"][0].pop("beside_time_us")
+    scenario = Scenario(system=System(nodes=2, inter=link_from_bench_comm(without)))
+    assert any(
+        "not measured beside compute" in n
+        for n in predict(load_profile(mlp_profile(world_size=1)), scenario).assumptions
+    )
 
 
 def test_the_profiled_link_is_the_bytes_over_the_time_buckets_held_it() -> None:
