@@ -126,4 +126,3 @@ def test_code_and_other_start_time_settings_start_cold(probe: Path, tmp_path: Pa
     # asked for: the tests of launching itself (failures, preemption, the labs) start cold
     with warm.start(script, cwd=tmp_path, env=cpu_env(), cold=True, **piped) as cold:
         assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 0
-
