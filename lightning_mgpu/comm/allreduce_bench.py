@@ -274,6 +274,11 @@ class SweepSettings:
             )
 
         self.dtypes = check_dtypes(self.dtypes)
+        for dtype in self.dtypes:  # its own processes: the world size is known (a launcher's is checked on joining)
+            try:
+                check_period(getattr(torch, dtype), self.nproc)
+            except ValueError as error:
+                raise ValueError(f"--dtype {dtype} with --nproc {self.nproc}: {error}") from None
         if self.beside_compute and self.device != "cpu":
             raise ValueError(
                 "--beside-compute measures an all-reduce sharing the CPU's cores with compute: CPU (gloo) only"

@@ -37,6 +37,7 @@ from lightning_mgpu.comm.allreduce_bench import (
     COLLECTIVE,
     ITERATION_RULE,
     ComputeBeside,
+    check_period,
     SCHEMA_VERSION,
     SweepSettings,
     format_size,
@@ -106,6 +107,8 @@ def _sweep_rows(
 ) -> dict[str, list[dict[str, Any]]]:
     """Every size of the sweep, per dtype, on the joined group (every rank calls it): the rows by dtype, the same on
     every rank."""
+    for dtype in settings.dtypes:  # a type that cannot hold the check's sums for this world: refused before timing
+        check_period(getattr(torch, dtype), world_size)
     if settings.warmup > 0:  # the group's start-up costs, before the first (smallest) size is timed
         warm_up_group(min(settings.sizes), device=device)
     beside = ComputeBeside() if settings.beside_compute else None

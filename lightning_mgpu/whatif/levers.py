@@ -159,19 +159,23 @@ def _scaled_link(system: System, factor: float) -> Optional[System]:
     link = system.links[0]
     if link.busbw_gbps == float("inf"):
         return None
-    faster = Link(
-        name=f"{link.name} x{factor:g}",
-        busbw_gbps=link.busbw_gbps * factor,
-        latency_us=link.latency_us,
-        includes_host=link.includes_host,
-        curve=tuple((size, busbw * factor) for size, busbw in link.curve),
-        measured_world_size=link.measured_world_size,
-        nominal=link.nominal,
-        source=link.source,
-    )
+    faster = _faster(link, factor)
     if system.nodes > 1:
         return replace(system, inter=faster)
     return replace(system, intra=faster) if system.intra is not None else replace(system, inter=faster)
+
+
+def _faster(link: Link, factor: float) -> Link:
+    """``link`` with every rate it holds ``factor`` times higher (its curves, beside compute and per dtype included);
+    what it measured of the host (CPU share, compute kept) as it is."""
+    return replace(
+        link,
+        name=f"{link.name} x{factor:g}",
+        busbw_gbps=link.busbw_gbps * factor,
+        curve=tuple((size, busbw * factor) for size, busbw in link.curve),
+        beside=tuple((size, busbw * factor) for size, busbw in link.beside),
+        by_dtype=tuple((dtype, _faster(other, factor)) for dtype, other in link.by_dtype),
+    )
 
 
 def _doubled(scenario: Scenario) -> Optional[Scenario]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
+from lightning_mgpu.whatif.compression import WIRE_DTYPES
 from lightning_mgpu.whatif.records import ProfileError, ProfiledRun, read_json
 
 GBIT = 1e9 / 8
@@ -428,7 +429,7 @@ def link_from_profile(run: ProfiledRun, *, overhead_ms: float = 0.0) -> Optional
     if cost is None:
         return None
     overhead, busbw = cost
-    return Link(
+    link = Link(
         name="as profiled",
         busbw_gbps=busbw,
         latency_us=overhead * 1e3 / (2 * (run.world_size - 1)),
@@ -436,6 +437,9 @@ def link_from_profile(run: ProfiledRun, *, overhead_ms: float = 0.0) -> Optional
         nominal=f"{run.world_size} ranks, {run.backend}",
         source=f"the profile's bucket service times ({run.source})",
     )
+    sent = WIRE_DTYPES.get(run.compression or "")
+    # a profile taken with fp16/bf16 timed its buckets' 16-bit all-reduces, the host's sums of them included
+    return replace(link, by_dtype=((sent, link),)) if sent is not None else link
 
 
 def resolve_link(name: str) -> Link:

@@ -379,6 +379,9 @@ def load_profile(
             "the profile does not list the gradients in each bucket: re-bucketing splits each recorded bucket "
             "into equal gradients, and PowerSGD cannot be predicted"
         )
+        if compression == "powersgd":
+            notes.append("the profile names PowerSGD but not its gradients' shapes: replayed without compression")
+            compression = None
     return ProfiledRun(
         world_size=world_size,
         backend=str(document.get("backend", "unknown")),

@@ -530,7 +530,8 @@ def _read_sweep_peak(path: Union[str, Path]) -> float:
     from lightning_mgpu.comm.allreduce_bench import load_report
 
     try:
-        peak = float(load_report(path)["peak_busbw_gbps"])
+        report = load_report(path)
+        peak = float(report["peak_busbw_gbps"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"CommProfiler: sweep={str(path)!r} is not a readable `lightning-mgpu bench-comm --json` result "
@@ -538,4 +539,9 @@ def _read_sweep_peak(path: Union[str, Path]) -> float:
         ) from error
     if not peak > 0:
         raise ValueError(f"CommProfiler: sweep={str(path)!r} has peak_busbw_gbps={peak}, expected > 0")
+    if report.get("dtype", "float32") != "float32":
+        raise ValueError(
+            f"CommProfiler: sweep={str(path)!r} is a {report['dtype']} sweep only; DDP's gradients are measured "
+            "against float32's peak: `lightning-mgpu bench-comm --dtype float32,... --json PATH`"
+        )
     return peak

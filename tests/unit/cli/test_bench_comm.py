@@ -121,6 +121,12 @@ def test_the_check_period_keeps_every_sum_exact_in_its_type() -> None:
         check_period(torch.bfloat16, 257)
 
 
+def test_a_dtype_too_narrow_for_the_checks_sums_over_the_ranks_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="--dtype bfloat16 with --nproc 300: bfloat16 holds integers exactly only"):
+        SweepSettings(device="cpu", nproc=300, dtypes="float32,bfloat16")
+    assert SweepSettings(device="cpu", nproc=256, dtypes="bfloat16").dtypes == ("bfloat16",)
+
+
 def test_dtypes_are_checked_and_float32_comes_first() -> None:
     assert check_dtypes("float16,float32") == ("float32", "float16")
     assert check_dtypes(["bfloat16"]) == ("bfloat16",)

@@ -172,6 +172,10 @@ def test_profiler_rejects_bad_arguments(tmp_path: Any) -> None:
     bad.write_text(f'{{"schema_version": {SCHEMA_VERSION}, "peak_busbw_gbps": 0}}')
     with pytest.raises(ValueError, match="expected > 0"):
         CommProfiler(sweep=bad)
+    halves = tmp_path / "float16.json"  # bench-comm --dtype float16 alone: not the ceiling of float32 gradients
+    halves.write_text(f'{{"schema_version": {SCHEMA_VERSION}, "peak_busbw_gbps": 1.0, "dtype": "float16"}}')
+    with pytest.raises(ValueError, match="a float16 sweep only"):
+        CommProfiler(sweep=halves)
 
 
 def test_profiling_windows_follow_the_schedule() -> None:

@@ -594,6 +594,33 @@ def fp16_profile() -> dict[str, Any]:
     return document
 
 
+def test_a_profile_taken_with_fp16_replays_on_its_own_link_without_adding_glooss_16_bit_sums_again() -> None:
+    run = load_profile(fp16_profile())
+    as_profiled = link_from_profile(run)
+    assert as_profiled is not None and as_profiled.measures("float16")  # its buckets were 16-bit all-reduces
+    slow_sums = CompressionCosts(gloo_ms_per_mib={"float32": 1.0, "float16": 1000.0})
+    system = System(nodes=2, inter=as_profiled)
+    with_probe = predict(run, Scenario(system=system, compression="fp16", costs=slow_sums))
+    without = predict(run, Scenario(system=system, compression="fp16"))
+    assert with_probe.step_ms == pytest.approx(without.step_ms)
+    assert not any("float32 only" in note for note in with_probe.assumptions)
+
+
+def test_a_faster_link_lever_keeps_everything_the_link_measured() -> None:
+    from lightning_mgpu.whatif.levers import _scaled_link
+
+    row = {"bytes": 10**6, "busbw_gbps": 1.0, "time_us": 1e3, "cpu_us": 500.0, "beside_time_us": 2e3}
+    row["beside_compute_share"] = 0.6
+    report = {"world_size": 2, "device_type": "cpu", "nodes": 2, "rows": [row]}
+    link = link_from_bench_comm({**report, "other_dtypes": {"float16": {"rows": [{**row, "busbw_gbps": 0.5}]}}})
+    faster = _scaled_link(System(nodes=2, inter=link), 10.0)
+    assert faster is not None
+    quick = faster.inter
+    assert quick.busbw_at(10**6) == pytest.approx(10.0) and quick.beside == ((10**6, pytest.approx(5.0)),)
+    assert quick.for_dtype("float16").busbw_at(10**6) == pytest.approx(5.0) and quick.measures("float16")
+    assert quick.cpu_share == link.cpu_share and quick.compute_kept == link.compute_kept
+
+
 def test_a_profile_taken_with_fp16_replays_with_it_and_is_not_told_to_turn_it_on() -> None:
     run = load_profile(fp16_profile())
     assert run.compression == "fp16" and run.wire_ratio == 0.5
@@ -615,6 +642,10 @@ def test_a_profile_taken_with_fp16_replays_with_it_and_is_not_told_to_turn_it_on
     assert powersgd.compression is None and any("12.0x fewer bytes" in note for note in powersgd.notes)
     document["summary"]["compression"] = "topk"
     assert load_profile(document).compression is None
+    unshaped = mlp_profile(params=False)  # PowerSGD named, but no gradient shapes to replay it with
+    unshaped["summary"]["compression"] = "powersgd"
+    assert load_profile(unshaped).compression is None
+    assert what_would_help(unshaped).levers  # replayed, not an error
     assert any("does not know ('topk')" in note for note in load_profile(document).notes)
 
 
