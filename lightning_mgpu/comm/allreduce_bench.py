@@ -303,7 +303,7 @@ def check_dtypes(dtypes: Union[str, Sequence[str]]) -> tuple[str, ...]:
 
 def element_bytes(dtype: str) -> int:
     """Bytes per element of one of :data:`DTYPES`."""
-    return 4 if dtype == "float32" else 2
+    return int(getattr(torch, dtype).itemsize)
 
 
 # ---------------------------------------------------------------------------------------

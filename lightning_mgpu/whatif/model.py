@@ -419,24 +419,14 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     if system.nodes > 1 and system.inter.caveat:
         assumptions.append(system.inter.caveat)
     measured_links = [link for link in system.links if link.curve]
-    if (
-        run.world_size == 1
-        and run.device_type == "cpu"
-        and scenario.host_contention
-        and measured_links
-        and not any(link.cpu_share for link in measured_links)
-    ):
+    # a 1-rank CPU profile over a measured link: what the link says of the host decides the all-reduces' cost to backward
+    from_one_rank = run.world_size == 1 and run.device_type == "cpu" and scenario.host_contention and measured_links
+    if from_one_rank and not any(link.cpu_share for link in measured_links):
         assumptions.append(
             "the link's CPU time was not measured (a bench-comm result from before it recorded cpu_us): the "
             "all-reduces' work on backward's cores is not counted, and the step may be predicted fast"
         )
-    elif (
-        run.world_size == 1
-        and run.device_type == "cpu"
-        and scenario.host_contention
-        and measured_links
-        and not all(link.beside for link in measured_links)
-    ):
+    elif from_one_rank and not all(link.beside for link in measured_links):
         assumptions.append(
             "the link was not measured beside compute (bench-comm --beside-compute): what the all-reduces that "
             "overlap backward cost it is estimated from their CPU time, which on a busy host undercounts it"
