@@ -140,10 +140,8 @@ def fit_once(model_name: str, bucket_cap_mb: Any, steps: int, args: argparse.Nam
 
 def run_worker(args: argparse.Namespace) -> None:
     """Every configuration of every model, in this round's order; rank 0 writes the results."""
-    worker.start(args.threads)
     worker.run_plan(
-        args.worker_plan,
-        args.worker_out,
+        args,
         lambda item: fit_once(*item, args),
         lambda item, result, _: f"  {item[0]:<8} {str(item[1]):>5}  {result['fit_s']:6.1f} s",
     )

@@ -116,10 +116,8 @@ def fit_option(model_name: str, option: str, steps: int, quick: bool) -> dict[st
 
 def run_worker(args: argparse.Namespace) -> None:
     """Every (model, option, steps) of the plan in order; rank 0 writes the results."""
-    worker.start(args.threads)
     worker.run_plan(
-        args.worker_plan,
-        args.worker_out,
+        args,
         lambda item: fit_option(*item, args.quick),
         lambda item, _, seconds: f"  {item[0]:<8} {item[1]:<10} {item[2]:>4} steps  {seconds:7.1f} s",
     )

@@ -113,7 +113,7 @@ def main() -> None:
         label = f"{item['model']} cap={item.get('bucket_cap_mb')} {item.get('compression') or 'plain'}"
         return f"  {label:<32} {result['median_ms']:9.1f} ms/step"
 
-    worker.run_plan(args.worker_plan, args.worker_out, run, describe)
+    worker.run_plan(args, run, describe)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rich.console import Console
-from rich.table import Table
+from lightning_mgpu._tables import print_table  # noqa: F401  (the benches' tables are the package's)
 
 
 def load_average() -> Optional[list[float]]:
@@ -82,26 +81,6 @@ def write_json(path: os.PathLike[str] | str, payload: dict[str, Any]) -> Path:
     from lightning_mgpu.comm.allreduce_bench import write_report
 
     return write_report(payload, path)
-
-
-def print_table(
-    title: str,
-    columns: Sequence[str],
-    rows: Sequence[Sequence[str]],
-    *,
-    caption: Optional[str] = None,
-    console: Optional[Console] = None,
-) -> None:
-    """A rich table; every column but the first right-aligned (they hold numbers)."""
-    table = Table(title=title, caption=caption)
-    for index, column in enumerate(columns):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    console = console or Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 120)  # piped to a file or a log: don't squeeze into 80 columns
-    console.print(table)
 
 
 def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -60,21 +60,23 @@ def finish(out: Optional[str | Path], report: Any) -> None:
 
 
 def run_plan(
-    plan: str | Path,
-    out: Optional[str | Path],
+    args: Any,
     fit: Callable[[Any], dict[str, Any]],
     describe: Optional[Callable[[Any, dict[str, Any], float], str]] = None,
 ) -> None:
-    """Every item of the plan file (:func:`bench.harness.launch.launch_plan`) through ``fit``, in order; rank 0
-    prints ``describe(item, result, seconds)`` after each and writes the list of results to ``out``."""
+    """Every item of the plan file ``args.worker_plan`` (:func:`bench.harness.launch.launch_plan`) through ``fit``,
+    in order, with ``args.threads`` torch threads (:func:`start`; if ``args`` has them); rank 0 prints
+    ``describe(item, result, seconds)`` after each and writes the list of results to ``args.worker_out``."""
+    if getattr(args, "threads", None) is not None:
+        start(args.threads)
     results = []
-    for item in json.loads(Path(plan).read_text()):
+    for item in json.loads(Path(args.worker_plan).read_text()):
         started = time.perf_counter()
         results.append(fit(item))
         gc.collect()  # the finished Trainer's (cyclic) objects, before the next fit
         if describe is not None and rank() == 0:
             print(describe(item, results[-1], time.perf_counter() - started), flush=True)
-    finish(out, results)
+    finish(args.worker_out, results)
 
 
 def worker_device(accelerator: str) -> torch.device:

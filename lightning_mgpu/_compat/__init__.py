@@ -15,6 +15,7 @@ module outside this package imports or reads a private torch/Lightning name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -41,3 +42,16 @@ def guarded(module: str, attribute: str, *, required: bool, why: str, since: str
     entry = GuardedName(module, attribute, required, why, since)
     GUARDED.append(entry)
     return entry
+
+
+def shadow(obj: object, replacements: dict[str, Callable[..., Any]]) -> Callable[[], None]:
+    """Shadow methods of ``obj`` by instance attributes (``{name: function}``); returns the undo,
+    which drops them again so that the class's methods show through."""
+    for name, function in replacements.items():
+        setattr(obj, name, function)
+
+    def undo() -> None:
+        for name in replacements:
+            vars(obj).pop(name, None)
+
+    return undo

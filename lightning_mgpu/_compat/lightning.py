@@ -6,7 +6,7 @@ then the public function that uses it (with its fallback or a clear error).
 
 from __future__ import annotations
 
-from lightning_mgpu._compat import guarded  # noqa: F401
+from lightning_mgpu._compat import guarded, shadow  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------
@@ -200,15 +200,8 @@ def time_train_fetches(
         if started:
             on_fetch(_doctor_time.perf_counter() - started.pop())
 
-    # Instance attributes shadow the methods; the epoch loop hands them to its data fetcher at every epoch run.
-    setattr(epoch_loop, names[0], on_before_fetch)
-    setattr(epoch_loop, names[1], on_after_fetch)
-
-    def undo() -> None:
-        for name in names:
-            vars(epoch_loop).pop(name, None)
-
-    return undo
+    # The epoch loop hands its (shadowed) hooks to its data fetcher at every epoch run.
+    return shadow(epoch_loop, {names[0]: on_before_fetch, names[1]: on_after_fetch})
 
 
 _RESULTS = guarded(
@@ -342,15 +335,8 @@ def route_preemption_signals(
     def flag_only(signum: _PreemptAny, frame: _PreemptAny) -> None:
         notify(int(signum))
 
-    # Instance attributes shadow the methods; register_signal_handlers reads them when fit starts.
-    for name in names:
-        setattr(connector, name, flag_only)
-
-    def undo() -> None:
-        for name in names:
-            vars(connector).pop(name, None)
-
-    return undo
+    # register_signal_handlers reads the (shadowed) handlers when fit starts.
+    return shadow(connector, dict.fromkeys(names, flag_only))
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from lightning_mgpu._tables import table, wide_console
 from lightning_mgpu._sizes import format_size
 from lightning_mgpu.cli._args import bounded_int, output_file, size
 
@@ -174,12 +175,7 @@ def summary_line(report: dict[str, Any]) -> str:
 
 def print_report(report: dict[str, Any], *, console: Any = None) -> None:
     """The nccl-tests-like table, then the one-line summary."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 120)  # piped to a log: don't squeeze the table into 80 columns
+    console = wide_console(console)
     machine = report["machine"]
     notes = (
         f"time: slowest rank's median per all_reduce · busbw = algbw × 2(n-1)/n = algbw × {report['bus_factor']:.2f}"
@@ -195,12 +191,10 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
             f"all_reduce ({dtype}, sum, in place): {report['world_size']} ranks, {report['backend']}, "
             f"{report['device_type']}"
         )
-        table = Table(title=title)
         beside = all("beside_time_us" in row for row in sweep["rows"]) and bool(sweep["rows"])
         columns: tuple[str, ...] = ("size", "count", "iters", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "#wrong")
         columns += ("beside compute (µs)", "compute kept") if beside else ()
-        for index, column in enumerate(columns):
-            table.add_column(column, justify="left" if index == 0 else "right")
+        rows = []
         for row in sweep["rows"]:
             cells = [
                 format_size(row["bytes"]),
@@ -213,8 +207,8 @@ def print_report(report: dict[str, Any], *, console: Any = None) -> None:
             ]
             if beside:
                 cells += [f"{row['beside_time_us']:,.1f}", f"{row['beside_compute_share']:.0%}"]
-            table.add_row(*cells)
-        console.print(table)
+            rows.append(cells)
+        console.print(table(title, columns, rows))
     console.print(where_line(report), highlight=False, markup=False, soft_wrap=True)
     console.print(notes, style="dim", highlight=False, soft_wrap=True)
     style = "bold" if report["wrong_total"] == 0 else "bold red"

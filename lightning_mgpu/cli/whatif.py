@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_mgpu._tables import print_table, table, wide_console
 from lightning_mgpu.cli._args import bounded_int, existing_parent
 
 if TYPE_CHECKING:
@@ -97,22 +98,21 @@ def register(subparsers: Any) -> None:
     )
     ranks.add_argument("--nodes", type=bounded_int(MAX_RANKS), default=None, help="nodes (with --devices-per-node)")
     parser.add_argument("--devices-per-node", type=bounded_int(MAX_RANKS), default=1, help="ranks per node (default 1)")
-    link = parser.add_mutually_exclusive_group()
-    link.add_argument("--link", default=None, metavar="NAME", help="a link preset between nodes (--list-links)")
-    link.add_argument(
-        "--link-gbps", type=_positive_float, default=None, metavar="X", help="payload Gbit/s per direction"
-    )
-    link.add_argument(
-        "--link-bench", type=_existing_file, default=None, metavar="FILE", help="a bench-comm --json run over the link"
-    )
-    intra = parser.add_mutually_exclusive_group()
-    intra.add_argument("--intra-link", default=None, metavar="NAME", help="link preset inside a node")
-    intra.add_argument(
-        "--intra-link-gbps", type=_positive_float, default=None, metavar="X", help="Gbit/s inside a node"
-    )
-    intra.add_argument(
-        "--intra-link-bench", type=_existing_file, default=None, metavar="FILE", help="bench-comm inside a node"
-    )
+    for prefix, helps in (
+        (
+            "",
+            (
+                "a link preset between nodes (--list-links)",
+                "payload Gbit/s per direction",
+                "a bench-comm --json run over the link",
+            ),
+        ),
+        ("intra-", ("link preset inside a node", "Gbit/s inside a node", "bench-comm inside a node")),
+    ):
+        link = parser.add_mutually_exclusive_group()
+        link.add_argument(f"--{prefix}link", default=None, metavar="NAME", help=helps[0])
+        link.add_argument(f"--{prefix}link-gbps", type=_positive_float, default=None, metavar="X", help=helps[1])
+        link.add_argument(f"--{prefix}link-bench", type=_existing_file, default=None, metavar="FILE", help=helps[2])
     parser.add_argument(
         "--bucket-cap-mb", type=_positive_float, default=None, metavar="B", help="DDP bucket size (MiB)"
     )
@@ -373,12 +373,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(profile: ProfiledRun, curve: list[Prediction], levers: list[Any], plot_path: Optional[Path]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 120)
+    console = wide_console()
     scenario = curve[-1].scenario
     accumulated = (
         f" per optimizer step of {profile.accumulate_grad_batches} micro-batches"
@@ -389,22 +384,14 @@ def _print(profile: ProfiledRun, curve: list[Prediction], levers: list[Any], plo
         f"predicted from {profile.source} ({profile.world_size} rank(s), {profile.device_type}, "
         f"{profile.optimizer_step_ms:.1f} ms{accumulated} profiled)"
     )
-    table = Table(title=title)
-    for index, column in enumerate(
-        ("ranks", "system", "step (ms)", "comm (ms)", "exposed (ms)", "speed-up", "efficiency")
-    ):
-        table.add_column(column, justify="left" if index < 2 else "right")
-    for p in curve:
-        table.add_row(
-            str(p.world_size),
-            p.scenario.label(),
-            f"{p.step_ms:,.1f}",
-            f"{p.comm_ms:,.1f}",
-            f"{p.exposed_comm_ms:,.1f}",
-            f"{p.speedup:.2f}x",
-            f"{100 * p.efficiency:.0f}%",
-        )
-    console.print(table)
+    columns = ("ranks", "system", "step (ms)", "comm (ms)", "exposed (ms)", "speed-up", "efficiency")
+    rows = [
+        [str(p.world_size), p.scenario.label()]
+        + [f"{ms:,.1f}" for ms in (p.step_ms, p.comm_ms, p.exposed_comm_ms)]
+        + [f"{p.speedup:.2f}x", f"{100 * p.efficiency:.0f}%"]
+        for p in curve
+    ]
+    console.print(table(title, columns, rows, left=2))
     console.print(f"levers at {scenario.system.world_size} rank(s), best first:", style="bold", highlight=False)
     for lever in levers:
         console.print(f"  {lever.sentence()}", highlight=False)
@@ -420,14 +407,15 @@ def _list_links(as_json: bool) -> int:
     if as_json:
         print(json.dumps([link.as_dict() for link in PRESETS.values()], indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="link presets (--link NAME); busbw = what an all-reduce sustains, GB/s = 10^9 B/s")
-    for column in ("name", "nominal", "busbw (GB/s)", "latency/step (us)", "source"):
-        table.add_column(column)
-    for link in PRESETS.values():
-        busbw = "-" if math.isinf(link.busbw_gbps) else f"{link.busbw_gbps:.3g}"
-        table.add_row(link.name, link.nominal, busbw, f"{link.latency_us:g}", link.source)
-    Console().print(table)
+    rows = [
+        [link.name, link.nominal, "-" if math.isinf(link.busbw_gbps) else f"{link.busbw_gbps:.3g}"]
+        + [f"{link.latency_us:g}", link.source]
+        for link in PRESETS.values()
+    ]
+    print_table(
+        "link presets (--link NAME); busbw = what an all-reduce sustains, GB/s = 10^9 B/s",
+        ("name", "nominal", "busbw (GB/s)", "latency/step (us)", "source"),
+        rows,
+        left=5,
+    )
     return 0

@@ -134,22 +134,22 @@ class HookChain:
         if user_wrapper is not None:
             hook = user_wrapper(hook)
         for wrapper, pausable in wrappers:
-            hook = self._gated(wrapper, hook) if pausable and python_hook_anyway else wrapper(hook)
+            hook = gated(wrapper, hook, self) if pausable and python_hook_anyway else wrapper(hook)
         return hook, state
-
-    def _gated(self, wrapper: CommHookWrapper, hook: CommHook) -> CommHook:
-        """``wrapper(hook)`` while the pausable wrappers are on, ``hook`` itself while they are off."""
-        wrapped = wrapper(hook)
-        chain = self
-
-        # No annotations: DDP rejects a hook whose annotations are strings (this module's are).
-        def gate(state, bucket):  # type: ignore[no-untyped-def]
-            return (wrapped if chain.wrappers_on else hook)(state, bucket)
-
-        gate.__name__ = gate.__qualname__ = getattr(wrapped, "__name__", "hook")  # DDP logs the hook's name
-        return gate
 
     def prescale(self, loss: torch.Tensor) -> None:
         """Put the 1/n on ``loss`` when the reduction is the prescaled all-reduce."""
         if self.prescaler is not None:
             self.prescaler.prescale(loss)
+
+
+def gated(wrapper: CommHookWrapper, hook: CommHook, switch: Any) -> CommHook:
+    """``wrapper(hook)`` while ``switch.wrappers_on``, ``hook`` itself while it is off."""
+    wrapped = wrapper(hook)
+
+    # No annotations: DDP rejects a hook whose annotations are strings (this module's are).
+    def gate(state, bucket):  # type: ignore[no-untyped-def]
+        return (wrapped if switch.wrappers_on else hook)(state, bucket)
+
+    gate.__name__ = gate.__qualname__ = getattr(wrapped, "__name__", "hook")  # DDP logs the hook's name
+    return gate

@@ -179,6 +179,15 @@ class TunedDDPStrategy(DDPStrategyBase):
     ) -> None:
         self._hang_timeout = check_hang_timeout(hang_timeout, owner=type(self).__name__)
         self._given_checkpoint_io = checkpoint_io is not None  # else an AtomicCheckpointIO, made when first asked for
+        # DDPStrategy's own arguments, checked here and passed on as given.
+        stock: dict[str, Any] = dict(
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         options = check_options(
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -188,13 +197,8 @@ class TunedDDPStrategy(DDPStrategyBase):
             tune_steps=tune_steps,
             tune_candidates=tune_candidates,
             tune_rounds=tune_rounds,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            model_averaging_period=model_averaging_period,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
             ddp_kwargs=kwargs,
+            **stock,
         )
         # Keep passing `**kwargs` on by that name: LightningCLI (jsonargparse) follows it through the source to
         # DDPStrategy and DistributedDataParallel to know which keyword arguments the class accepts.
@@ -219,12 +223,7 @@ class TunedDDPStrategy(DDPStrategyBase):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             ddp_comm_state=ddp_comm_state,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            model_averaging_period=model_averaging_period,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            **stock,
             **kwargs,
         )
         self._ddp = DDPModel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_mgpu import _tables
 from lightning_mgpu.tuning.buckets import MIB
 from lightning_mgpu.tuning import decision
 
@@ -54,24 +55,16 @@ def verdict(record: dict[str, Any]) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     record = result["tuning"]
     caption = "step ms: median over every timed step, slowest rank; spread: half the interquartile range; per round: the median of each round"
     decided = verdict(record)
-    table = Table(
-        title=f"{result['target']}: bucket size -> step time ({result['world_size']} ranks, {result['backend']})",
+    _tables.print_table(
+        f"{result['target']}: bucket size -> step time ({result['world_size']} ranks, {result['backend']})",
+        (*decision.COLUMNS, "chosen"),
+        rows(record),
+        left=3,
         caption=f"{caption}\n{decided}" if decided else caption,
     )
-    for index, column in enumerate((*decision.COLUMNS, "chosen")):
-        table.add_column(column, justify="left" if index < 3 else "right")
-    for row in rows(record):
-        table.add_row(*row)
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 120)
-    console.print(table)
 
 
 def plot(result: dict[str, Any], path: Path, *, title: Optional[str] = None) -> Path:

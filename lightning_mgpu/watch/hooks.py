@@ -8,12 +8,14 @@ fit callback (``strategies/parts/reliability.py``) and the doctor's (``callbacks
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from lightning_mgpu._compat.torch import default_group_store
 from lightning_mgpu.watch.heartbeat import Heartbeat
+from lightning_mgpu.watch.report import send_to_loggers
 from lightning_mgpu.watch.watcher import the_watch
 
-__all__ = ["PhaseHooks", "local_ranks", "log_dir_of", "stage_of"]
+__all__ = ["PhaseHooks", "local_ranks", "log_dir_of", "stage_of", "watch_trainer"]
 
 
 def _count(value: Any) -> Optional[int]:
@@ -55,6 +57,35 @@ def stage_of(trainer: Any) -> Optional[str]:
     """``fit``, ``validate``, ``test`` or ``predict``: the Trainer call running."""
     fn = getattr(getattr(trainer, "state", None), "fn", None)
     return None if fn is None else str(getattr(fn, "value", fn))
+
+
+def watch_trainer(
+    trainer: Any,
+    *,
+    owner: str,
+    timeout: float,
+    signals: tuple[int, ...] = (),
+    on_signal: Optional[Callable[[int], None]] = None,
+) -> bool:
+    """Start (or join) this rank's hang watch for ``trainer``'s call starting, its reports also sent to the
+    Trainer's loggers; False when nothing was started (one rank, no store)."""
+
+    def to_loggers(report: dict[str, Any]) -> None:
+        send_to_loggers(trainer.loggers, report)
+
+    return the_watch().start(
+        owner=owner,
+        store=default_group_store(),
+        rank=trainer.global_rank,
+        world_size=trainer.world_size,
+        timeout=timeout,
+        stage=stage_of(trainer),
+        log_dir=log_dir_of(trainer),
+        signals=signals,
+        on_signal=on_signal,
+        on_report=to_loggers,
+        neighbours=local_ranks(trainer),
+    )
 
 
 class PhaseHooks:

@@ -147,6 +147,7 @@ class HangWatch:
         self._main_channel: Optional[Channel] = None
         self._progress = Progress()
         self._beat = 0
+        self._hook_site: Optional[tuple[tuple[Any, ...], Frame]] = None
         self._seen: dict[int, tuple[int, float]] = {}
         self._next_read = 0.0
         self._signal: Optional[int] = None
@@ -467,6 +468,20 @@ class HangWatch:
             outer = frames[: frames.index(site)]
             in_hook = any("lightning" in f.file and is_library(f.file) for f in outer)
         snapshot = self.heartbeat.snapshot()
+        c10d = c10d_call(frames)
+        # A rank still making progress, read between two of the user's steps (in Lightning's loop, in no
+        # collective): its site is the step it last ran in this phase, not the line that started the run.
+        phase = (snapshot["stage"], snapshot["phase"], snapshot["epoch"])
+        if in_hook and site is not None:
+            self._hook_site = (phase, site)
+        elif (
+            self._hook_site is not None
+            and self._hook_site[0] == phase
+            and snapshot["collective"] is None
+            and c10d is None
+            and idle < min(5.0, run.timeout / 4)
+        ):
+            site, in_hook = self._hook_site[1], True
         return RankState(
             rank=run.rank,
             host=self._here,
@@ -483,7 +498,7 @@ class HangWatch:
             collectives=snapshot["collectives"],
             collective=snapshot["collective"],
             last_collective=snapshot["last_collective"],
-            c10d=c10d_call(frames),
+            c10d=c10d,
             idle_s=round(idle, 1),
             site=site,
             in_hook=in_hook,

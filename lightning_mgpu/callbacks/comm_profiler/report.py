@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import lightning as L
 
+from lightning_mgpu._tables import table
 from lightning_mgpu._sizes import MiB as _MIB
 
 NOT_MEASURED = "not measured"
@@ -28,13 +29,9 @@ def _fmt(value: Optional[float], unit: str = "", digits: int = 2) -> str:
 
 def print_summary(profile: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     s = profile["summary"]
     title = f"CommProfiler: {profile['world_size']} rank(s), {profile['backend']} on {profile['device_type']}, {s['steps']} steps"
-    table = Table(title=title, show_header=True)
-    table.add_column("per step (median, slowest rank)")
-    table.add_column("value", justify="right")
     step = s["step_ms"]["median"] or 1.0
 
     def ms(value: Optional[float], share: bool = False) -> str:
@@ -93,25 +90,17 @@ def print_summary(profile: dict[str, Any]) -> None:
         ("bus bandwidth", bandwidth()),
         ("straggler skew", ms(s["straggler_ms"])),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
     console = Console()
-    console.print(table)
+    console.print(table(title, ("per step (median, slowest rank)", "value"), rows))
     if profile["buckets"]:
-        buckets = Table(title=bucket_table_title(profile))
-        for column in ("#", "MiB", "params", "launch ms", "done ms", "duration ms", "busbw GB/s"):
-            buckets.add_column(column, justify="right")
-        for b in profile["buckets"]:
-            buckets.add_row(
-                str(b["index"]),
-                f"{b['bytes'] / _MIB:.2f}",
-                str(b["num_params"]),
-                f"{b['launch_ms']:.2f}",
-                f"{b['done_ms']:.2f}",
-                f"{b['duration_ms']:.2f}",
-                f"{b['busbw_gbps']:.3f}",
-            )
-        console.print(buckets)
+        buckets = [
+            [str(b["index"]), f"{b['bytes'] / _MIB:.2f}", str(b["num_params"])]
+            + [f"{b[key]:.2f}" for key in ("launch_ms", "done_ms", "duration_ms")]
+            + [f"{b['busbw_gbps']:.3f}"]
+            for b in profile["buckets"]
+        ]
+        columns = ("#", "MiB", "params", "launch ms", "done ms", "duration ms", "busbw GB/s")
+        console.print(table(bucket_table_title(profile), columns, buckets, left=0))
 
 
 def bucket_table_title(profile: dict[str, Any]) -> str:

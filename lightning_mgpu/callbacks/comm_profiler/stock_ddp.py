@@ -32,7 +32,7 @@ from lightning_mgpu._compat.lightning import (
     stock_ddp_registers_comm_hook,
 )
 from lightning_mgpu.comm.compression import CommHook, PrescaledAllreduce
-from lightning_mgpu.comm.hook_chain import CommHookWrapper
+from lightning_mgpu.comm.hook_chain import CommHookWrapper, gated
 
 # torch's own hooks whose bytes on the wire are a fixed share of the gradient bytes
 _HALF_WIRE_HOOKS = ("fp16_compress_hook", "bf16_compress_hook")
@@ -139,16 +139,5 @@ class StockDDPHookHost:
 
     def _compose(self, hook: CommHook) -> CommHook:
         for wrapper, pausable in self._wrappers:
-            hook = self._gated(wrapper, hook) if pausable else wrapper(hook)
+            hook = gated(wrapper, hook, self) if pausable else wrapper(hook)
         return hook
-
-    def _gated(self, wrapper: CommHookWrapper, hook: CommHook) -> CommHook:
-        wrapped = wrapper(hook)
-        host = self
-
-        # No annotations: DDP rejects a hook whose annotations are strings (this module's are).
-        def gate(state, bucket):  # type: ignore[no-untyped-def]
-            return (wrapped if host.wrappers_on else hook)(state, bucket)
-
-        gate.__name__ = gate.__qualname__ = getattr(wrapped, "__name__", "hook")  # DDP logs the hook's name
-        return gate

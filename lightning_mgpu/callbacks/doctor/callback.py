@@ -64,8 +64,7 @@ from lightning_mgpu.callbacks.doctor.rule import Check, CheckKind, RankReport, W
 from lightning_mgpu.callbacks.doctor.rules import RULES, WATCHES, validate_rule_ids
 from lightning_mgpu.comm.distributed import gather_objects, lost_peer
 from lightning_mgpu.watch import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
-from lightning_mgpu.watch.hooks import PhaseHooks, local_ranks, log_dir_of, stage_of
-from lightning_mgpu.watch.report import send_to_loggers
+from lightning_mgpu.watch.hooks import PhaseHooks, watch_trainer
 from lightning_mgpu.watch.watcher import the_watch
 
 __all__ = ["DistributedDoctor"]
@@ -391,21 +390,7 @@ class DistributedDoctor(L.Callback):
         """Start this rank's hang watch for the Trainer call starting (it joins the strategy's, if that has one)."""
         if self.hang_timeout is None or trainer.world_size < 2 or self._watching:
             return
-
-        def to_loggers(report: dict[str, Any]) -> None:
-            send_to_loggers(trainer.loggers, report)
-
-        self._watching = the_watch().start(
-            owner=_OWNER,
-            store=default_group_store(),
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            timeout=self.hang_timeout,
-            stage=stage_of(trainer),
-            log_dir=log_dir_of(trainer),
-            on_report=to_loggers,
-            neighbours=local_ranks(trainer),
-        )
+        self._watching = watch_trainer(trainer, owner=_OWNER, timeout=self.hang_timeout)
         # Our strategies feed the watch from their own callback; any other strategy gets ours.
         if self._watching and getattr(trainer.strategy, "hang_timeout", None) is None:
             self._phase_feed = _PhaseFeed()

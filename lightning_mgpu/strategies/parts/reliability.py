@@ -36,7 +36,6 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from lightning_mgpu._compat.lightning import PathLike, in_accumulation_window
-from lightning_mgpu._compat.torch import default_group_store
 from lightning_mgpu.comm.distributed import lost_peer
 from lightning_mgpu.strategies.parts import failures
 from lightning_mgpu.strategies.parts.checkpoint_io import (
@@ -47,8 +46,7 @@ from lightning_mgpu.strategies.parts.checkpoint_io import (
     replace_atomically,
 )
 from lightning_mgpu.strategies.parts.preemption import Preemption
-from lightning_mgpu.watch.hooks import PhaseHooks, local_ranks, log_dir_of, stage_of
-from lightning_mgpu.watch.report import send_to_loggers
+from lightning_mgpu.watch.hooks import PhaseHooks, watch_trainer
 from lightning_mgpu.watch.watcher import the_watch
 
 if TYPE_CHECKING:
@@ -103,22 +101,12 @@ class Reliability:
         if fitting:
             self.preemption.attach(trainer, strategy)
         if self.hang_timeout is not None and strategy.world_size > 1:
-
-            def to_loggers(report: dict[str, Any]) -> None:
-                send_to_loggers(trainer.loggers, report)
-
-            self._watching = the_watch().start(
+            self._watching = watch_trainer(
+                trainer,
                 owner="strategy",
-                store=default_group_store(),
-                rank=strategy.global_rank,
-                world_size=strategy.world_size,
                 timeout=self.hang_timeout,
-                stage=stage_of(trainer),
-                log_dir=log_dir_of(trainer),
                 signals=self.preemption.signals if fitting else (),
                 on_signal=self.preemption.notify if fitting else None,
-                on_report=to_loggers,
-                neighbours=local_ranks(trainer),
             )
         if fitting or self._watching:
             boundaries = WatchedFitBoundaries if self._watching else FitBoundaries

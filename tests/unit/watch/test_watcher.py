@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any, Iterator
 
+import lightning
 import pytest
 import torch
 import torch.distributed as dist
@@ -415,3 +416,37 @@ def test_a_rank_started_by_another_rank_exits_after_it(tmp_path: Path, monkeypat
 
     in_threads(one, 2)
     assert events == [(0, "exit"), (1, "exit")]
+
+
+def test_a_rank_read_between_two_of_its_steps_is_placed_at_the_step_it_last_ran(tmp_path: Path) -> None:
+    """Rank 1 validates on its own (rank 0 waits): a tick that finds its main thread in Lightning's loop between two
+    validation steps still places it at its ``validation_step``, not at the ``trainer.fit`` line; a rank in a
+    collective, or one making no progress, is placed where it is."""
+    store, clock = dist.HashStore(), Clock()
+    rank = Rank(1, store, clock, tmp_path)
+    loop = Frame(
+        os.path.join(os.path.dirname(lightning.__file__), "pytorch", "loops", "evaluation_loop.py"), 140, "run"
+    )
+    step, between = (
+        [Frame(TRAIN, 90, "main"), loop, Frame(TRAIN, 60, "validation_step")],
+        [Frame(TRAIN, 90, "main"), loop],
+    )
+
+    def site_after_tick(frames: list[Frame]) -> tuple[int, str, bool]:
+        rank.frames, rank.working = frames, True
+        rank.watch.tick()
+        clock.now += 1.0
+        beat = Channel.open(store, own_client=False).beats(2)[1]
+        assert beat is not None
+        return beat["site"]["line"], beat["site"]["function"], beat["in_hook"]
+
+    try:
+        rank.watch.heartbeat.enter_phase("validation", batch=0, batches=200)
+        assert site_after_tick(step) == (60, "validation_step", True)
+        assert site_after_tick(between) == (60, "validation_step", True)
+        rank.watch.heartbeat.entered("barrier", 2)  # now waiting in a collective: where it is
+        assert site_after_tick(between) == (90, "main", False)
+        rank.watch.heartbeat.enter_phase("data_fetch", batch=1, batches=6)  # another phase: where it is
+        assert site_after_tick(between) == (90, "main", False)
+    finally:
+        rank.watch.stop()
