@@ -147,7 +147,7 @@ class HangWatch:
         self._main_channel: Optional[Channel] = None
         self._progress = Progress()
         self._beat = 0
-        self._hook_site: Optional[tuple[tuple[Any, ...], Frame]] = None
+        self._hook_site: Optional[tuple[tuple[Any, ...], Frame, float]] = None
         self._seen: dict[int, tuple[int, float]] = {}
         self._next_read = 0.0
         self._signal: Optional[int] = None
@@ -228,7 +228,7 @@ class HangWatch:
             self._channel, self._main_channel = channel, main_channel
             self.heartbeat.reset(stage=stage)
             self._progress = Progress(now=self._clock())
-            self._seen, self._signal, self._store_failures = {}, None, 0
+            self._seen, self._signal, self._store_failures, self._hook_site = {}, None, 0, None
             self._neighbour_pids, self._left_reported, self._left_printed = {}, False, False
             self._watching = True
         collectives.install(self.heartbeat)
@@ -403,7 +403,7 @@ class HangWatch:
             in_collective=in_collective,
             now=now,
         )
-        state = self._state(sample, idle, run)
+        state = self._state(sample, idle, run, now=now)
         try:
             channel.publish(run.rank, state.as_dict())
             declaration = channel.declared()
@@ -458,8 +458,9 @@ class HangWatch:
         meters = self._meters or ThreadMeters()
         return Sample(main_stack(), meters.cpu_s(), meters.io_bytes())
 
-    def _state(self, sample: Sample, idle: float, run: Run) -> RankState:
-        """This rank's state now, with the main thread's stack (published without it)."""
+    def _state(self, sample: Sample, idle: float, run: Run, now: Optional[float] = None) -> RankState:
+        """This rank's state now, with the main thread's stack (published without it); ``now``: a tick's
+        reading, whose rank may be placed at the step it just ran (see below)."""
         self._beat += 1
         frames = sample.frames
         site = user_frame(frames)
@@ -469,17 +470,22 @@ class HangWatch:
             in_hook = any("lightning" in f.file and is_library(f.file) for f in outer)
         snapshot = self.heartbeat.snapshot()
         c10d = c10d_call(frames)
-        # A rank still making progress, read between two of the user's steps (in Lightning's loop, in no
-        # collective): its site is the step it last ran in this phase, not the line that started the run.
+        # A tick that reads a rank still making progress between two of the user's steps (in Lightning's loop,
+        # waiting in nothing) places it at the step it ran moments ago in this phase, not at the line that
+        # started the run. Anything else (stuck, waiting, another phase, a step long past) is placed where it is.
         phase = (snapshot["stage"], snapshot["phase"], snapshot["epoch"])
-        if in_hook and site is not None:
-            self._hook_site = (phase, site)
+        recent = min(5.0, run.timeout / 4)
+        if in_hook and site is not None and now is not None:
+            self._hook_site = (phase, site, now)
         elif (
-            self._hook_site is not None
+            now is not None
+            and self._hook_site is not None
             and self._hook_site[0] == phase
+            and now - self._hook_site[2] < recent
+            and idle < recent
             and snapshot["collective"] is None
             and c10d is None
-            and idle < min(5.0, run.timeout / 4)
+            and snapshot["phase"] != "backward"  # waiting in DDP's gradient all-reduce
         ):
             site, in_hook = self._hook_site[1], True
         return RankState(

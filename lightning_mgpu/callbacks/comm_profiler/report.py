@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 import lightning as L
 
-from lightning_mgpu._tables import table
+from lightning_mgpu._tables import table, wide_console
 from lightning_mgpu._sizes import MiB as _MIB
 
 NOT_MEASURED = "not measured"
@@ -28,7 +28,6 @@ def _fmt(value: Optional[float], unit: str = "", digits: int = 2) -> str:
 
 
 def print_summary(profile: dict[str, Any]) -> None:
-    from rich.console import Console
 
     s = profile["summary"]
     title = f"CommProfiler: {profile['world_size']} rank(s), {profile['backend']} on {profile['device_type']}, {s['steps']} steps"
@@ -90,7 +89,7 @@ def print_summary(profile: dict[str, Any]) -> None:
         ("bus bandwidth", bandwidth()),
         ("straggler skew", ms(s["straggler_ms"])),
     ]
-    console = Console()
+    console = wide_console()
     console.print(table(title, ("per step (median, slowest rank)", "value"), rows))
     if profile["buckets"]:
         buckets = [
@@ -356,8 +355,8 @@ def log_to_wandb(trainer: L.Trainer, profile: dict[str, Any], export_dir: Option
     import wandb  # only imported when a WandbLogger is in use
 
     columns: list[Union[str, int]] = list(BUCKET_COLUMNS)  # wandb's annotation allows int names too
-    table = wandb.Table(columns=columns, data=[[b[c] for c in BUCKET_COLUMNS] for b in profile["buckets"]])
-    payload: dict[str, Any] = {"comm/buckets": table}
+    buckets = wandb.Table(columns=columns, data=[[b[c] for c in BUCKET_COLUMNS] for b in profile["buckets"]])
+    payload: dict[str, Any] = {"comm/buckets": buckets}
     if profile.get("what_would_help"):
         from lightning_mgpu.callbacks.comm_profiler.advice import ADVICE_COLUMNS, advice_rows
 

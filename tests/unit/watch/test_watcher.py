@@ -420,8 +420,9 @@ def test_a_rank_started_by_another_rank_exits_after_it(tmp_path: Path, monkeypat
 
 def test_a_rank_read_between_two_of_its_steps_is_placed_at_the_step_it_last_ran(tmp_path: Path) -> None:
     """Rank 1 validates on its own (rank 0 waits): a tick that finds its main thread in Lightning's loop between two
-    validation steps still places it at its ``validation_step``, not at the ``trainer.fit`` line; a rank in a
-    collective, or one making no progress, is placed where it is."""
+    validation steps still places it at its ``validation_step``, not at the ``trainer.fit`` line. A rank waiting in
+    a collective, one making no progress, one whose step is long past, one in another phase or a new run is placed
+    where it is."""
     store, clock = dist.HashStore(), Clock()
     rank = Rank(1, store, clock, tmp_path)
     loop = Frame(
@@ -431,22 +432,38 @@ def test_a_rank_read_between_two_of_its_steps_is_placed_at_the_step_it_last_ran(
         [Frame(TRAIN, 90, "main"), loop, Frame(TRAIN, 60, "validation_step")],
         [Frame(TRAIN, 90, "main"), loop],
     )
+    beat = rank.watch.heartbeat
+    at_step, at_fit = (60, "validation_step", True), (90, "main", False)
 
-    def site_after_tick(frames: list[Frame]) -> tuple[int, str, bool]:
-        rank.frames, rank.working = frames, True
+    def site_after(frames: list[Frame], *, seconds: float = 1.0, working: bool = True) -> tuple[int, str, bool]:
+        rank.frames, rank.working = frames, working
+        clock.now += seconds
         rank.watch.tick()
-        clock.now += 1.0
-        beat = Channel.open(store, own_client=False).beats(2)[1]
-        assert beat is not None
-        return beat["site"]["line"], beat["site"]["function"], beat["in_hook"]
+        published = Channel.open(store, own_client=False).beats(2)[1]
+        assert published is not None
+        return published["site"]["line"], published["site"]["function"], published["in_hook"]
 
     try:
-        rank.watch.heartbeat.enter_phase("validation", batch=0, batches=200)
-        assert site_after_tick(step) == (60, "validation_step", True)
-        assert site_after_tick(between) == (60, "validation_step", True)
-        rank.watch.heartbeat.entered("barrier", 2)  # now waiting in a collective: where it is
-        assert site_after_tick(between) == (90, "main", False)
-        rank.watch.heartbeat.enter_phase("data_fetch", batch=1, batches=6)  # another phase: where it is
-        assert site_after_tick(between) == (90, "main", False)
+        beat.enter_phase("validation", batch=0, batches=200)
+        assert site_after(step) == at_step
+        assert site_after(between) == at_step
+        beat.entered("barrier", 2)
+        assert site_after(between) == at_fit  # waiting in a collective
+        beat.left()
+        assert site_after(step) == at_step and site_after(between) == at_step
+        assert site_after(between, seconds=6.0) == at_fit  # its step is long past (the timeout's quarter: 5 s)
+        assert site_after(step) == at_step
+        for _ in range(8):  # no progress: idle grows past 5 s
+            placed = site_after(between, working=False)
+        assert placed == at_fit
+        assert site_after(step) == at_step
+        beat.enter_phase("data_fetch", batch=1, batches=6)
+        assert site_after(between) == at_fit  # another phase
+        beat.enter_phase("validation", batch=0, batches=200)
+        assert site_after(step) == at_step
+        rank.watch.finish("test")
+        assert rank.watch.start(owner="test", store=store, rank=1, world_size=2, timeout=20.0, stage="fit")
+        beat.enter_phase("validation", batch=0, batches=200)
+        assert site_after(between) == at_fit  # a new run: nothing carried over
     finally:
         rank.watch.stop()
