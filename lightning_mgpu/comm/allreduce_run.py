@@ -47,6 +47,7 @@ from lightning_mgpu.comm.allreduce_bench import (
     timed_iterations,
     warm_up_group,
     warmup_iterations,
+    write_report,
 )
 from lightning_mgpu.comm.bandwidth import bus_factor
 from lightning_mgpu.comm.distributed import LOOPBACK, loopback_store, pin_backend_to_loopback
@@ -167,19 +168,15 @@ def _sweep_worker(rank: int, settings: SweepSettings, store_port: int, result_pa
         torch.set_num_threads(threads_per_rank(world_size))
     timeout = timedelta(seconds=settings.timeout_s)
     store = loopback_store(LOOPBACK, store_port, None, is_master=False, timeout=timeout)
-    if device.type == "cuda":  # NCCL binds the group to this rank's GPU at once
-        dist.init_process_group(
-            str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
-        )
-    else:
-        dist.init_process_group(str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # NCCL binds the group to this rank's GPU at once
+    bound: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        str(settings.backend), store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
+    )
     try:
         sweeps = _sweep_rows(settings, rank=rank, world_size=world_size, device=device, progress=progress)
         if rank == 0:
-            payload = {"machine": _machine_facts(settings, device), "sweeps": sweeps}
-            partial = Path(result_path + ".partial")
-            partial.write_text(json.dumps(payload))
-            partial.replace(result_path)
+            write_report({"machine": _machine_facts(settings, device), "sweeps": sweeps}, result_path)
     finally:
         dist.destroy_process_group()
 

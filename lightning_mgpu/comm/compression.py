@@ -203,7 +203,7 @@ class ScaledFp16Allreduce:
         scale = scale.exp2_()
         self._peaks.append(peak)
         self.exchanged_buckets += 1
-        compressed = self._compress(buffer, scale / world_size, in_place=False)
+        compressed = self._compress(buffer, scale / world_size)
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -281,20 +281,17 @@ class ScaledFp16Allreduce:
         result: torch.futures.Future[torch.Tensor] = future.then(decompress)
         return result
 
-    def _compress(
-        self, buffer: torch.Tensor, factor: Any, *, into: Optional[torch.Tensor] = None, in_place: bool = True
-    ) -> torch.Tensor:
-        """``buffer * factor`` in float16, counting the elements lost to underflow on a counted step. ``in_place``
-        (the carried path, CPU): the bucket is scaled in place, then cast; otherwise (the exchanged path, GPUs) one
-        pass computes the product in float32 and stores it as float16, the bucket left as it is."""
+    def _compress(self, buffer: torch.Tensor, factor: Any, *, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``buffer * factor`` in float16, counting the elements lost to underflow on a counted step. With ``into``
+        (the carried path, CPU): the bucket is scaled in place, then cast into ``into``; otherwise (the exchanged path,
+        GPUs) one pass computes the product in float32 and stores it as float16, the bucket left as it is."""
         nonzero = torch.count_nonzero(buffer) if self.counting_underflow else None
-        if in_place:
+        if into is not None:
             # A same-dtype multiply then a cast is ~4x faster on CPU than one multiply writing float16
             # (torch.mul(..., out=half) takes an unvectorised casting path), and rounds the same.
-            scaled = buffer.mul_(factor)
-            compressed = scaled.to(torch.float16) if into is None else into.copy_(scaled)
+            compressed = into.copy_(buffer.mul_(factor))
         else:
-            compressed = into if into is not None else torch.empty_like(buffer, dtype=torch.float16)
+            compressed = torch.empty_like(buffer, dtype=torch.float16)
             torch.mul(buffer, factor, out=compressed)
         if nonzero is not None:
             self._nonzero.append(nonzero)
@@ -348,12 +345,13 @@ class ScaledFp16Allreduce:
         nonzero = int(torch.stack(self._nonzero).sum()) if counted else 0
         self._peaks, self._lost, self._nonzero = [], [], []
         self.steps += 1
-        self.peak = float(peaks.max()) if bool(torch.isfinite(peaks).all()) else float("nan")
+        finite = bool(torch.isfinite(peaks).all())
+        self.peak = float(peaks.max()) if finite else float("nan")
         if counted:
             self.underflow_checks += 1
             self.underflowed += lost
             self.nonzero_checked += nonzero
-        if not bool(torch.isfinite(peaks).all()):
+        if not finite:
             self.nonfinite_steps += 1
             if not _is_power_of_two(self.nonfinite_steps):  # said at the 1st, 2nd, 4th, 8th, ... such step
                 return None

@@ -134,10 +134,12 @@ def loopback_store(
     is_master: bool,
     timeout: timedelta,
     wait_for_workers: bool = True,
+    multi_tenant: bool = False,
 ) -> dist.TCPStore:
     """A ``TCPStore`` whose server (``is_master``) listens on ``host`` only (a loopback IP literal or name).
 
     ``port`` 0 lets the OS pick (read it back from ``store.port``). Clients connect as usual.
+    ``multi_tenant``: a server that torch's ``env://`` rendezvous on the same port shares.
     Raises ``OSError`` when the server's socket cannot be bound, and ``TypeError`` on a torch
     without ``master_listen_fd`` (the caller then falls back to torch's own rendezvous).
     """
@@ -148,7 +150,14 @@ def loopback_store(
     fd = listener.detach()  # the store owns the socket from here on
     try:
         return dist.TCPStore(
-            host, bound_port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers, master_listen_fd=fd
+            host,
+            bound_port,
+            world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=wait_for_workers,
+            multi_tenant=multi_tenant,
+            master_listen_fd=fd,
         )
     except TypeError:
         os.close(fd)

@@ -137,11 +137,6 @@ class HookChain:
             hook = gated(wrapper, hook, self) if pausable and python_hook_anyway else wrapper(hook)
         return hook, state
 
-    def prescale(self, loss: torch.Tensor) -> None:
-        """Put the 1/n on ``loss`` when the reduction is the prescaled all-reduce."""
-        if self.prescaler is not None:
-            self.prescaler.prescale(loss)
-
 
 def gated(wrapper: CommHookWrapper, hook: CommHook, switch: Any) -> CommHook:
     """``wrapper(hook)`` while ``switch.wrappers_on``, ``hook`` itself while it is off."""

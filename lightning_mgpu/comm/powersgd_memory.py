@@ -33,7 +33,7 @@ parameter holding ``torch.view_as_real`` of it, and the keeper counts the same e
 No ``from __future__ import annotations`` here: DDP inspects the hook's annotations.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,8 +41,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from lightning_mgpu._compat.torch import powersgd_should_compress
-
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+from lightning_mgpu.comm.compression import CommHook
 
 
 def one_bucket_at_a_time(hook: CommHook) -> CommHook:
@@ -214,23 +213,32 @@ class PowerSGDLayoutKeeper:
             self._park(stale)
         self._assemble(index, signature, bucket.buffer())
 
-    def _park(self, index: int) -> None:
-        signature = self._signatures.pop(index)
-        state = self.state
-        error = state.error_dict.pop(index, None)
+    def _cut(
+        self, signature: Sequence[int], error: Optional[torch.Tensor], q_memory: Optional[torch.Tensor]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """A bucket's residual and Q memory (either may be None) cut per parameter position: (error, Q), views."""
+        errors: dict[int, torch.Tensor] = {}
+        qs: dict[int, torch.Tensor] = {}
         if error is not None:
             offset = 0
             for position in signature:
-                self._error[position] = error[offset : offset + self._numel[position]]
+                errors[position] = error[offset : offset + self._numel[position]]
                 offset += self._numel[position]
-        state.p_memory_dict.pop(index, None)
-        q_memory = state.q_memory_dict.pop(index, None)
         if q_memory is not None:
             offset = 0
             for position in self._q_order(signature):
                 _, m, rank = self._matrix[position]  # type: ignore[misc]
-                self._q[position] = q_memory[offset : offset + m * rank]
+                qs[position] = q_memory[offset : offset + m * rank]
                 offset += m * rank
+        return errors, qs
+
+    def _park(self, index: int) -> None:
+        signature = self._signatures.pop(index)
+        state = self.state
+        state.p_memory_dict.pop(index, None)
+        errors, qs = self._cut(signature, state.error_dict.pop(index, None), state.q_memory_dict.pop(index, None))
+        self._error.update(errors)
+        self._q.update(qs)
 
     def _fresh_q(self, position: int, m: int, rank: int) -> torch.Tensor:
         if self._seed is None:  # one draw from the state's generator, the same on every rank
@@ -267,23 +275,13 @@ class PowerSGDLayoutKeeper:
 
     def _per_parameter(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """(error, Q) per parameter position, live buckets and parked pieces together; copies."""
-        error = {p: t.detach().to("cpu", copy=True) for p, t in self._error.items()}
-        q = {p: t.detach().to("cpu", copy=True) for p, t in self._q.items()}
+        error, q = dict(self._error), dict(self._q)
         state = self.state
         for index, signature in self._signatures.items():
-            live_error = state.error_dict.get(index)
-            if live_error is not None:
-                offset = 0
-                for position in signature:
-                    error[position] = live_error[offset : offset + self._numel[position]].detach().to("cpu", copy=True)
-                    offset += self._numel[position]
-            live_q = state.q_memory_dict.get(index)
-            if live_q is not None:
-                offset = 0
-                for position in self._q_order(signature):
-                    _, m, rank = self._matrix[position]  # type: ignore[misc]
-                    q[position] = live_q[offset : offset + m * rank].detach().to("cpu", copy=True)
-                    offset += m * rank
+            live_error, live_q = self._cut(signature, state.error_dict.get(index), state.q_memory_dict.get(index))
+            error.update(live_error)
+            q.update(live_q)
+        error, q = ({p: t.detach().to("cpu", copy=True) for p, t in pieces.items()} for pieces in (error, q))
         return error, q
 
     def state_dict(self) -> dict[str, Any]:

@@ -37,10 +37,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_mgpu._compat.torch import queue_autograd_callback
-from lightning_mgpu.comm.compression import PrescaledAllreduce
+from lightning_mgpu.comm.compression import CommHook, PrescaledAllreduce
 
 Stamp = Union[int, "torch.cuda.Event"]
-CommHook = Callable[[Any, dist.GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 # ----------------------------------------------------------------------------- clocks
@@ -205,29 +204,15 @@ def step_breakdown(timeline: StepTimeline) -> StepBreakdown:
     micro = timeline.micro_batches
     accumulation_ms = sum(m.end_ms for m in micro)
     accumulation_compute_ms = sum(m.compute_ms for m in micro)
-    if not buckets:
-        backward = max(0.0, timeline.backward_end_ms - forward_ms)
-        return StepBreakdown(
-            timeline.step_ms,
-            forward_ms,
-            backward,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            optimizer_ms,
-            0,
-            0,
-            accumulation_ms=accumulation_ms,
-            accumulation_compute_ms=accumulation_compute_ms,
-            micro_batches=1 + len(micro),
-        )
-    first_launch = min(b.launch_ms for b in buckets)
-    last_launch = max(b.launch_ms for b in buckets)
-    compute_end = last_launch if timeline.compute_end_ms is None else max(timeline.compute_end_ms, last_launch)
-    last_done = max(b.done_ms for b in buckets)
-    comm_ms = last_done - first_launch
-    exposed = max(0.0, last_done - compute_end)
+    if buckets:
+        first_launch = min(b.launch_ms for b in buckets)
+        last_launch = max(b.launch_ms for b in buckets)
+        compute_end = last_launch if timeline.compute_end_ms is None else max(timeline.compute_end_ms, last_launch)
+        last_done = max(b.done_ms for b in buckets)
+        comm_ms = last_done - first_launch
+        exposed = max(0.0, last_done - compute_end)
+    else:  # nothing communicated: the whole backward is compute
+        compute_end, comm_ms, exposed = timeline.backward_end_ms, 0.0, 0.0
     overlap = 1.0 - exposed / comm_ms if comm_ms > 0 else 0.0
     return StepBreakdown(
         step_ms=timeline.step_ms,

@@ -200,10 +200,8 @@ class PipelineRunner:
         )
         units: Optional[list[str]] = None
         if outside:  # each stage's layers as one module: the stage's unit of recomputation, as in GPipe
-            chunks, start = [], 0
-            for size, device in zip(plan.sizes, devices):
-                chunks.append(nn.Sequential(*list(seq)[start : start + size]).to(device))
-                start += size
+            layers = list(seq)
+            chunks = [nn.Sequential(*layers[a:b]).to(device) for (a, b), device in zip(plan.boundaries, devices)]
             root, units = nn.Sequential(*chunks), [str(j) for j in range(len(chunks))]
         else:
             place_modules(module, points, devices)
@@ -382,22 +380,24 @@ def block_profiler(module: nn.Module, microbatches: int) -> Optional[Callable[[l
     rows = profile_batch_size(sizes[0], microbatches, module)
     piece = map_tensors(example, lambda t: t[:rows] if t.dim() > 0 else t)
 
-    def run() -> Any:
-        if isinstance(piece, (tuple, list)):
-            return module(*piece)
-        if isinstance(piece, dict):
-            return module(**piece)
-        return module(piece)
-
     def measure(candidates: list[str]) -> list[LayerCost]:
         was_training = module.training
         module.train()
         try:
-            return profile_blocks(module, candidates, run)
+            return profile_blocks(module, candidates, lambda: _call(module, piece))
         finally:
             module.train(was_training)
 
     return measure
+
+
+def _call(module: nn.Module, example: Any) -> Any:
+    """``module`` run on an ``example_input_array``: a tuple or list as its arguments, a dict as keyword arguments."""
+    if isinstance(example, (tuple, list)):
+        return module(*example)
+    if isinstance(example, dict):
+        return module(**example)
+    return module(example)
 
 
 class _Captured(Exception):
@@ -421,13 +421,7 @@ def _capture_input(module: nn.Module, seq: nn.Sequential, device: torch.device) 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         with torch.random.fork_rng(devices=[d for d in {device} if d.type == "cuda"]), torch.no_grad():
-            example = map_tensors(example, lambda t: t.to(device))
-            if isinstance(example, (tuple, list)):
-                module(*example)
-            elif isinstance(example, dict):
-                module(**example)
-            else:
-                module(example)
+            _call(module, map_tensors(example, lambda t: t.to(device)))
     except _Captured as captured:
         return captured.value
     finally:
@@ -489,20 +483,16 @@ def _run_logged(
         result = engine.run(step, *args, **kwargs)
     finally:
         owner.__dict__.pop("log", None)
-    order: list[str] = []
-    by_name: dict[str, list[tuple[int, float, Any, tuple[Any, ...], dict[str, Any]]]] = {}
-    for index, weight, name, value, log_args, log_kwargs in sorted(calls, key=lambda call: call[0]):
-        if name not in by_name:
-            order.append(name)
-        by_name.setdefault(name, []).append((index, weight, value, log_args, log_kwargs))
-    for name in order:
-        entries = by_name[name]
-        values = [value for _, _, value, _, _ in entries]
-        _, _, _, log_args, log_kwargs = entries[0]
+    by_name: dict[str, list[tuple[float, Any, tuple[Any, ...], dict[str, Any]]]] = {}  # in first-logged order
+    for _, weight, name, value, log_args, log_kwargs in sorted(calls, key=lambda call: call[0]):
+        by_name.setdefault(name, []).append((weight, value, log_args, log_kwargs))
+    for name, entries in by_name.items():
+        values = [value for _, value, _, _ in entries]
+        _, _, log_args, log_kwargs = entries[0]
         if all(isinstance(value, torch.Tensor) and value.numel() == 1 for value in values):
-            combined: Any = sum(w * value.detach().float().to(values[0].device) for _, w, value, _, _ in entries)
+            combined: Any = sum(w * value.detach().float().to(values[0].device) for w, value, _, _ in entries)
         elif all(isinstance(value, Number) and not isinstance(value, bool) for value in values):
-            combined = float(sum(w * float(value) for _, w, value, _, _ in entries))
+            combined = float(sum(w * float(value) for w, value, _, _ in entries))
         else:
             combined = values[-1]  # e.g. a torchmetrics Metric: updated by every micro-batch, logged once
         real_log(name, combined, *log_args, **log_kwargs)

@@ -28,6 +28,7 @@ the pipeline's own backward), ``SyncBatchNorm``, and what the pipeline cannot ru
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import torch
@@ -243,10 +244,8 @@ class HybridParallelStrategy(TunedDDPStrategy):
         # The loss was divided by the world size for the whole backward (CommProfiler's
         # prescaled all-reduce): buckets launched by the stages' backward must not divide again.
         prescaler = self.prescaler
-        if prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad:
-            with prescaler.prescaled_backward():
-                runner.backward()
-        else:
+        prescaled = prescaler is not None and prescaler.world_size > 1 and closure_loss.requires_grad
+        with prescaler.prescaled_backward() if prescaled else nullcontext():
             runner.backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -270,13 +269,13 @@ class HybridParallelStrategy(TunedDDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        # Only rank 0 writes the checkpoint: the other ranks skip the copy.
-        split = self._runner is not None
-        return _to_device(state, torch.device("cpu")) if split and self.is_global_zero else state
+        return self._for_checkpoint(super().lightning_module_state_dict())
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        state = super().optimizer_state(optimizer)
+        return self._for_checkpoint(super().optimizer_state(optimizer))
+
+    def _for_checkpoint(self, state: dict[str, Any]) -> dict[str, Any]:
+        # Only rank 0 writes the checkpoint: the other ranks skip the copy.
         split = self._runner is not None
         return _to_device(state, torch.device("cpu")) if split and self.is_global_zero else state
 

@@ -62,7 +62,8 @@ from lightning_mgpu.strategies.parts.checkpoint_state import (
     restore_powersgd_state,
     restore_tuned_size,
 )
-from lightning_mgpu.strategies.parts.ddp_model import BucketInfo, DDPModel, read_bucket_layout
+from lightning_mgpu.strategies.parts.ddp_model import BucketInfo, DDPModel, read_bucket_layout, reducer_named_params
+from lightning_mgpu.strategies.parts.failures import reentrant_backward_explained
 from lightning_mgpu.strategies.parts.launchers import checked_launcher
 from lightning_mgpu.strategies.parts.options import (
     DEFAULT_POWERSGD_RANK,
@@ -203,7 +204,6 @@ class TunedDDPStrategy(DDPStrategyBase):
         # Keep passing `**kwargs` on by that name: LightningCLI (jsonargparse) follows it through the source to
         # DDPStrategy and DistributedDataParallel to know which keyword arguments the class accepts.
         kwargs = options.ddp_kwargs  # reserved arguments at their defaults dropped
-        self._auto = options.tuning is not None
         self._bucket_cap_mb = options.bucket_cap_mb
         self._first_bucket_cap_mb = options.first_bucket_cap_mb
         self._compression = options.compression
@@ -266,7 +266,7 @@ class TunedDDPStrategy(DDPStrategyBase):
     @property
     def auto(self) -> bool:
         """True for ``bucket_cap_mb="auto"``."""
-        return self._auto
+        return self._tuner is not None
 
     @property
     def tuner(self) -> Optional[BucketTuner]:
@@ -449,16 +449,18 @@ class TunedDDPStrategy(DDPStrategyBase):
         """Register the hook chain on the DDP wrapper (Lightning does so on CUDA only; DDP supports every backend)."""
         model = self.model
         assert isinstance(model, DistributedDataParallel)
-        self._ddp.register_hooks(
-            model,
+        built = self._ddp.hooks.build(
             hook=self.comm_hook,
             state=self.comm_state,
             user_wrapper=self.comm_wrapper,
             world_size=self.world_size,
             backend=self.resolved_backend(),
-            python_hook_anyway=self.has_own_comm_hook,
+            named_parameters=lambda: reducer_named_params(model),
             on_new_powersgd_keeper=lambda keeper: self._restore_powersgd(),
+            python_hook_anyway=self.has_own_comm_hook,
         )
+        if built is not None:  # else DDP's built-in all-reduce is the whole chain
+            model.register_comm_hook(state=built[1], hook=built[0])
 
     def _rewrap(self, bucket_cap_mb: Optional[float]) -> None:
         """Replace the DDP wrapper by a new one with buckets of ``bucket_cap_mb``, hooks carried over; between
@@ -623,7 +625,7 @@ class TunedDDPStrategy(DDPStrategyBase):
         """Around the backward: DDP's "Expected to mark a variable ready only once" (reentrant activation
         checkpointing) re-raised as a :class:`~lightning_mgpu.strategies.parts.failures.ReentrantCheckpointError`
         naming the fixes, torch's error as its cause."""
-        return self._reliability.backward_errors_explained(**self._ddp_facts())
+        return reentrant_backward_explained(**self._ddp_facts())
 
     def _ddp_facts(self) -> dict[str, Any]:
         ddp_kwargs = self.user_ddp_kwargs

@@ -33,7 +33,6 @@ from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost
 from lightning_mgpu.comm.distributed import gather_objects
 from lightning_mgpu.comm.hook_chain import CommHookHost
 from lightning_mgpu.comm.timing import (
-    BucketInterval,
     BucketTimer,
     Clock,
     MicroBatch,
@@ -157,14 +156,12 @@ class CommProfiler(L.Callback):
             warmup_steps=warmup_steps, profile_steps=profile_steps, profile_every=profile_every
         )
         """Which synchronising steps are profiled."""
-        if export_dir is not None and (not isinstance(export_dir, (str, os.PathLike)) or not str(export_dir).strip()):
-            raise ValueError(
-                f"CommProfiler: export_dir must be a directory path (str or pathlib.Path) or None, got {export_dir!r:.80}"
-            )
-        if sweep is not None and (not isinstance(sweep, (str, os.PathLike)) or not str(sweep).strip()):
-            raise ValueError(
-                f"CommProfiler: sweep must be the path of a bench-comm JSON result or None, got {sweep!r:.80}"
-            )
+        for name, path, what in (
+            ("export_dir", export_dir, "a directory path (str or pathlib.Path)"),
+            ("sweep", sweep, "the path of a bench-comm JSON result"),
+        ):
+            if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path).strip()):
+                raise ValueError(f"CommProfiler: {name} must be {what} or None, got {path!r:.80}")
         self.whatif = advice.check_whatif(whatif)
         self.every_n_steps = every_n_steps
         self.export_dir = Path(export_dir) if export_dir is not None else None
@@ -322,7 +319,7 @@ class CommProfiler(L.Callback):
         self._tuning = self._host is not None and self._host.tuning_active
         self._marks = {}
         self._stamp("start")
-        self._marks["start_ns"] = _host_ns()
+        self._marks["start_ns"] = time.perf_counter_ns()
         if self._timer is not None:
             self._timer.take()  # drop anything left from a step that did not reach the optimizer
 
@@ -395,9 +392,7 @@ class CommProfiler(L.Callback):
     ) -> None:
         assert self._clock is not None
         clock, start = self._clock, marks["start"]
-        buckets: tuple[BucketInterval, ...] = ()
-        if self._timer is not None:
-            buckets = self._timer.intervals(start, launches, dones)
+        buckets = self._timer.intervals(start, launches, dones) if self._timer is not None else ()
         timeline = StepTimeline(
             step=step,
             rank=rank,
@@ -506,10 +501,6 @@ def _fit_ends_here(trainer: L.Trainer) -> bool:
     loop = trainer.fit_loop
     last_epoch = loop.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= loop.max_epochs
     return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
-
-
-def _host_ns() -> int:
-    return time.perf_counter_ns()
 
 
 def _micro_batch(clock: Clock, marks: _Marks) -> MicroBatch:

@@ -12,7 +12,7 @@ import json
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 
@@ -23,21 +23,22 @@ NOT_MEASURED = "not measured"
 """What the console shows for a figure the profiler could not see (null in comm_profile.json)."""
 
 
-def _fmt(value: Optional[float], unit: str = "", digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}{unit}"
-
-
 def print_summary(profile: dict[str, Any]) -> None:
 
     s = profile["summary"]
     title = f"CommProfiler: {profile['world_size']} rank(s), {profile['backend']} on {profile['device_type']}, {s['steps']} steps"
     step = s["step_ms"]["median"] or 1.0
 
+    def shown(value: Optional[float], text: Callable[[float], str]) -> str:
+        """``text(value)``, or "not measured": a figure the profiler could not see is never shown as 0."""
+        return NOT_MEASURED if value is None else text(value)
+
     def ms(value: Optional[float], share: bool = False) -> str:
-        """A time, or "not measured": a figure the profiler could not see is never shown as 0."""
-        if value is None:
-            return NOT_MEASURED
-        return f"{value:.2f} ms" + (f" ({100 * value / step:.0f}%)" if share else "")
+        """A time, or "not measured"."""
+        return shown(value, lambda v: f"{v:.2f} ms" + (f" ({100 * v / step:.0f}%)" if share else ""))
+
+    def with_p90(figure: dict[str, float]) -> str:
+        return f"{figure['median']:.2f} ms (p90 {figure['p90']:.2f})"
 
     def wire() -> str:
         if s["wire_bytes_per_step"] is None:
@@ -53,21 +54,12 @@ def print_summary(profile: dict[str, Any]) -> None:
             f", {100 * fraction:.0f}% of this machine's peak" if fraction else ""
         )
 
-    gradient = (
-        NOT_MEASURED
-        if s["bytes_per_step"] is None
-        else f"{s['bytes_per_step'] / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)"
-    )
-    exposed = s["exposed_comm_ms"]
+    gradient = shown(s["bytes_per_step"], lambda b: f"{b / _MIB:.2f} MiB in {len(profile['buckets'])} bucket(s)")
     accumulate = int(s.get("accumulate_grad_batches") or 1)
-    rows = [("step", f"{s['step_ms']['median']:.2f} ms (p90 {s['step_ms']['p90']:.2f})")]
+    rows = [("step", with_p90(s["step_ms"]))]
     if accumulate > 1:  # the rows below are the synchronising micro-batch's; the optimizer step is all of them
-        full = s["optimizer_step_ms"]
         rows = [
-            (
-                f"optimizer step ({accumulate} micro-batches)",
-                f"{full['median']:.2f} ms (p90 {full['p90']:.2f})",
-            ),
+            (f"optimizer step ({accumulate} micro-batches)", with_p90(s["optimizer_step_ms"])),
             ("  micro-batches without communication", ms(s.get("accumulation_ms"))),
             ("synchronising micro-batch", rows[0][1]),
         ]
@@ -75,13 +67,10 @@ def print_summary(profile: dict[str, Any]) -> None:
         ("forward", ms(s["forward_ms"], share=True)),
         ("backward compute", ms(s["backward_compute_ms"], share=True)),
         ("communication span", ms(s["comm_ms"])),
-        (
-            "  hidden behind backward",
-            NOT_MEASURED if s["overlap_ratio"] is None else f"{100 * s['overlap_ratio']:.0f}%",
-        ),
+        ("  hidden behind backward", shown(s["overlap_ratio"], lambda r: f"{100 * r:.0f}%")),
         (
             "  exposed (step waits)",
-            NOT_MEASURED if exposed is None else f"{exposed:.2f} ms ({100 * exposed / step:.0f}% of step)",
+            shown(s["exposed_comm_ms"], lambda e: f"{e:.2f} ms ({100 * e / step:.0f}% of step)"),
         ),
         ("optimizer", ms(s["optimizer_ms"])),
         ("gradient bytes", gradient),
@@ -146,12 +135,11 @@ BUCKET_COLUMNS = ["index", "bytes", "num_params", "launch_ms", "done_ms", "durat
 
 
 def write_buckets_csv(path: Path, buckets: list[dict[str, Any]]) -> None:
-    columns = BUCKET_COLUMNS
     with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer = csv.DictWriter(fh, fieldnames=BUCKET_COLUMNS)
         writer.writeheader()
         for bucket in buckets:
-            writer.writerow({key: bucket[key] for key in columns})
+            writer.writerow({key: bucket[key] for key in BUCKET_COLUMNS})
 
 
 PHASE_COLORS = {
@@ -189,56 +177,25 @@ def write_chrome_trace(path: Path, timelines: list[dict[str, Any]]) -> None:
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "communication"}})
     for t in timelines:
-        base_us = (t["start_ns"] - origin) / 1e3
-        events.append(
-            {
-                "name": f"step {t['step']}",
-                "ph": "X",
-                "pid": t["rank"],
-                "tid": 0,
-                "ts": base_us,
-                "dur": t["step_ms"] * 1e3,
-                "cat": "step",
-            }
-        )
+        base_us, rank = (t["start_ns"] - origin) / 1e3, t["rank"]
+        events.append(_span(f"step {t['step']}", rank, 0, base_us, t["step_ms"] * 1e3, "step"))
         for name, start, end in _phases(t):
-            events.append(
-                {
-                    "name": name,
-                    "ph": "X",
-                    "pid": t["rank"],
-                    "tid": 0,
-                    "ts": base_us + start * 1e3,
-                    "dur": max(0.0, end - start) * 1e3,
-                    "cat": "compute",
-                }
-            )
+            events.append(_span(name, rank, 0, base_us + start * 1e3, max(0.0, end - start) * 1e3, "compute"))
         for m in _micro(t):  # the accumulation window's micro-batches before it: no communication
-            events.append(
-                {
-                    "name": "micro-batch (no communication)",
-                    "ph": "X",
-                    "pid": t["rank"],
-                    "tid": 0,
-                    "ts": (m["start_ns"] - origin) / 1e3,
-                    "dur": m["end_ms"] * 1e3,
-                    "cat": "accumulation",
-                }
-            )
+            start_us = (m["start_ns"] - origin) / 1e3
+            events.append(_span("micro-batch (no communication)", rank, 0, start_us, m["end_ms"] * 1e3, "accumulation"))
         for b in t["buckets"]:
+            args = {"bytes": b["bytes"], "wire_bytes": b["wire_bytes"], "num_params": b["num_params"]}
+            duration_us = (b["done_ms"] - b["launch_ms"]) * 1e3
             events.append(
-                {
-                    "name": f"bucket {b['index']}",
-                    "ph": "X",
-                    "pid": t["rank"],
-                    "tid": 1,
-                    "ts": base_us + b["launch_ms"] * 1e3,
-                    "dur": (b["done_ms"] - b["launch_ms"]) * 1e3,
-                    "cat": "comm",
-                    "args": {"bytes": b["bytes"], "wire_bytes": b["wire_bytes"], "num_params": b["num_params"]},
-                }
+                _span(f"bucket {b['index']}", rank, 1, base_us + b["launch_ms"] * 1e3, duration_us, "comm", args=args)
             )
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _span(name: str, pid: int, tid: int, ts: float, dur: float, cat: str, **more: Any) -> dict[str, Any]:
+    """A complete event ("X") of the Chrome trace, in microseconds; ``more``: any further fields."""
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "cat": cat, **more}
 
 
 def _micro(t: dict[str, Any]) -> list[dict[str, Any]]:
@@ -293,7 +250,6 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
     fig, axes = plt.subplots(
         len(ranks) or 1, 1, figsize=(12, 1.9 + 1.5 * max(1, len(ranks))), squeeze=False, sharex=True
     )
-    colors = PHASE_COLORS
     origin = min((t["start_ns"] for t in timelines), default=0)
     most_bars, most_buckets = 0, 0
     for axis, rank in zip(axes[:, 0], ranks or [0]):
@@ -301,7 +257,7 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
         for t in steps:
             base = (t["start_ns"] - origin) / 1e6
             for name, start, end in _phases(t):
-                axis.broken_barh([(base + start, max(0.0, end - start))], (10, 8), facecolors=colors[name])
+                axis.broken_barh([(base + start, max(0.0, end - start))], (10, 8), facecolors=PHASE_COLORS[name])
             bars = _bucket_bars(t["buckets"], MAX_BARS_PER_STEP)
             most_bars, most_buckets = max(most_bars, len(bars)), max(most_buckets, len(t["buckets"]))
             for lane, lane_bars in ((0, bars[0::2]), (-9, bars[1::2])):
@@ -321,10 +277,10 @@ def write_timeline_png(path: Path, timelines: list[dict[str, Any]], max_steps: i
         axis.set_ylabel(f"rank {rank}")
         axis.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms since the first profiled step began")
-    handles = [Rectangle((0, 0), 1, 1, color=c) for c in [*colors.values(), "#DD8452"]]
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in [*PHASE_COLORS.values(), "#DD8452"]]
     fig.legend(
         handles,
-        [*colors.keys(), "bucket all-reduce (launch -> done)"],
+        [*PHASE_COLORS.keys(), "bucket all-reduce (launch -> done)"],
         loc="lower center",
         ncol=5,
         fontsize=8,

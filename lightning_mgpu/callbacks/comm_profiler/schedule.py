@@ -9,7 +9,7 @@ when the next step's phase says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
 from lightning_mgpu._checks import check_int
@@ -67,8 +67,4 @@ class ProfileSchedule:
 
     def as_dict(self) -> dict[str, Optional[int]]:
         """The ``summary["schedule"]`` entry of ``comm_profile.json``."""
-        return {
-            "warmup_steps": self.warmup_steps,
-            "profile_steps": self.profile_steps,
-            "profile_every": self.profile_every,
-        }
+        return asdict(self)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_mgpu.comm.bandwidth import algbw_gbps, bus_factor
@@ -68,11 +68,8 @@ ALWAYS_MEASURED = ("comm/step_ms", "comm/forward_ms", "comm/optimizer_ms", "comm
 def rank_medians(steps: Sequence[StepBreakdown]) -> RankMedians:
     """One rank's medians: the times of :data:`_TIMES`, overlap, bytes, micro-batches per optimizer
     step, and compute (forward + backward compute)."""
-    medians = {name: median([getattr(s, name) for s in steps]) for name in _TIMES}
-    medians["micro_batches"] = median([s.micro_batches for s in steps])
-    medians["overlap_ratio"] = median([s.overlap_ratio for s in steps])
-    medians["bytes"] = median([s.bytes for s in steps])
-    medians["wire_bytes"] = median([s.wire_bytes for s in steps])
+    names = (*_TIMES, "micro_batches", "overlap_ratio", "bytes", "wire_bytes")
+    medians = {name: median([getattr(s, name) for s in steps]) for name in names}
     medians["compute_ms"] = median([s.forward_ms + s.backward_compute_ms for s in steps])
     return medians
 
@@ -374,14 +371,12 @@ class CommStats:
         }
 
 
+@dataclass(eq=False, slots=True)
 class _BucketStep:
     """A profiled step kept for the per-bucket table: its timeline and its breakdown."""
 
-    __slots__ = ("breakdown", "timeline")
-
-    def __init__(self, timeline: StepTimeline, breakdown: StepBreakdown) -> None:
-        self.timeline = timeline
-        self.breakdown = breakdown
+    timeline: StepTimeline
+    breakdown: StepBreakdown
 
     def as_dict(self) -> dict[str, Any]:
         """The step as ``bucket_step`` of comm_profile.json (ms; compute and span from the start of backward)."""
@@ -399,10 +394,7 @@ class _BucketStep:
 
 
 _STEP_ONLY = (
-    "step_ms",
-    "forward_ms",
-    "optimizer_ms",
-    "optimizer_step_ms",
+    *(key.removeprefix("comm/") for key in ALWAYS_MEASURED),
     "accumulation_ms",
     "accumulation_compute_ms",
     "micro_batches",

@@ -64,7 +64,7 @@ from lightning_mgpu.callbacks.doctor.rule import Check, CheckKind, RankReport, W
 from lightning_mgpu.callbacks.doctor.rules import RULES, WATCHES, validate_rule_ids
 from lightning_mgpu.comm.distributed import gather_objects, lost_peer
 from lightning_mgpu.watch import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
-from lightning_mgpu.watch.hooks import PhaseHooks, watch_trainer
+from lightning_mgpu.watch.hooks import PhaseHooks, local_ranks, watch_trainer
 from lightning_mgpu.watch.watcher import the_watch
 
 __all__ = ["DistributedDoctor"]
@@ -260,14 +260,12 @@ class DistributedDoctor(L.Callback):
             watch.start(trainer, pl_module)
         # Ranks on this machine, if ranks are numbered node by node (Lightning's and torchrun's way): their
         # processes are watched while this rank waits at a check (a wrong guess is harmless: hosts are compared).
-        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes))
-        first = trainer.node_rank * per_node
         self._exchange.open(
             default_group_store() if trainer.world_size > 1 else None,
             namespace=next_namespace(),  # drawn on every rank, store or not: the ranks' namespaces stay equal
             rank=trainer.global_rank,
             world_size=trainer.world_size,
-            neighbours=range(first, first + per_node),
+            neighbours=local_ranks(trainer),
         )
 
     # ------------------------------------------------------------------ per batch

@@ -78,6 +78,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
+from itertools import accumulate
 from typing import Optional, Sequence
 
 from lightning_mgpu.placement.planning.partition_input import (
@@ -179,17 +180,15 @@ def stage_costs(
         cuts = numbers_of("cut_costs", cut_costs, unit_hint="a transfer time")
         if len(cuts) != len(layer_costs) - 1:
             raise ValueError(f"cut_costs needs len(costs) - 1 = {len(layer_costs) - 1} entries, got {len(cuts)}")
+    ends = list(accumulate((int(size) for size in sizes), initial=0))
     result = []
-    start = 0
-    for size in sizes:
-        stop = start + int(size)
+    for start, stop in zip(ends, ends[1:]):
         terms = layer_costs[start:stop]
         if cuts and start > 0:
             terms.append(cuts[start - 1])
         if cuts and stop < len(layer_costs):
             terms.append(cuts[stop - 1])
         result.append(math.fsum(terms))
-        start = stop
     return result
 
 
@@ -210,15 +209,10 @@ class _Problem:
         memory_units: Optional[list[int]] = None,
         capacity_units: Optional[list[Optional[int]]] = None,
     ) -> None:
-        num_layers = len(cost_units)
-        self.num_layers = num_layers
+        self.num_layers = len(cost_units)
         self.num_stages = num_stages
-        prefix = [0] * (num_layers + 1)
-        running = 0
-        for index, cost in enumerate(cost_units):
-            running += cost
-            prefix[index + 1] = running
-        self.total = running
+        prefix = list(accumulate(cost_units, initial=0))
+        self.total = prefix[-1]
         self.largest_layer = max(cost_units)
         self.exit = list(prefix)
         self.entry = list(prefix)
@@ -228,11 +222,7 @@ class _Problem:
                 self.entry[cut_index + 1] -= cut  # ...and so does the stage starting at layer cut_index + 1
         self.first: list[Optional[list[int]]] = [None] * num_stages
         if memory_units is not None and capacity_units is not None:
-            memory_prefix = [0] * (num_layers + 1)
-            running = 0
-            for index, amount in enumerate(memory_units):
-                running += amount
-                memory_prefix[index + 1] = running
+            memory_prefix = list(accumulate(memory_units, initial=0))
             windows: dict[int, list[int]] = {}
             for stage, limit in enumerate(capacity_units):
                 if limit is None:
@@ -421,11 +411,8 @@ def _explain_infeasible(memory: list[float], capacities: list[float]) -> str:
 
     overflow_units, sizes = _least_overflow(memory_units, capacity_of, num_stages)
     overflow = show(overflow_units / denominator)
-    needs = []
-    start = 0
-    for size in sizes:
-        needs.append(show(math.fsum(memory[start : start + size])))
-        start += size
+    ends = list(accumulate(sizes, initial=0))
+    needs = [show(math.fsum(memory[start:stop])) for start, stop in zip(ends, ends[1:])]
     return (
         f"no way to place {num_layers} layers on {num_stages} stages within capacities {shown_capacities}: "
         f"every split overflows some stage by at least {overflow} (the best, sizes {sizes}, needs "

@@ -35,6 +35,7 @@ import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Callable, Optional, Union
 
 from lightning_mgpu._checks import check_int
@@ -73,19 +74,16 @@ class PlacementPlan:
     @property
     def boundaries(self) -> list[tuple[int, int]]:
         """``(first, last + 1)`` layer index of every stage."""
-        edges, start = [], 0
-        for size in self.sizes:
-            edges.append((start, start + size))
-            start += size
-        return edges
+        ends = list(accumulate(self.sizes, initial=0))
+        return list(zip(ends, ends[1:]))
 
     def stage_of_layer(self) -> list[int]:
         return [stage for stage, size in enumerate(self.sizes) for _ in range(size)]
 
-    def _stage_sum(self, attribute: str) -> Optional[list[float]]:
+    def _stage_sum(self, attribute: str, convert: Callable[[Any], Any] = lambda total: total) -> Optional[list[Any]]:
         if not self.layers:
             return None
-        return [sum(getattr(layer, attribute) for layer in self.layers[a:b]) for a, b in self.boundaries]
+        return [convert(sum(getattr(layer, attribute) for layer in self.layers[a:b])) for a, b in self.boundaries]
 
     @property
     def stage_time_ms(self) -> Optional[list[float]]:
@@ -93,13 +91,11 @@ class PlacementPlan:
 
     @property
     def stage_memory_bytes(self) -> Optional[list[int]]:
-        sums = self._stage_sum("memory_bytes")
-        return None if sums is None else [int(value) for value in sums]
+        return self._stage_sum("memory_bytes", int)
 
     @property
     def stage_params(self) -> Optional[list[int]]:
-        sums = self._stage_sum("param_count")
-        return None if sums is None else [int(value) for value in sums]
+        return self._stage_sum("param_count", int)
 
     @property
     def bottleneck_stage(self) -> Optional[int]:
@@ -270,12 +266,8 @@ def plan_stages(
     if isinstance(balance, str):
         if balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of stage sizes, got {balance!r}")
-        by_mode: dict[str, Sequence[float]] = {
-            "time": [layer.time_ms for layer in layers],
-            "memory": [layer.memory_bytes for layer in layers],
-            "params": [layer.param_count for layer in layers],
-        }
-        costs = by_mode[balance]
+        attribute = {"time": "time_ms", "memory": "memory_bytes", "params": "param_count"}[balance]
+        costs = [getattr(layer, attribute) for layer in layers]
         fits: dict[str, Any] = {}
         if capacity is not None and any(value is not None for value in capacity):
             fits = {"memory": [layer.memory_bytes for layer in layers], "capacity": list(capacity)}

@@ -158,6 +158,23 @@ def simulate(
     backward_done: list[dict[int, float]] = [{} for _ in range(k)]
     pending_w: list[list[int]] = [[] for _ in range(k)]
     started_b: list[set[int]] = [set() for _ in range(k)]
+
+    def pick(stage: int, clock: float) -> Optional[Action]:
+        # B first (the previous stage waits for it), in micro-batch order.
+        for i in sorted(forward_done[stage]):
+            if i in started_b[stage] or forward_done[stage][i] > clock:
+                continue
+            if stage == k - 1 or backward_done[stage + 1].get(i, float("inf")) <= clock:
+                return Action(BACKWARD, i)
+            break  # the oldest micro-batch's gradient is not there yet: keep the order
+        i = next_f[stage]
+        arrived = stage == 0 or forward_done[stage - 1].get(i, float("inf")) <= clock
+        if i < m and held[stage] < hold(stage) and arrived:
+            return Action(FORWARD, i)
+        if pending_w[stage]:
+            return Action(WEIGHT, pending_w[stage][0])
+        return None
+
     total = k * m * (3 if split_weight else 2)
     clock = 0.0
     events: list[float] = [0.0]
@@ -169,9 +186,7 @@ def simulate(
             for stage in range(k):
                 if free_at[stage] > clock:
                     continue
-                action = _pick(
-                    stage, k, m, clock, next_f, held, hold, forward_done, backward_done, pending_w, started_b
-                )
+                action = pick(stage, clock)
                 if action is None:
                     continue
                 end = clock + cost[action.kind]
@@ -197,34 +212,6 @@ def simulate(
         if not events and sum(len(actions) for actions in order) < total:  # pragma: no cover - the rules never stall
             raise RuntimeError("schedule simulation stalled")
     return order, max(free_at)
-
-
-def _pick(
-    stage: int,
-    k: int,
-    m: int,
-    clock: float,
-    next_f: list[int],
-    held: list[int],
-    hold: Callable[[int], int],
-    forward_done: list[dict[int, float]],
-    backward_done: list[dict[int, float]],
-    pending_w: list[list[int]],
-    started_b: list[set[int]],
-) -> Optional[Action]:
-    # B first (the previous stage waits for it), in micro-batch order.
-    for i in sorted(forward_done[stage]):
-        if i in started_b[stage] or forward_done[stage][i] > clock:
-            continue
-        if stage == k - 1 or backward_done[stage + 1].get(i, float("inf")) <= clock:
-            return Action(BACKWARD, i)
-        break  # the oldest micro-batch's gradient is not there yet: keep the order
-    i = next_f[stage]
-    if i < m and held[stage] < hold(stage) and (stage == 0 or forward_done[stage - 1].get(i, float("inf")) <= clock):
-        return Action(FORWARD, i)
-    if pending_w[stage]:
-        return Action(WEIGHT, pending_w[stage][0])
-    return None
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
@@ -271,13 +258,8 @@ def check_schedule(schedule: Schedule, num_microbatches: int) -> None:
         for stage in range(k):
             while cursor[stage] < len(schedule[stage]):
                 action = schedule[stage][cursor[stage]]
-                if action.kind == FORWARD and stage > 0:
-                    needs: Optional[tuple[int, Action]] = (stage - 1, action)
-                elif action.kind == BACKWARD and stage < k - 1:
-                    needs = (stage + 1, action)
-                else:
-                    needs = None
-                if needs is not None and needs not in done:
+                source = {FORWARD: stage - 1, BACKWARD: stage + 1}.get(action.kind, -1)  # the stage it waits on
+                if 0 <= source < k and (source, action) not in done:
                     break
                 done.add((stage, action))
                 cursor[stage] += 1

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Optional
 
 from torch import nn
@@ -36,12 +37,12 @@ def candidate_blocks(root: nn.Module, *, minimum: int = 2) -> list[str]:
         if best is None or score > best[0]:
             best = (score, name, module)
     if best is not None:
-        _, name, module = best
-        return [f"{name}.{child}" if name else child for child, _ in module.named_children()]
-    top = root
-    while len(list(top.children())) == 1:  # a wrapper (e.g. self.model): look inside
-        top = next(iter(top.children()))
-    prefix = {id(module): name for name, module in root.named_modules()}[id(top)]
+        _, prefix, top = best
+    else:
+        top = root
+        while len(list(top.children())) == 1:  # a wrapper (e.g. self.model): look inside
+            top = next(iter(top.children()))
+        prefix = {id(module): name for name, module in root.named_modules()}[id(top)]
     return [f"{prefix}.{child}" if prefix else child for child, _ in top.named_children()]
 
 
@@ -75,11 +76,7 @@ def check_split_points(root: nn.Module, split_points: Sequence[str], num_stages:
 
 def points_from_sizes(candidates: Sequence[str], sizes: Sequence[int]) -> list[str]:
     """The candidate at which each stage after the first begins, for ``sizes`` candidates per stage."""
-    points, start = [], 0
-    for size in sizes[:-1]:
-        start += size
-        points.append(candidates[start])
-    return points
+    return [candidates[start] for start in accumulate(sizes[:-1])]
 
 
 def recompute_units(root: nn.Module, split_points: Sequence[str]) -> list[str]:

@@ -198,13 +198,14 @@ class Pipeline:
         dimension) through the stages and the whole schedule, backward included; returns the combined result
         (:func:`~lightning_mgpu.placement.running.gradients.combine_results`). Parameter gradients are summed, not accumulated: call :meth:`backward` after the combined
         loss's backward."""
-        micros, sizes = self._micro_runs(args, kwargs, entry=False)
-        weights = [size / sum(sizes) if self.loss_reduction == "mean" else 1.0 for size in sizes]
+        micros, _ = self._micro_runs(args, kwargs, entry=False)
         self.gradients.clear()
         self._result_leaf = None
         self._execute(make_schedule(self.schedule_name, self.num_stages, len(micros)), micros, fn)
         combined, self._result_leaf = combine_results(
-            [micro.result for micro in micros], weights, trains=any(micro.trains for micro in micros)
+            [micro.result for micro in micros],
+            [micro.weight for micro in micros],
+            trains=any(micro.trains for micro in micros),
         )
         return combined
 

@@ -25,8 +25,8 @@ instead of clamping shared intermediates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -97,20 +97,14 @@ def split_backward(
         deferred.full = (list(roots), list(grads), sorted([*param_nodes.values(), *self_made.values()]))
         return (None,) * len(leaves), {}, deferred
 
-    input_side: set[Node] = set(targets)
-    stack = list(targets)
-    while stack:
-        for parent in parents.get(stack.pop(), []):
-            if parent not in input_side:
-                input_side.add(parent)
-                stack.append(parent)
+    input_side = _closure(targets, lambda node: parents.get(node, []))
     handles = []
     deferred_params: set[int] = set()
     for node in input_side:
-        starts = [child for child, _ in node.next_functions if child is not None and child not in input_side]
+        starts = [child for child in _children(node) if child not in input_side]
         if not starts:
             continue
-        region = _closure(starts)
+        region = _closure(starts, _children)
         if not all(parent is node or parent in region for member in region for parent in parents.get(member, [])):
             continue  # shared weight side: its parameters' gradients are computed in B
         indices = sorted(param_nodes[member] for member in region if member in param_nodes)
@@ -147,9 +141,7 @@ def reached_graph(roots: Sequence[Any]) -> Graph:
     seen.update(stack)
     while stack:
         node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
+        for child in _children(node):
             parents.setdefault(child, []).append(node)
             if child not in seen:
                 seen.add(child)
@@ -157,15 +149,20 @@ def reached_graph(roots: Sequence[Any]) -> Graph:
     return seen, parents
 
 
-def _closure(starts: Sequence[Node]) -> set[Node]:
+def _closure(starts: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]]) -> set[Node]:
+    """``starts`` and every node reached from them through ``neighbours``."""
     region = set(starts)
     stack = list(starts)
     while stack:
-        for child, _ in stack.pop().next_functions:
-            if child is not None and child not in region:
-                region.add(child)
-                stack.append(child)
+        for other in neighbours(stack.pop()):
+            if other not in region:
+                region.add(other)
+                stack.append(other)
     return region
+
+
+def _children(node: Node) -> list[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
 
 
 def _recorder(received: list[Optional[torch.Tensor]]) -> Any:

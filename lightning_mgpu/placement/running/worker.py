@@ -95,9 +95,6 @@ class StageWorkers:
         """
         k = len(self.devices)
         devices, move = self.devices, self.move
-        if k == 1:
-            program(0, schedule[0], lambda action: move(feed[action.microbatch], devices[0]), _into(sink))
-            return
         mailboxes = [_Mailbox() for _ in range(k)]
         current: list[Optional[Action]] = [actions[0] if actions else None for actions in schedule]
 
@@ -119,6 +116,10 @@ class StageWorkers:
                     mailboxes[to].put(action, None if value is None else move(value, devices[to]))
 
             return send
+
+        if k == 1:
+            program(0, schedule[0], receiver(0), sender(0))
+            return
 
         def task(j: int) -> None:
             try:
@@ -162,13 +163,6 @@ class StageWorkers:
             for thread in self._threads:
                 thread.shutdown(wait=True)
             self._threads = None
-
-
-def _into(sink: list[Any]) -> Send:
-    def send(action: Action, value: Any) -> None:
-        sink[action.microbatch] = value
-
-    return send
 
 
 def stage_context(device: torch.device, threads: int, modes: Optional[dict[str, Any]] = None) -> contextlib.ExitStack:

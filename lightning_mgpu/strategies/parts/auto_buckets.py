@@ -60,10 +60,6 @@ class AutoBucketDriver:
         self.owner = owner
         self._rewrap = rewrap
 
-    @property
-    def active(self) -> bool:
-        return self.tuner.active
-
     def on_train_start(self, strategy: _SizedStrategy) -> None:
         tuner = self.tuner
         if tuner.status != WAITING:

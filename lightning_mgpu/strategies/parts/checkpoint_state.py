@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mgpu._checks import check_int, check_real
 from lightning_mgpu.comm.compression import COMPRESSIONS
+from lightning_mgpu.comm.distributed import gather_objects
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
 from lightning_mgpu.tuning.buckets import check_size_mb
 from lightning_mgpu.tuning.tuner import DONE, MEASURING, OBSERVING, RESUMED, SKIPPED, UNFINISHED, WAITING, BucketTuner
@@ -45,13 +46,8 @@ def gather_powersgd_state(keeper: PowerSGDLayoutKeeper, world_size: int) -> dict
     """PowerSGD's memory for the checkpoint; a collective that every rank enters."""
     state = keeper.state_dict()
     error = state.pop("error")
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and world_size > 1:
-        gathered: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(gathered, error)
-    else:
-        gathered = [error]
     # Each rank's residual is its own; Q and the counters are the same everywhere.
-    return {**state, "world_size": world_size, "error_per_rank": gathered}
+    return {**state, "world_size": world_size, "error_per_rank": gather_objects(error, world_size)}
 
 
 def restore_powersgd_state(

@@ -2,12 +2,13 @@
 communication-hook chain, what its reducer holds, and the rule for a static graph's first backward.
 
 * :class:`DDPModel` builds the wrapper from the keyword arguments it is given (the bucket size is
-  always an argument, never read back from strategy state), registers the hook chain of
-  :mod:`lightning_mgpu.comm.hook_chain` on every backend (Lightning registers hooks on CUDA only),
-  and replaces the wrapper between optimizer steps (:meth:`DDPModel.rebuild`: no weight broadcast,
-  ``init_sync=False``; the old reducer detached from autograd, the hooks registered on the wrapper
-  itself carried over, the old buckets freed at once). ``bucket_cap_mb="auto"`` re-wraps with each
-  size it measures, ``CommProfiler``'s windows to take their timing hook out and back.
+  always an argument, never read back from strategy state), holds the hook chain of
+  :mod:`lightning_mgpu.comm.hook_chain` (the strategy registers it on every backend; Lightning
+  registers hooks on CUDA only), and replaces the wrapper between optimizer steps
+  (:meth:`DDPModel.rebuild`: no weight broadcast, ``init_sync=False``; the old reducer detached
+  from autograd, the hooks registered on the wrapper itself carried over, the old buckets freed at
+  once). ``bucket_cap_mb="auto"`` re-wraps with each size it measures, ``CommProfiler``'s windows to
+  take their timing hook out and back.
 * **A static graph's first backward synchronises.** With ``static_graph=True`` DDP learns the graph
   during a wrapper's first backward and refuses (an internal assert in its reducer) a first backward
   under ``no_sync``: stock Lightning crashes on the first step of any fit with
@@ -31,7 +32,6 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu._compat.torch import carry_module_hooks, ddp_rebuilt_buckets, detach_reducer
-from lightning_mgpu.comm import powersgd_memory
 from lightning_mgpu.comm.hook_chain import HookChain
 
 
@@ -72,33 +72,6 @@ class DDPModel:
         with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]  # see torch's notes on CUDA streams and DDP
             return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
 
-    def register_hooks(
-        self,
-        model: DistributedDataParallel,
-        *,
-        hook: Optional[Callable[..., Any]],
-        state: Any,
-        user_wrapper: Optional[Callable[..., Any]],
-        world_size: int,
-        backend: str,
-        python_hook_anyway: bool,
-        on_new_powersgd_keeper: Callable[[powersgd_memory.PowerSGDLayoutKeeper], None],
-    ) -> None:
-        """Register the hook chain on ``model`` (nothing when DDP's built-in all-reduce is the whole chain)."""
-        built = self.hooks.build(
-            hook=hook,
-            state=state,
-            user_wrapper=user_wrapper,
-            world_size=world_size,
-            backend=backend,
-            named_parameters=lambda: reducer_named_params(model),
-            on_new_powersgd_keeper=on_new_powersgd_keeper,
-            python_hook_anyway=python_hook_anyway,
-        )
-        if built is not None:
-            chained, chained_state = built
-            model.register_comm_hook(state=chained_state, hook=chained)
-
     @staticmethod
     def rebuild(old: DistributedDataParallel, build: Callable[[], DistributedDataParallel]) -> DistributedDataParallel:
         """A new DDP wrapper from ``build()`` in place of ``old``; ``old`` is left unusable."""
@@ -118,8 +91,8 @@ class DDPModel:
 
     def prescale(self, loss: torch.Tensor) -> None:
         """Before a backward: the 1/n on the loss when the reduction is the prescaled all-reduce."""
-        if not self._early_sync_window:
-            self.hooks.prescale(loss)
+        if not self._early_sync_window and self.hooks.prescaler is not None:
+            self.hooks.prescaler.prescale(loss)
 
     def after_backward(self, model: Any) -> None:
         """After a backward: remember a wrapper whose gradients a backward synchronised."""

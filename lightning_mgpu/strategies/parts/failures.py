@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import signal
 import subprocess
 import sys
 import time
@@ -42,7 +41,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from lightning_mgpu.comm.distributed import PEER_LOST
+from lightning_mgpu.comm.distributed import lost_peer
+from lightning_mgpu.watch.report import signal_name
 
 CHILD_GRACE_S = 5.0
 """Seconds the launching process waits for its children after a failed fit before killing them."""
@@ -67,10 +67,7 @@ def describe_exit(returncode: Optional[int]) -> str:
     if returncode is None:
         return "still running"
     if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
+        return f"killed by {signal_name(-returncode)}"
     return f"exited with code {returncode}"
 
 
@@ -86,7 +83,7 @@ def explain_collective_failure(
     text = str(exception)
     if _NOTE_MARK in text:
         return None
-    lost = any(marker in text for marker in PEER_LOST)
+    lost = lost_peer(exception)
     timed_out = not lost and any(marker in text for marker in _TIMED_OUT)
     if not (lost or timed_out):
         return None

@@ -57,20 +57,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mgpu._compat.lightning import route_preemption_signals
 from lightning_mgpu.strategies.parts import failures as _failures
+from lightning_mgpu.watch.report import signal_name
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["Preempted", "Preemption", "signal_name"]
 
-_NOTE = "[lightning_mgpu]"
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+_NOTE = _failures._NOTE_MARK
 
 
 class Preempted(SystemExit):

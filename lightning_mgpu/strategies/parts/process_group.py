@@ -51,8 +51,7 @@ from typing import Any, Iterator, Optional
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_mgpu.comm import distributed
-from lightning_mgpu.comm.distributed import is_loopback_host, pin_backend_to_loopback
+from lightning_mgpu.comm.distributed import is_loopback_host, loopback_store, pin_backend_to_loopback
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -110,7 +109,6 @@ def loopback_only_store(
     if not is_loopback_host(host):
         return None
     port = int(environment.main_port)
-    timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
     if "gloo" in backend:
         variable = pin_backend_to_loopback("gloo")
         if variable is not None:
@@ -118,28 +116,23 @@ def loopback_only_store(
     if global_rank != 0:
         return None
     try:
-        listener = distributed.bind_listener(distributed.loopback_bind_address(host), port, backlog=world_size)
+        # multi_tenant: torch's env:// rendezvous asks for a shared server on this port and gets this one;
+        # no wait for the workers here: torch's own store counts them.
+        return loopback_store(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     except OSError as error:
         raise RuntimeError(
             f"rank 0 cannot listen on {host}:{port} for the rendezvous ({error}): another job may use "
             f"MASTER_PORT={port}; pick a free port or unset MASTER_PORT"
         ) from None
-    fd = listener.detach()  # the store owns the socket from here on
-    try:
-        # multi_tenant: torch's env:// rendezvous asks for a shared server on this port and gets this one;
-        # no wait for the workers here: torch's own store counts them.
-        return torch.distributed.TCPStore(
-            host,
-            port,
-            world_size,
-            True,
-            timeout=timeout,
-            wait_for_workers=False,
-            multi_tenant=True,
-            master_listen_fd=fd,
-        )
     except TypeError:  # a torch without master_listen_fd: its own rendezvous
-        os.close(fd)
         return None
 
 

@@ -29,7 +29,6 @@ from the same Lightning hooks, so each mechanism works the same way under ``ddp_
 from __future__ import annotations
 
 import sys
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning.fabric.plugins import CheckpointIO
@@ -128,12 +127,6 @@ class Reliability:
         self.preemption.detach()
 
     # ------------------------------------------------------------------ failures
-
-    @staticmethod
-    def backward_errors_explained(**facts: Any) -> AbstractContextManager[None]:
-        """Around the backward: DDP's "Expected to mark a variable ready only once" (reentrant activation
-        checkpointing) re-raised as a :class:`~.failures.ReentrantCheckpointError` naming the fixes."""
-        return failures.reentrant_backward_explained(**facts)
 
     def on_exception(self, exception: BaseException, *, launcher: Any, rank: int, timeout: Any, **facts: Any) -> None:
         """Name the lost ranks in the error (and, with the watch, where each was), explain DDP's reentrant-checkpoint

@@ -14,6 +14,7 @@ from lightning_mgpu._compat.lightning import time_train_fetches
 from lightning_mgpu.callbacks.doctor.findings import Finding
 from lightning_mgpu.callbacks.doctor.probes import train_loader
 from lightning_mgpu.callbacks.doctor.rule import Check, CheckKind, Rule, Watch
+from lightning_mgpu.watch.hooks import local_ranks
 
 RULE = Rule(
     "dataloader-starving",
@@ -55,7 +56,7 @@ def describe_loader(loader: Optional[DataLoader[Any]], trainer: L.Trainer) -> Lo
     return {
         "num_workers": int(getattr(loader, "num_workers", 0) or 0),
         "cpus": cpus,
-        "local_world_size": max(1, trainer.world_size // max(1, trainer.num_nodes)),  # processes on this node
+        "local_world_size": len(local_ranks(trainer)),  # processes on this node
         "cuda": trainer.strategy.root_device.type == "cuda",
     }
 
