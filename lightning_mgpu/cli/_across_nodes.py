@@ -41,26 +41,17 @@ def world_allreduce(world: LaunchedWorld, backend: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from lightning_mgpu.cli.workers.allreduce import check_and_time
+
     group = None if backend == "gloo" else dist.new_group(backend=backend)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", world.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    x = torch.full((NBYTES // 4,), float(world.rank + 1), device=device)
-    dist.all_reduce(x, group=group)
-    wrong = int((x != world.world_size * (world.world_size + 1) / 2).sum().item())
-    times = []
-    for _ in range(5):
-        if backend == "nccl":
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        dist.all_reduce(x, group=group)
-        if backend == "nccl":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - began)
+    wrong, allreduce_ms = check_and_time(world.rank, world.world_size, NBYTES, device, group)
     if group is not None:
         dist.destroy_process_group(group)
-    return {"rank": world.rank, "wrong": wrong, "allreduce_ms": 1e3 * sorted(times)[len(times) // 2]}
+    return {"rank": world.rank, "wrong": wrong, "allreduce_ms": allreduce_ms}
 
 
 def _world_check(backend: str, world: LaunchedWorld, results: list[dict[str, Any]], join_s: float) -> Check:

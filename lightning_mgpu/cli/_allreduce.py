@@ -75,25 +75,17 @@ def run_allreduce_smoke(backend: str, world: int, timeout: float, nbytes: int = 
             if line
             else {"rank": rank, "returncode": proc.returncode, "stderr_tail": (err or "").strip().splitlines()[-3:]}
         )
-    if timed_out:
-        return {
-            "ok": False,
-            "reason": f"no result within {timeout:g} s (a rank hung or started too slowly)",
-            "wall_s": wall,
-            "ranks": ranks,
-        }
     failed = [r for r in ranks if "wrong" not in r]
-    if failed:
+    if timed_out:
+        reason = f"no result within {timeout:g} s (a rank hung or started too slowly)"
+    elif failed:
         tail = "; ".join(" / ".join(r.get("stderr_tail", [])) for r in failed)[-300:]
-        return {
-            "ok": False,
-            "reason": f"rank(s) {[r['rank'] for r in failed]} failed: {tail}",
-            "wall_s": wall,
-            "ranks": ranks,
-        }
-    if any(r["wrong"] for r in ranks):
-        return {"ok": False, "reason": "all_reduce returned wrong values", "wall_s": wall, "ranks": ranks}
-    return {"ok": True, "reason": "", "wall_s": wall, "ranks": ranks}
+        reason = f"rank(s) {[r['rank'] for r in failed]} failed: {tail}"
+    elif any(r["wrong"] for r in ranks):
+        reason = "all_reduce returned wrong values"
+    else:
+        reason = ""
+    return {"ok": not reason, "reason": reason, "wall_s": wall, "ranks": ranks}
 
 
 def check_smoke(backend: str, world: int, timeout: float) -> Check:

@@ -36,10 +36,9 @@ Runner = Callable[[list[str], float, dict[str, str]], tuple[int, str]]
 
 
 def _facts(facts: dict[str, Any]) -> str:
-    shown = []
-    for key, value in facts.items():
-        shown.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
-    return ", ".join(shown)
+    return ", ".join(
+        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in facts.items()
+    )
 
 
 def _last_error(output: str) -> str:

@@ -74,31 +74,24 @@ def run(args: argparse.Namespace) -> int:
         print_rules()
         return 0
     started = time.perf_counter()
-    if not args.selftest:
-        world = _launched_world()
-        if world is not None:
-            from lightning_mgpu.cli import _across_nodes
+    world = None if args.selftest else _launched_world()
+    if world is not None:
+        from lightning_mgpu.cli import _across_nodes
 
-            result, prints = _across_nodes.run(
-                os.environ, world, timeout=args.timeout, allreduce=not args.skip_allreduce
-            )
-            if prints and args.json:
-                print(json.dumps(result, indent=2))
-            elif prints:
-                print_report(result)
-            return 1 if result["status"] == "fail" else 0
-    if args.selftest:
-        from lightning_mgpu.cli._selftest import PATH_TIMEOUT_S, run_selftest
-
-        timeout = args.timeout if args.timeout != SMOKE_TIMEOUT_S else PATH_TIMEOUT_S
-        checks = run_selftest(device=args.selftest_device, timeout=timeout, jobs=args.selftest_jobs)
+        result, prints = _across_nodes.run(os.environ, world, timeout=args.timeout, allreduce=not args.skip_allreduce)
     else:
-        smoke = None if args.skip_allreduce else lambda backend, world: check_smoke(backend, world, args.timeout)
-        checks = envcheck.collect(os.environ, smoke=smoke)
-    result = envcheck.report(checks, time.perf_counter() - started)
-    if args.json:
+        if args.selftest:
+            from lightning_mgpu.cli._selftest import PATH_TIMEOUT_S, run_selftest
+
+            timeout = args.timeout if args.timeout != SMOKE_TIMEOUT_S else PATH_TIMEOUT_S
+            checks = run_selftest(device=args.selftest_device, timeout=timeout, jobs=args.selftest_jobs)
+        else:
+            smoke = None if args.skip_allreduce else lambda backend, world: check_smoke(backend, world, args.timeout)
+            checks = envcheck.collect(os.environ, smoke=smoke)
+        result, prints = envcheck.report(checks, time.perf_counter() - started), True
+    if prints and args.json:
         print(json.dumps(result, indent=2))
-    else:
+    elif prints:
         print_report(result)
     return 1 if result["status"] == "fail" else 0
 

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_mgpu._tables import print_table, table, wide_console
 from lightning_mgpu.cli._args import bounded_int, existing_parent
@@ -46,24 +46,23 @@ examples:
 """
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+def _number(expected: str, accepted: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse ``type`` for a number that ``accepted`` allows; ``expected`` says which in the error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accepted(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
-    return value
+_positive_float = _number("a number > 0", lambda value: value > 0 and math.isfinite(value))
+_fraction = _number("a number from 0 to 1", lambda value: 0.0 <= value <= 1.0)
 
 
 def _world_sizes(text: str) -> list[int]:

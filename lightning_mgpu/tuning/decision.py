@@ -34,7 +34,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from lightning_mgpu.tuning.buckets import MIB
@@ -189,7 +189,7 @@ def decide(results: Sequence[CandidateResult], *, min_gain: float, confidence: f
     # Bonferroni over the comparisons; a two-sided interval whose upper end is the one-sided bound.
     two_sided = 1 - 2 * (1 - confidence) / max(1, len(others))
     intervals = {i: _against_default(results[i], default, two_sided) for i in others}
-    annotated = tuple(_replace_interval(r, intervals[i]) if i in intervals else r for i, r in enumerate(results))
+    annotated = tuple(replace(r, vs_default=intervals[i]) if i in intervals else r for i, r in enumerate(results))
     threshold = 1.0 - min_gain
     faster = [
         i
@@ -203,19 +203,6 @@ def decide(results: Sequence[CandidateResult], *, min_gain: float, confidence: f
     if not maybe:
         return Verdict(default_index, NOT_FASTER, (), annotated)
     return Verdict(default_index, NOISY, (default_index, *maybe), annotated)
-
-
-def _replace_interval(result: CandidateResult, interval: RatioInterval) -> CandidateResult:
-    return CandidateResult(
-        candidate=result.candidate,
-        step_ms=result.step_ms,
-        steps=result.steps,
-        round_ms=result.round_ms,
-        built_bytes=result.built_bytes,
-        samples_ms=result.samples_ms,
-        vs_default=interval,
-        round_ids=result.round_ids,
-    )
 
 
 def choose(results: Sequence[CandidateResult], min_gain: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
@@ -297,28 +284,29 @@ COLUMNS = (
 """The columns of a tuning table, in the log (:func:`format_table`) and in ``lightning-mgpu tune``'s."""
 
 
+def _cells(result: CandidateResult, default: Optional[CandidateResult], layout: Sequence[int]) -> list[str]:
+    """One candidate's cells under :data:`COLUMNS`, ``layout`` (bucket bytes) as its buckets."""
+    candidate = result.candidate
+    others = [s for s in candidate.equivalent_mb if s != candidate.cap_mb]
+    return [
+        _size(candidate.cap_mb) + (" (DDP default)" if candidate.is_default else ""),
+        ", ".join(_size(s) for s in others) or "-",
+        _mib(layout),
+        f"{result.step_ms:.2f}",
+        f"+-{result.spread:.0%}" if result.samples_ms else "-",
+        " / ".join(f"{ms:.1f}" for ms in result.round_ms),
+        versus_default(result, default),
+    ]
+
+
 def format_table(results: Sequence[CandidateResult], chosen: int) -> str:
     """The candidates as a plain-text table (for ``rank_zero_info``; logs have no colours)."""
     default = next((r for r in results if r.candidate.is_default), None)
     header = ("", *COLUMNS)
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for index, result in enumerate(results):
-        candidate = result.candidate
-        others = [s for s in candidate.equivalent_mb if s != candidate.cap_mb]
-        label = _size(candidate.cap_mb) + (" (DDP default)" if candidate.is_default else "")
-        layout = result.built_bytes if result.built_bytes is not None else candidate.bucket_bytes
-        rows.append(
-            (
-                "*" if index == chosen else "",
-                label,
-                ", ".join(_size(s) for s in others) or "-",
-                _mib(layout),
-                f"{result.step_ms:.2f}",
-                f"+-{result.spread:.0%}" if result.samples_ms else "-",
-                " / ".join(f"{ms:.1f}" for ms in result.round_ms),
-                versus_default(result, default),
-            )
-        )
+        layout = result.built_bytes if result.built_bytes is not None else result.candidate.bucket_bytes
+        rows.append(("*" if index == chosen else "", *_cells(result, default, layout)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     right = {4, 5, 6, 7}
     lines = []

@@ -6,47 +6,32 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_mgpu import _tables
-from lightning_mgpu.tuning.buckets import MIB
 from lightning_mgpu.tuning import decision
+from lightning_mgpu.tuning.decision import _cells
 
 
 def rows(record: dict[str, Any]) -> list[list[str]]:
     """Table rows: size, same-layout sizes, buckets, median, spread, rounds, vs default [interval], chosen mark."""
-    from lightning_mgpu.tuning.decision import CandidateResult, versus_default
-
-    results = [CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
+    results = [decision.CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
     default = next((r for r in results if r.candidate.is_default), None)
-    out = []
-    for result in results:
-        candidate = result.candidate
-        others = [f"{s:g}" for s in candidate.equivalent_mb if s != candidate.cap_mb]
-        layout = result.built_bytes or candidate.bucket_bytes
-        out.append(
-            [
-                f"{candidate.cap_mb:g}" + (" (DDP default)" if candidate.is_default else ""),
-                ", ".join(others) or "-",
-                ", ".join(f"{b / MIB:.2f}" for b in layout),
-                f"{result.step_ms:.2f}",
-                f"+-{result.spread:.0%}" if result.samples_ms else "-",
-                " / ".join(f"{ms:.1f}" for ms in result.round_ms),
-                versus_default(result, default),
-                "*" if candidate.cap_mb == record.get("chosen_mb") else "",
-            ]
-        )
-    return out
+    return [
+        [
+            *_cells(result, default, result.built_bytes or result.candidate.bucket_bytes),
+            "*" if result.candidate.cap_mb == record.get("chosen_mb") else "",
+        ]
+        for result in results
+    ]
 
 
 def verdict(record: dict[str, Any]) -> str:
     """How the choice was made: faster with confidence, not faster, or too noisy to decide (and why)."""
-    from lightning_mgpu.tuning.decision import NOISY, CandidateResult, noise_note
-
     outcome = record.get("outcome")
     extra = record.get("extra_rounds") or 0
     more = f" after {extra} extra round(s) of the closest layouts" if extra else ""
     confidence = f"{record.get('confidence', 0.95):.0%} confidence"
-    if outcome == NOISY:
-        results = [CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
-        return noise_note(results, NOISY, float(record.get("min_gain") or 0.02)) + more
+    if outcome == decision.NOISY:
+        results = [decision.CandidateResult.from_dict(c) for c in record.get("candidates", []) if "step_ms" in c]
+        return decision.noise_note(results, decision.NOISY, float(record.get("min_gain") or 0.02)) + more
     if outcome == "faster":
         return f"faster than DDP's default with {confidence}{more}"
     if outcome == "not faster":

@@ -235,17 +235,12 @@ class BucketTuner:
                 f"when the fit is {self.settings.min_run_multiple:g}x longer"
             )
             return
-        for index, param in enumerate(self._params):
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._ready_hook(index)))  # type: ignore[no-untyped-call]
-        self.status = OBSERVING
-
-    def _ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         ready = self._ready
-
-        def record(_: torch.Tensor) -> None:
-            ready.append(index)
-
-        return record
+        self._hooks.extend(
+            param.register_post_accumulate_grad_hook(lambda _, index=index: ready.append(index))  # type: ignore[no-untyped-call]
+            for index, param in enumerate(self._params)
+        )
+        self.status = OBSERVING
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -365,10 +360,7 @@ class BucketTuner:
 
     @property
     def chosen_index(self) -> Optional[int]:
-        for index, result in enumerate(self.results):
-            if result.candidate.cap_mb == self.chosen_mb:
-                return index
-        return None
+        return next((i for i, result in enumerate(self.results) if result.candidate.cap_mb == self.chosen_mb), None)
 
     def table(self) -> str:
         index = self.chosen_index

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -83,6 +84,7 @@ def _package_dir(name: str) -> Optional[str]:
     return str(Path(path).parent) + os.sep if path else None
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
     dirs = {_package_dir(name) for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning")}
     dirs |= {_package_dir(name) for name in ("torchmetrics", "lightning_mgpu", "lightning_utilities")}
@@ -92,21 +94,13 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(sorted(d for d in dirs if d))
 
 
-_LIBRARIES: Optional[tuple[str, ...]] = None
 _TORCH: Optional[str] = None
 _C10D = os.sep + os.path.join("torch", "distributed") + os.sep
 _WATCH = str(Path(__file__).parent) + os.sep
 
 
-def _libraries() -> tuple[str, ...]:
-    global _LIBRARIES
-    if _LIBRARIES is None:
-        _LIBRARIES = _library_dirs()
-    return _LIBRARIES
-
-
 def is_library(file: str) -> bool:
-    return file.startswith("<") or file.startswith(_libraries())
+    return file.startswith("<") or file.startswith(_library_dirs())
 
 
 def main_stack(ident: Optional[int] = None) -> list[Frame]:

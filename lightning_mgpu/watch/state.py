@@ -8,7 +8,7 @@ diagnosis and the report work on these, without torch or threads (pure functions
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from lightning_mgpu.watch.heartbeat import PHASES, family
@@ -97,36 +97,7 @@ class RankState:
     # ------------------------------------------------------------------ as data
 
     def as_dict(self, *, with_stack: bool = False) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            key: getattr(self, key)
-            for key in (
-                "rank",
-                "host",
-                "pid",
-                "watching",
-                "stage",
-                "phase",
-                "epoch",
-                "step",
-                "batch",
-                "batches",
-                "batches_done",
-                "backwards",
-                "collectives",
-                "collective",
-                "last_collective",
-                "c10d",
-                "idle_s",
-                "in_hook",
-                "failure",
-                "signal",
-                "beat",
-                "log_dir",
-                "silent_s",
-                "gone",
-                "missing",
-            )
-        }
+        data: dict[str, Any] = {key: getattr(self, key) for key in _PLAIN}
         data["site"] = None if self.site is None else self.site.as_dict()
         data["caller"] = None if self.caller is None else self.caller.as_dict()
         if with_stack:
@@ -135,11 +106,12 @@ class RankState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RankState":
-        simple = {
-            key: data[key] for key in cls.__dataclass_fields__ if key in data and key not in ("site", "caller", "stack")
-        }
-        state = cls(**simple)
+        state = cls(**{key: data[key] for key in _PLAIN if key in data})
         state.site = Frame.from_dict(data.get("site"))
         state.caller = Frame.from_dict(data.get("caller"))
         state.stack = [f for f in (Frame.from_dict(d) for d in data.get("stack") or []) if f is not None]
         return state
+
+
+_PLAIN = tuple(f.name for f in fields(RankState) if f.name not in ("site", "caller", "stack"))
+"""The fields that go to JSON as they are (in their order; the frames go after them, as dicts)."""

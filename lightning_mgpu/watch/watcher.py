@@ -324,9 +324,7 @@ class HangWatch:
                 first = not self._left_printed
             if first:
                 self._left_printed = True
-                self._say(report["text"])
-                write(report, run.log_dir)
-                self._hand_over(run, report)
+                self._deliver(run, report)
         text: str = report["text"]
         return text
 
@@ -335,9 +333,9 @@ class HangWatch:
         tick). Under Lightning's launcher rank 0 is its ranks' parent, and Lightning kills it within 5 s of seeing a
         child die: this sees the death within a tick, so the report comes first."""
         for rank in run.neighbours:
-            if rank == run.rank or self._neighbour_pids.get(rank) == 0:
-                continue
             pid = self._neighbour_pids.get(rank)
+            if rank == run.rank or pid == 0:
+                continue
             if pid is None:
                 state = self._beat_of(channel, rank)
                 if state is not None:  # 0: on another machine (or pid namespace), not ours to look for
@@ -493,27 +491,16 @@ class HangWatch:
             host=self._here,
             pid=os.getpid(),
             watching=self._watching,
-            stage=snapshot["stage"],
-            phase=snapshot["phase"],
-            epoch=snapshot["epoch"],
-            step=snapshot["step"],
-            batch=snapshot["batch"],
-            batches=snapshot["batches"],
-            batches_done=snapshot["batches_done"],
-            backwards=snapshot["backwards"],
-            collectives=snapshot["collectives"],
-            collective=snapshot["collective"],
-            last_collective=snapshot["last_collective"],
             c10d=c10d,
             idle_s=round(idle, 1),
             site=site,
             in_hook=in_hook,
             caller=caller_frame(frames),
-            failure=snapshot["failure"],
             signal=self._signal,
             beat=self._beat,
             log_dir=run.log_dir,
             stack=frames,
+            **snapshot,  # stage, phase, epoch, ..., the collective it is in, failure
         )
 
     def _states_from(
@@ -578,20 +565,14 @@ class HangWatch:
                 said = True
                 channel.mark_done()
                 # This process may serve the store: the others read "done" through it, say their lines, then leave.
-                deadline = self._clock() + LEAVE_WAIT_S
-                while channel.left() < others and self._clock() < deadline:
-                    self._sleep(0.05)
+                self._wait_for(lambda: channel.left() >= others, LEAVE_WAIT_S, 0.05)
             else:
-                deadline = self._clock() + DONE_WAIT_S
-                while not channel.done() and self._clock() < deadline:
-                    self._sleep(0.1)
+                self._wait_for(channel.done, DONE_WAIT_S, 0.1)
                 self._say(self._last_words(run, reporter, signum, code))
                 said = True
                 channel.leave()
                 leavers = len(_live_ranks(run, declaration)) - 1  # every rank but the reporter leaves
-                deadline = self._clock() + LEAVE_WAIT_S
-                while channel.left() < leavers and self._clock() < deadline:
-                    self._sleep(0.05)
+                self._wait_for(lambda: channel.left() >= leavers, LEAVE_WAIT_S, 0.05)
         except _STORE_ERRORS as error:
             self._say(f"{MARK} rank {run.rank}: the store failed while the hang was reported ({error})")
         if not said:
@@ -600,10 +581,14 @@ class HangWatch:
             # The rank that started this process (Lightning's launcher: local rank 0) goes first: its child-process
             # observer SIGKILLs it, and every other rank, within 5 s of a child's non-zero exit, whose status would
             # then be -9, not this one.
-            deadline = self._clock() + LEAVE_WAIT_S
-            while os.getppid() == parent and self._clock() < deadline:
-                self._sleep(0.05)
+            self._wait_for(lambda: os.getppid() != parent, LEAVE_WAIT_S, 0.05)
         self._end(code)
+
+    def _wait_for(self, ready: Callable[[], bool], seconds: float, step: float) -> None:
+        """Sleep ``step`` at a time until ``ready()`` or ``seconds`` have passed."""
+        deadline = self._clock() + seconds
+        while not ready() and self._clock() < deadline:
+            self._sleep(step)
 
     def _parent_rank(self, run: Run, channel: Channel, state: RankState) -> Optional[int]:
         """The pid of the rank of this job that started this process (Lightning's launcher starts the other local
@@ -645,9 +630,7 @@ class HangWatch:
             states[rank].silent_s = max(states[rank].silent_s, self._silent_limit(run))
         signum = declaration.get("signal")
         report = self._build_report(run, states, verdict, exit_code=code, signum=int(signum) if signum else None)
-        self._say(report["text"])
-        write(report, run.log_dir)
-        self._hand_over(run, report)
+        self._deliver(run, report)
         return len([rank for rank in expected if rank != run.rank])
 
     @staticmethod
@@ -678,8 +661,11 @@ class HangWatch:
         )
         self._end(HANG_EXIT_CODE)
 
-    def _hand_over(self, run: Run, report: dict[str, Any]) -> None:
-        """``on_report(report)`` (the loggers), in a thread of its own: a logger that blocks cannot keep the job alive."""
+    def _deliver(self, run: Run, report: dict[str, Any]) -> None:
+        """``report`` out: its text said, its JSON written to the log directory, then ``on_report(report)`` (the
+        loggers), in a thread of its own: a logger that blocks cannot keep the job alive."""
+        self._say(report["text"])
+        write(report, run.log_dir)
         hook = run.on_report
         if hook is None:
             return

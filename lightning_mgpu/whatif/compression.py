@@ -26,7 +26,8 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_mgpu._sizes import MiB as MIB
@@ -97,19 +98,10 @@ class CompressionCosts:
         return max(0.0, self.gloo_ms_per_mib[name] - self.gloo_ms_per_mib["float32"])
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "cast_ms_per_mib": self.cast_ms_per_mib,
-            "uncast_ms_per_mib": self.uncast_ms_per_mib,
-            "feedback_pre_ms_per_mib": self.feedback_pre_ms_per_mib,
-            "feedback_post_ms_per_mib": self.feedback_post_ms_per_mib,
-            "matrices": {key: list(value) for key, value in self.matrices.items()},
-            "gflops": self.gflops,
-            "gloo_ms_per_mib": dict(self.gloo_ms_per_mib),
-            "allreduce_overhead_ms": self.allreduce_overhead_ms,
-            "device_type": self.device_type,
-            "threads": self.threads,
-            "source": self.source,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["matrices"] = {key: list(value) for key, value in self.matrices.items()}
+        out["gloo_ms_per_mib"] = dict(self.gloo_ms_per_mib)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> CompressionCosts:
@@ -172,11 +164,7 @@ def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
     """The matrix PowerSGD compresses a gradient of this shape as: ``shape[0] x prod(shape[1:])``."""
     if not shape:
         return (1, 1)
-    n = int(shape[0])
-    m = 1
-    for d in shape[1:]:
-        m *= int(d)
-    return (n, m)
+    return (int(shape[0]), math.prod(int(d) for d in shape[1:]))
 
 
 def powersgd_split(gradient: Gradient, rank: int) -> Optional[tuple[int, int, int]]:

@@ -160,9 +160,9 @@ def _scaled_link(system: System, factor: float) -> Optional[System]:
     if link.busbw_gbps == float("inf"):
         return None
     faster = _faster(link, factor)
-    if system.nodes > 1:
-        return replace(system, inter=faster)
-    return replace(system, intra=faster) if system.intra is not None else replace(system, inter=faster)
+    if system.nodes == 1 and system.intra is not None:
+        return replace(system, intra=faster)
+    return replace(system, inter=faster)
 
 
 def _faster(link: Link, factor: float) -> Link:

@@ -115,13 +115,8 @@ def _gloo_ms(store: Any, name: str, *, mib: float, repeats: int) -> float:
             prefixed = dist.PrefixStore(f"whatif-{name}", store)
             group: Any = dist.ProcessGroupGloo(prefixed, index, 2, timedelta(seconds=60))
             buffer = torch.ones(elements, dtype=dtype)
-            group.allreduce([buffer]).wait()  # connections, warm-up
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                group.allreduce([buffer]).wait()
-                samples.append((time.perf_counter() - start) * 1e3)
-            times[index] = float(statistics.median(samples))
+            # the warm-up also opens the connections
+            times[index] = _time_ms(lambda: group.allreduce([buffer]).wait(), repeats=repeats, sync=lambda: None)
         except BaseException as error:  # reported below, in the caller's thread
             errors.append(error)
 

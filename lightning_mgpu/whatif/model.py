@@ -40,7 +40,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from lightning_mgpu.tuning.buckets import assign_buckets, bucket_limits, first_cap
@@ -163,8 +163,6 @@ class System:
         own work as :meth:`host_ms` knows it, and (``measured_cpu``), on a link measured end to end with its CPU time
         (bench-comm), the measured share of the all-reduce's time (the host's part of such a link is in its time,
         not in :meth:`host_ms`)."""
-        if self.world_size == 1:
-            return 0.0
         measured = self.measured_cpu_ms(nbytes, took_ms, dtype=dtype) if measured_cpu else 0.0
         return self.host_ms(nbytes, host_extra_ms=host_extra_ms) + measured
 
@@ -323,16 +321,7 @@ class Prediction:
             "accumulate_grad_batches": self.micro_batches,
             "accumulation_ms": self.accumulation_ms,
             "wire_bytes_per_step": self.wire_bytes,
-            "buckets": [
-                {
-                    "bytes": b.bytes,
-                    "wire_bytes": b.wire_bytes,
-                    "ready_ms": b.ready_ms,
-                    "start_ms": b.start_ms,
-                    "done_ms": b.done_ms,
-                }
-                for b in self.buckets
-            ],
+            "buckets": [asdict(b) for b in self.buckets],
         }
 
 
@@ -349,9 +338,8 @@ def gradient_timeline(run: ProfiledRun) -> list[tuple[Gradient, float]]:
     """
     buckets = sorted(run.buckets, key=lambda b: b.index)
     by_bucket: dict[int, list[Gradient]] = {}
-    if run.parameters:
-        for gradient in run.parameters:
-            by_bucket.setdefault(gradient.bucket, []).append(gradient)
+    for gradient in run.parameters:
+        by_bucket.setdefault(gradient.bucket, []).append(gradient)
     out: list[tuple[Gradient, float]] = []
     previous = 0.0
     for position, bucket in enumerate(buckets):
@@ -377,15 +365,11 @@ def layout(run: ProfiledRun, scenario: Scenario) -> list[tuple[int, float, list[
     """The buckets of the scenario: (bytes, ready ms, gradients) in launch order."""
     timeline = gradient_timeline(run)
     if scenario.bucket_cap_mb is None:
-        groups: dict[int, list[tuple[Gradient, float]]] = {}
-        for gradient, ready in timeline:
-            groups.setdefault(gradient.bucket, []).append((gradient, ready))
+        groups: dict[int, list[Gradient]] = {}
+        for gradient, _ in timeline:
+            groups.setdefault(gradient.bucket, []).append(gradient)
         buckets = sorted(run.buckets, key=lambda b: b.index)
-        out = []
-        for position, bucket in enumerate(buckets):
-            members = groups.get(position, [])
-            out.append((bucket.bytes, bucket.launch_ms, [g for g, _ in members]))
-        return out
+        return [(bucket.bytes, bucket.launch_ms, groups.get(position, [])) for position, bucket in enumerate(buckets)]
     cap = scenario.bucket_cap_mb
     first = first_cap(cap, given_cap=cap, given_first=scenario.first_bucket_cap_mb)
     positions = assign_buckets([g.bytes for g, _ in timeline], bucket_limits(first, cap))
@@ -431,11 +415,11 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
             "the link was not measured beside compute (bench-comm --beside-compute): what the all-reduces that "
             "overlap backward cost it is estimated from their CPU time, which on a busy host undercounts it"
         )
-    sixteen = WIRE_DTYPES.get(scenario.compression or "")
-    if sixteen is not None and run.device_type == "cpu" and measured_links and not system.measures(sixteen):
+    wire_dtype = WIRE_DTYPES.get(scenario.compression or "")
+    if wire_dtype is not None and run.device_type == "cpu" and measured_links and not system.measures(wire_dtype):
         assumptions.append(
-            f"the link was measured in float32 only: {scenario.compression}'s {sixteen} all-reduces are predicted "
-            f"from it and gloo's 16-bit sum timed on this host's loopback (bench-comm --dtype float32,{sixteen} "
+            f"the link was measured in float32 only: {scenario.compression}'s {wire_dtype} all-reduces are predicted "
+            f"from it and gloo's 16-bit sum timed on this host's loopback (bench-comm --dtype float32,{wire_dtype} "
             "measures them over the link)"
         )
     if system.world_size == 1:
@@ -479,7 +463,6 @@ def predict(run: ProfiledRun, scenario: Scenario) -> Prediction:
     included_total = _host_work_before(profiled, undelayed_end)
     contention = 0.0  # the host's all-reduce work while backward computes, in this scenario
     fresh = run.world_size == 1  # the profile's backward carried no all-reduce: the measured CPU share is all new
-    wire_dtype = WIRE_DTYPES.get(scenario.compression or "")
     summed_on_link = wire_dtype is not None and system.measures(wire_dtype)  # the link's time holds the 16-bit sums
     beside_measured = system.measures_beside(wire_dtype)
     previous_hook = 0.0

@@ -215,6 +215,13 @@ def _optional_number(mapping: Mapping[str, Any], key: str, where: str) -> Option
     return None if mapping.get(key) is None else _number(mapping, key, where)
 
 
+def _median(summary: Mapping[str, Any], key: str, where: str) -> float:
+    value = summary.get(key)
+    if not isinstance(value, Mapping):
+        raise ProfileError(f"{where}: summary.{key} must be {{'median': ..., 'p90': ...}}, got {value!r:.80}")
+    return _number(value, "median", f"{where}: summary.{key}")
+
+
 def _gradients_from_buckets(raw_buckets: Sequence[Mapping[str, Any]], where: str) -> tuple[Gradient, ...]:
     """The per-bucket ``"params"`` entries, flattened in launch order (empty if any bucket lacks them)."""
     gradients: list[Gradient] = []
@@ -262,9 +269,9 @@ def assign_to_buckets(
             f"{where}: expected a list of {{'shape': [...], 'dtype': 'float32'}} objects in DDP's order, got "
             f"{parameters!r:.80}"
         )
-    if parameters and all("bucket" in p for p in parameters):
-        return tuple(_gradient(p, bucket=0, where=f"{where}[{i}]") for i, p in enumerate(parameters))
     gradients = [_gradient(p, bucket=0, where=f"{where}[{i}]") for i, p in enumerate(parameters)]
+    if parameters and all("bucket" in p for p in parameters):
+        return tuple(gradients)
     out: list[Gradient] = []
     position, filled = 0, 0
     for gradient in gradients:
@@ -314,13 +321,8 @@ def load_profile(
         raise ProfileError(f"{where}: no 'summary' object, so not a comm_profile.json; expected {PROFILE_EXPECTED}")
     summary = document["summary"]
     notes: list[str] = []
-    world_size = document.get("world_size")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ProfileError(f"{where}: 'world_size' must be an integer >= 1, got {world_size!r:.80}")
-    step = summary.get("step_ms")
-    step_ms = _number(step, "median", f"{where}: summary.step_ms") if isinstance(step, Mapping) else None
-    if step_ms is None:
-        raise ProfileError(f"{where}: summary.step_ms must be {{'median': ..., 'p90': ...}}, got {step!r:.80}")
+    world_size = _integer(document.get("world_size"), f"{where}: 'world_size'", minimum=1)
+    step_ms = _median(summary, "step_ms", where)
     raw_buckets = document.get("buckets") or []
     if not isinstance(raw_buckets, list):
         raise ProfileError(f"{where}: 'buckets' must be a list, got {type(raw_buckets).__name__}")
@@ -415,12 +417,7 @@ def _accumulation(
     accumulate = 1 if raw is None else _integer(raw, f"{where}: summary.accumulate_grad_batches", minimum=1)
     accumulation_ms = _optional_number(summary, "accumulation_ms", f"{where}: summary")
     compute_ms = _optional_number(summary, "accumulation_compute_ms", f"{where}: summary")
-    full = summary.get("optimizer_step_ms")
-    full_ms = _number(full, "median", f"{where}: summary.optimizer_step_ms") if isinstance(full, Mapping) else None
-    if full is not None and full_ms is None:
-        raise ProfileError(
-            f"{where}: summary.optimizer_step_ms must be {{'median': ..., 'p90': ...}}, got {full!r:.80}"
-        )
+    full_ms = None if summary.get("optimizer_step_ms") is None else _median(summary, "optimizer_step_ms", where)
     if accumulate > 1 and accumulation_ms is None:
         notes.append(
             f"accumulate_grad_batches={accumulate}, but the profile does not time the micro-batches without "

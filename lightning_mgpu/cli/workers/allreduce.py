@@ -23,6 +23,28 @@ from typing import Any, Optional, Sequence
 STARTED = time.perf_counter()  # before torch is imported: import_s says how long that took
 
 
+def check_and_time(rank: int, world: int, nbytes: int, device: Any, group: Any = None) -> tuple[int, float]:
+    """All-reduce ``nbytes`` of float32 holding ``rank + 1`` over ``group`` (None: the default one): the elements
+    that differ from the exact sum, and the median of five more all-reduces in milliseconds (``device``
+    synchronised around each on CUDA). Every rank of the group calls it."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.full((nbytes // 4,), float(rank + 1), device=device)
+    dist.all_reduce(x, group=group)
+    wrong = int((x != world * (world + 1) / 2).sum().item())
+    times = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return wrong, 1e3 * sorted(times)[len(times) // 2]
+
+
 def run(argv: Sequence[str]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -41,26 +63,14 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     store = loopback_store(LOOPBACK, port, world, is_master=rank == 0, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     joined = time.perf_counter()
-    x = torch.full((nbytes // 4,), float(rank + 1), device=device)
-    dist.all_reduce(x)
-    expected = world * (world + 1) / 2
-    wrong = int((x != expected).sum().item())
-    times = []
-    for _ in range(5):
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        begin = time.perf_counter()
-        dist.all_reduce(x)
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin)
+    wrong, allreduce_ms = check_and_time(rank, world, nbytes, device)
     dist.destroy_process_group()
     return {
         "rank": rank,
         "wrong": wrong,
         "import_s": imported - STARTED,
         "init_s": joined - imported,
-        "allreduce_ms": 1e3 * sorted(times)[len(times) // 2],
+        "allreduce_ms": allreduce_ms,
     }
 
 

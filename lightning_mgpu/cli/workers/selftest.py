@@ -14,6 +14,7 @@ CPU stages): how this project's tests check the self-test itself on machines wit
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -209,14 +210,10 @@ def _pipeline_against_one_device(devices: list[str]) -> dict[str, Any]:
     reference = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)).double()
     x, target = torch.randn(16, 32, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
     nn.functional.mse_loss(reference(x), target).backward()  # type: ignore[no-untyped-call]
-    split = [
-        nn.Sequential(*[layer for layer in _copy(reference)[:2]]).to(devices[0]),
-        nn.Sequential(*[layer for layer in _copy(reference)[2:]]).to(devices[1]),
-    ]
-    for stage, source in zip(split, (reference[:2], reference[2:])):
-        for param, original in zip(stage.parameters(), source.parameters()):
-            param.data.copy_(original.data)
-            param.grad = None
+    layers = list(copy.deepcopy(reference))
+    split = [nn.Sequential(*layers[:2]).to(devices[0]), nn.Sequential(*layers[2:]).to(devices[1])]
+    for stage in split:
+        stage.zero_grad(set_to_none=True)  # the copies start without the reference's gradients
     model = nn.Sequential(*split)
     pipeline = Pipeline(model, ["1"], devices, microbatches=4)
     try:
@@ -234,12 +231,6 @@ def _pipeline_against_one_device(devices: list[str]) -> dict[str, Any]:
     if worst > 1e-9:  # float64: a missed stream synchronisation shows as garbage, not as rounding
         raise AssertionError(f"pipelined gradients differ from one device's by {worst:g}")
     return {"devices": devices, "max_grad_difference": worst}
-
-
-def _copy(module: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(module)
 
 
 def path_hybrid_cuda_cpu(device: str) -> dict[str, Any]:
