@@ -13,6 +13,8 @@ VENV   ?= .venv
 # (tests/conftest.py, tests/file_seconds.json). `make test WORKERS=0` runs everything in one process.
 WORKERS ?= 2
 XDIST  := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
+# The in-process tests launch nothing to share: each test goes to whichever worker is free (~1 s less idle).
+FAST_XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist load)
 BIN    := $(VENV)/bin
 # Python's bytecode cache stays on for everything started here, as in a user's shell: an environment
 # that sets PYTHONDONTWRITEBYTECODE (this project's machines do) would otherwise have every one of the
@@ -48,7 +50,7 @@ test: setup
 
 # tests/conftest.py fails any test here that starts a process: it belongs in tests/dist/.
 test-fast: setup
-	$(BIN)/python -m pytest -q $(XDIST) tests/unit
+	$(BIN)/python -m pytest -q $(FAST_XDIST) tests/unit
 
 clean:
 	rm -rf $(VENV) lightning_logs wandb .pytest_cache
