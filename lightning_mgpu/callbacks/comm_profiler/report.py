@@ -24,7 +24,6 @@ NOT_MEASURED = "not measured"
 
 
 def print_summary(profile: dict[str, Any]) -> None:
-
     s = profile["summary"]
     title = f"CommProfiler: {profile['world_size']} rank(s), {profile['backend']} on {profile['device_type']}, {s['steps']} steps"
     step = s["step_ms"]["median"] or 1.0
