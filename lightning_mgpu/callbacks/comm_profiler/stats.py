@@ -301,7 +301,8 @@ class CommStats:
         accumulate_grad_batches: int = 1,
     ) -> Optional[dict[str, Any]]:
         """The ``comm_profile.json`` document from every rank's :meth:`local_report` (rank order);
-        None if no rank profiled a step. Steps and their p90 are rank 0's. ``accumulate_grad_batches``:
+        None if no rank profiled a step. Steps are rank 0's; the summary's figures the slowest rank's, each p90 too
+        (a median and a p90 of two ranks could read p90 < median). ``accumulate_grad_batches``:
         the Trainer's (micro-batches per optimizer step; the last window of an epoch may have fewer)."""
         per_rank = [report["medians"] for report in gathered if report["medians"] is not None]
         if not per_rank:
@@ -324,14 +325,15 @@ class CommStats:
         straggler = metrics["comm/straggler_ms"]
         if self._straggler_ms and self.measures_comm:
             straggler = median(list(self._straggler_ms))
+
+        def slowest_p90(column: int) -> float:
+            return max(p90([s[column] for s in report["steps"]]) for report in gathered)
+
         summary = {
             "steps": len(rank0_steps),
-            "step_ms": {"median": metrics["comm/step_ms"], "p90": p90([s[1] for s in rank0_steps])},
+            "step_ms": {"median": metrics["comm/step_ms"], "p90": slowest_p90(1)},
             "accumulate_grad_batches": accumulate_grad_batches,
-            "optimizer_step_ms": {
-                "median": metrics["comm/optimizer_step_ms"],
-                "p90": p90([s[4] for s in rank0_steps]),
-            },
+            "optimizer_step_ms": {"median": metrics["comm/optimizer_step_ms"], "p90": slowest_p90(4)},
             "accumulation_ms": max(r["accumulation_ms"] for r in per_rank),
             "accumulation_compute_ms": max(r["accumulation_compute_ms"] for r in per_rank),
             "forward_ms": metrics["comm/forward_ms"],
