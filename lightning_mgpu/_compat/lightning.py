@@ -385,3 +385,44 @@ def replace_stock_ddp_comm_wrapper(
         strategy._ddp_comm_wrapper = original
 
     return undo
+
+
+# ---------------------------------------------------------------------------------------
+# Lightning's child-process observer (``python train.py``): a thread of the launching process that
+# polls its child ranks every 5 s and SIGKILLs every process of the job, itself included, once one
+# ended non-zero. The launching process may be busy in its step then, seconds before the collective
+# that would fail and say which rank was lost: our launcher has the observer say it first.
+# ---------------------------------------------------------------------------------------
+import threading as _threading
+from typing import Any as _ObserverAny, Callable as _ObserverCallable
+
+_CHILD_OBSERVER = guarded(
+    "lightning.fabric.strategies.launchers.subprocess_script",
+    "_ChildProcessObserver._terminate_all",
+    required=False,
+    why="the observer thread's kill of every process of the job (its children in _child_processes); shadowed to "
+    "name the ended ranks first (fallback: Lightning's own line, which names the pid)",
+)
+
+
+def before_children_are_killed(procs: "list[_ObserverAny]", say: "_ObserverCallable[[], None]") -> bool:
+    """Have Lightning's observer of ``procs`` (the launcher's list of child processes, already started) call
+    ``say()`` just before it kills every process of the job. False when no such observer runs here."""
+    observers = [
+        thread
+        for thread in _threading.enumerate()
+        if type(thread).__name__ == "_ChildProcessObserver"
+        and getattr(thread, "_child_processes", None) is procs
+        and callable(getattr(thread, "_terminate_all", None))
+    ]
+    for observer in observers:
+        terminate = observer._terminate_all  # type: ignore[attr-defined]
+
+        def say_then_terminate(terminate: "_ObserverCallable[[], None]" = terminate) -> None:
+            try:
+                say()
+            finally:
+                terminate()
+
+        shadow(observer, {"_terminate_all": say_then_terminate})
+    return bool(observers)

@@ -30,6 +30,10 @@ Failures (``--fail``, on rank ``--rank`` at global batch ``--at``, counted from 
 ``--linger-s S``: the failing rank, on its way out, stays alive ``S`` seconds after its process group
 is destroyed (its connections closed): a slow exit, as on a loaded machine.
 
+``--busy-s S``: at the failure's batch the other ranks spend ``S`` seconds in ``training_step`` first (a long
+step, outside any collective): a rank killed meanwhile is seen by Lightning's child-process observer (it polls
+every 5 s) before any collective fails.
+
 ``--loss-scale 1e7`` makes the gradients huge (above float16's 65504; Adam does not mind), and
 ``--torch-fp16-hook`` registers torch's own ``fp16_compress_hook``: tests/dist/comm/test_fp16_safety.py.
 
@@ -91,8 +95,8 @@ class Injected(RuntimeError):
 class Plan:
     """Where and when to fail (the same object on every rank; each rank checks whether it is the one)."""
 
-    def __init__(self, kind: str, rank: int, at: int, once: Optional[str]) -> None:
-        self.kind, self.rank, self.at, self.once = kind, rank, at, once
+    def __init__(self, kind: str, rank: int, at: int, once: Optional[str], busy_s: float = 0.0) -> None:
+        self.kind, self.rank, self.at, self.once, self.busy_s = kind, rank, at, once, busy_s
 
     def due(self, kind: str, rank: int, batch: int) -> bool:
         if self.kind != kind or rank != self.rank or batch != self.at:
@@ -161,6 +165,8 @@ class Net(StagedNet):
         for kind in ("step", "sigkill", "stuck", "mismatch", "sigterm", "sigterm_group"):
             if self.plan.due(kind, self.global_rank, seen):
                 self.plan.fire(kind)
+        if self.plan.busy_s and seen == self.plan.at and self.global_rank != self.plan.rank:
+            time.sleep(self.plan.busy_s)
         self._arm_stage = self.plan.due("stage", self.global_rank, seen)
         generator = position_generator(seen, self.global_rank)
         x = torch.randn(BATCH, 8, generator=generator)
@@ -325,6 +331,7 @@ def main() -> None:
     )
     parser.add_argument("--wandb", action="store_true", help="WandbLogger (offline) and CSVLogger under OUT")
     parser.add_argument("--linger-s", type=float, default=0.0, help="the failing rank's slow exit (see above)")
+    parser.add_argument("--busy-s", type=float, default=0.0, help="the other ranks' long step (see above)")
     parser.add_argument("--loss-scale", type=float, default=1.0, help="multiply the loss (e.g. 1e7: huge gradients)")
     parser.add_argument(
         "--torch-fp16-hook", action="store_true", help="torch's own fp16_compress_hook as ddp_comm_hook"
@@ -333,7 +340,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(7, verbose=False)
-    plan = Plan(args.fail, args.rank, args.at, args.once)
+    plan = Plan(args.fail, args.rank, args.at, args.once, args.busy_s)
     if args.linger_s:
         atexit.register(linger_if_failing_rank, plan, args.linger_s)
     workers = args.workers if args.workers is not None else int(args.fail == "worker")

@@ -20,6 +20,10 @@ here, from the strategy's ``on_exception``:
    collective (stuck, or busy) runs on. When the launching process exits after a failed fit,
    it waits up to :data:`CHILD_GRACE_S` seconds for its children (they see the closed
    connections and stop with their own error), then kills the ones still running, naming them.
+3. Lightning's child-process observer (it polls every 5 s) SIGKILLs every process of the job once a
+   child rank ended non-zero. The launching process may then be busy in its step, not yet in the
+   collective that would fail and name the lost rank: the observer now names the ended ranks first
+   (:func:`child_ends_namer`, installed by our launcher), unless this process's own fit failed first.
 
 One error of DDP's own is translated into its fixes as well: "Expected to mark a variable ready
 only once", which reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(...,
@@ -34,10 +38,11 @@ import atexit
 import gc
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -52,6 +57,8 @@ _NOTE_MARK = "[lightning_mgpu]"
 READY_TWICE = "Expected to mark a variable ready only once"
 """The start of DDP's error for a parameter whose gradient was reported ready twice in one backward."""
 _registered: list[list[tuple[int, subprocess.Popen[Any]]]] = []
+_fit_failed = threading.Event()
+"""Set by ``on_exception`` in this process: the child ranks that end after that end because of it."""
 
 
 def launched_children(launcher: Any, global_rank: int) -> list[tuple[int, subprocess.Popen[Any]]]:
@@ -134,6 +141,41 @@ def lost_peer_note(rank: int, children: list[tuple[int, subprocess.Popen[Any]]])
             "the ones still running."
         )
     return note
+
+
+def fit_failed_here() -> None:
+    """This process's fit raised: its error (and note) says what happened, and the children that end after it end
+    because of it."""
+    _fit_failed.set()
+
+
+def child_ends_namer(rank: int, children: list[tuple[int, subprocess.Popen[Any]]]) -> Callable[[], None]:
+    """For one launch: what Lightning's observer calls just before it kills every process of the job (a child rank
+    ended non-zero). It names the ended child ranks with their exit status, unless this process's fit failed first."""
+    _fit_failed.clear()
+
+    def say() -> None:
+        ended = [(r, p, code) for r, p in children if (code := p.poll()) not in (None, 0)]
+        if not ended or _fit_failed.is_set():
+            return
+        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
+        if all(code < 0 for _, _, code in ended):
+            cause = "A process killed by a signal prints no error of its own (the OOM killer says so in dmesg)."
+        else:
+            several = sum(code > 0 for _, _, code in ended) > 1
+            cause = (
+                "The errors printed by the ranks that exited are the cause."
+                if several
+                else "The error printed by the rank that exited is the cause."
+            )
+        print(
+            f"{_NOTE_MARK} rank {rank}: {states} while this rank was in its step. {cause} Lightning's launcher now "
+            "kills every process of this job (this one too, with SIGKILL).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return say
 
 
 class ReentrantCheckpointError(RuntimeError):

@@ -6,6 +6,11 @@ does not exist) is one clear error in the launching process rather than one trac
 (spawn/fork) call the strategy's ``check_model`` first. The spawn launcher also returns
 ``bucket_cap_mb="auto"``'s choice to the launching process, where ``strategy.bucket_cap_mb``
 is then the size in force after ``fit`` as well.
+
+Under ``python train.py`` Lightning's child-process observer SIGKILLs every process of the job within
+5 s of a child rank's non-zero exit, possibly while the launching process is still busy in its step:
+:class:`CheckedSubprocessScriptLauncher` has it name the ended ranks first
+(:func:`~lightning_mgpu.strategies.parts.failures.child_ends_namer`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_che
 
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_mgpu._compat.lightning import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    before_children_are_killed,
+)
+from lightning_mgpu.strategies.parts.failures import child_ends_namer, launched_children
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -43,7 +53,8 @@ def check_before_launch(strategy: Any, args: tuple[Any, ...]) -> None:
 
 
 class CheckedSubprocessScriptLauncher(SubprocessScriptLauncher):
-    """Lightning's launcher for ``python train.py``: the strategy checks the model before the other ranks start."""
+    """Lightning's launcher for ``python train.py``: the strategy checks the model before the other ranks start, and
+    Lightning's child-process observer names an ended rank before it kills the job (see the module docstring)."""
 
     def __init__(self, strategy: CheckedStrategy, *args: Any) -> None:
         super().__init__(*args)
@@ -55,7 +66,18 @@ class CheckedSubprocessScriptLauncher(SubprocessScriptLauncher):
     ) -> Any:
         if not self.cluster_environment.creates_processes_externally:  # this process starts the others
             check_before_launch(self.checked_strategy, args)
+            function = self._naming_ended_children(function)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _naming_ended_children(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function``, first installing the namer on the observer Lightning starts just before calling it."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            rank = self.cluster_environment.node_rank() * self.num_processes  # this process is local rank 0
+            before_children_are_killed(self.procs, child_ends_namer(rank, launched_children(self, rank)))
+            return function(*args, **kwargs)
+
+        return run
 
 
 class TunedMultiProcessingLauncher(MultiProcessingLauncher):

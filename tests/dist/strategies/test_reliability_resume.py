@@ -6,6 +6,8 @@ DistributedDoctor attached (its one wall-clock rule off), checkpoints at steps t
 * ``ref``: uninterrupted;
 * ``kill``: the same, one rank killed with ``SIGKILL`` a few steps after a checkpoint (this is
   also the ``SIGKILL`` case of the rank-failure guarantee, checked with the same rules);
+  in ``auto_powersgd`` the surviving rank is 8 s into its step then, so Lightning's child-process
+  observer (5 s polls) ends the job before any collective fails, and has to name the killed rank;
 * ``res``: resumed from the killed run's last checkpoint.
 
 Groups: ``ddp_tuned`` with fixed buckets and fp16 compression; ``bucket_cap_mb="auto"`` with
@@ -70,6 +72,8 @@ GROUPS: dict[str, dict[str, Any]] = {
         "kill_rank": 1,
         "kill_at": 120,
         "resumed_from": 100,
+        # rank 0 is 8 s in its step when rank 1 is killed: Lightning's observer (5 s polls) ends the job first.
+        "busy_s": 8.0,
     },
     "hybrid": {
         # balance="params": the split of 4 equal blocks is [2, 2] in every run. The default, "time", times
@@ -109,6 +113,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
         flags = common_flags(group)
         first[f"{name}_ref"] = {"out_dir": root / f"{name}_ref", "flags": flags}
         kill = ["--fail", "sigkill", "--rank", str(group["kill_rank"]), "--at", str(group["kill_at"])]
+        kill += ["--busy-s", str(group.get("busy_s", 0.0))]
         first[f"{name}_kill"] = {"out_dir": root / f"{name}_kill", "flags": [*flags, *kill]}
     first["fixed_fp16_ref"]["flags"] = [*first["fixed_fp16_ref"]["flags"], "--wandb"]
     first["fixed_fp16_ref"]["env"] = child_env(SECRETS)
@@ -159,6 +164,12 @@ def test_the_killed_run_ended_promptly_naming_the_killed_rank(runs: dict[str, Jo
     else:
         assert job.returncode not in (0, None), job.describe()
         assert re.search(r"rank 1 \(pid \d+\) killed by SIGKILL", job.output), job.describe()
+    if "busy_s" in GROUPS[name]:  # named by Lightning's observer, before any collective failed
+        assert re.search(
+            r"rank 0: rank 1 \(pid \d+\) killed by SIGKILL while this rank was in its step\. .* Lightning's launcher "
+            r"now kills every process of this job",
+            job.output,
+        ), job.describe()
     assert latest_checkpoint(job.out_dir / "ckpt").name.endswith(f"step={GROUPS[name]['resumed_from']}.ckpt")
 
 

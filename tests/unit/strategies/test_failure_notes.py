@@ -91,3 +91,36 @@ def test_other_errors_and_explained_ones_are_left_alone() -> None:
     assert str(error) == "shape mismatch"
     explained = RuntimeError("Connection closed by peer\n[lightning_mgpu] rank 1: said before")
     assert _failures.explain_collective_failure(explained, rank=1, timeout=None, children=[]) is None
+
+
+def test_lightnings_observer_names_the_ended_rank_before_it_kills_the_job(capsys: Any) -> None:
+    """Rank 1 was SIGKILLed while rank 0 (the launching process) was busy in its step: Lightning's observer thread
+    killed the job before rank 0 reached the collective that would have failed and named rank 1 (seen in CI). The
+    observer now names it first; after this process's own fit failed it says nothing (its error is the cause)."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    from lightning_mgpu._compat.lightning import before_children_are_killed
+
+    killed, running = _Child(4242, -signal.SIGKILL), _Child(4243, None)
+    procs = [killed, running]
+    observer = _ChildProcessObserver(main_pid=-1, child_processes=procs, sleep_period=3600)  # type: ignore[arg-type]
+    said_before_the_kill: list[str] = []
+    observer._terminate_all = lambda: said_before_the_kill.append(capsys.readouterr().err)  # type: ignore[method-assign]
+    observer.start()  # sleeps for an hour (a daemon thread): its kill is called below
+    assert not before_children_are_killed([killed, running], lambda: None)  # another list: not this observer's
+    namer = _failures.child_ends_namer(0, [(1, killed), (2, running)])
+    assert before_children_are_killed(procs, namer)
+    observer._terminate_all()
+    assert said_before_the_kill == [
+        "[lightning_mgpu] rank 0: rank 1 (pid 4242) killed by SIGKILL while this rank was in its step. A process "
+        "killed by a signal prints no error of its own (the OOM killer says so in dmesg). Lightning's launcher now "
+        "kills every process of this job (this one too, with SIGKILL).\n"
+    ]
+    _failures.fit_failed_here()
+    namer()
+    assert capsys.readouterr().err == ""
+    _failures.child_ends_namer(0, [(1, killed), (2, _Child(4244, 1))])()  # the next launch: its fit has not failed
+    assert (
+        "rank 1 (pid 4242) killed by SIGKILL, rank 2 (pid 4244) exited with code 1 while this rank was in its "
+        "step. The error printed by the rank that exited is the cause." in capsys.readouterr().err
+    )
