@@ -389,16 +389,23 @@ def test_the_optimizer_step_is_every_micro_batch_of_its_window() -> None:
     assert MicroBatch(start_ns=0, forward_end_ms=1.0, backward_end_ms=1.0, end_ms=1.5).compute_ms == 1.0
 
 
-def test_the_profile_records_the_accumulation_factor_and_the_whole_optimizer_step() -> None:
+def accumulating_ranks(rank1_micro_end: float) -> tuple[list[CommStats], list[dict[str, Any]], dict[str, Any]]:
+    """Two ranks, 5 profiled windows of 4 micro-batches: rank 0's windows of 3, 6, 9, 12, 15 ms (optimizer steps of
+    17..29 ms), rank 1's of ``3 * rank1_micro_end`` ms each. Their stats, local reports and profile."""
     ranks = [CommStats(), CommStats()]
     for n in range(1, 6):
-        ranks[0].add(accumulated(n, micro_end=float(n)))  # windows of 3, 6, 9, 12, 15 ms
-        ranks[1].add(accumulated(n, rank=1, micro_end=4.0))  # 12 ms each
+        ranks[0].add(accumulated(n, micro_end=float(n)))
+        ranks[1].add(accumulated(n, rank=1, micro_end=rank1_micro_end))
     gathered = [stats.local_report() for stats in ranks]
     profile = ranks[0].profile(
         gathered, world_size=2, backend="gloo", device_type="cpu", schedule={}, accumulate_grad_batches=4
     )
     assert profile is not None
+    return ranks, gathered, profile
+
+
+def test_the_profile_records_the_accumulation_factor_and_the_whole_optimizer_step() -> None:
+    ranks, gathered, profile = accumulating_ranks(4.0)  # rank 1: windows of 12 ms
     summary = profile["summary"]
     assert summary["accumulate_grad_batches"] == 4
     assert summary["accumulation_ms"] == pytest.approx(12.0)  # the slowest rank's median (rank 1's)
@@ -416,15 +423,7 @@ def test_the_profile_records_the_accumulation_factor_and_the_whole_optimizer_ste
 def test_the_summarys_p90_is_the_slowest_ranks_like_its_median() -> None:
     """The median was the slowest rank's and the p90 rank 0's: a CI run's profile read "optimizer step 76.3 ms
     (p90 70.1)" with rank 1 the slower. Both are now the slowest rank's, and a p90 is never below its median."""
-    ranks = [CommStats(), CommStats()]
-    for n in range(1, 6):
-        ranks[0].add(accumulated(n, micro_end=float(n)))  # optimizer steps of 17, 20, 23, 26, 29 ms
-        ranks[1].add(accumulated(n, rank=1, micro_end=6.0))  # 32 ms each
-    gathered = [stats.local_report() for stats in ranks]
-    profile = ranks[0].profile(
-        gathered, world_size=2, backend="gloo", device_type="cpu", schedule={}, accumulate_grad_batches=4
-    )
-    assert profile is not None
+    _, _, profile = accumulating_ranks(6.0)  # rank 1: optimizer steps of 32 ms
     summary = profile["summary"]
     assert summary["optimizer_step_ms"] == {"median": pytest.approx(32.0), "p90": pytest.approx(32.0)}
     assert [s["optimizer_step_ms"] for s in profile["steps"]] == pytest.approx([17.0, 20.0, 23.0, 26.0, 29.0])
