@@ -26,14 +26,10 @@ unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(VENV)/.installed
 
-# --no-compile: pip would byte-compile every module of every package (torch's thousands; ~20 s of the
-# setup's ~50 on CI's 2 cores); Python compiles the ones a run imports, once, on first import (~5 s).
-PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
-
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
-	$(PIP) -e ".[dev,test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev,test]"
 	touch $@
 
 demo: setup

@@ -20,10 +20,11 @@ here, from the strategy's ``on_exception``:
    collective (stuck, or busy) runs on. When the launching process exits after a failed fit,
    it waits up to :data:`CHILD_GRACE_S` seconds for its children (they see the closed
    connections and stop with their own error), then kills the ones still running, naming them.
-3. Lightning's child-process observer (it polls every 5 s) SIGKILLs every process of the job once a
-   child rank ended non-zero. The launching process may then be busy in its step, not yet in the
-   collective that would fail and name the lost rank: the observer now names the ended ranks first
-   (:func:`child_ends_namer`, installed by our launcher), unless this process's own fit failed first.
+3. Lightning's child-process observer (it polls every 5 s) SIGKILLs the ranks it started and its own
+   process once a child rank ended non-zero. The launching process may then be busy in its step, not
+   yet in the collective that would fail and name the lost rank: the observer now names the ended
+   ranks first (:func:`child_ends_namer`, installed by our launcher), unless this process's own fit
+   failed first.
 
 One error of DDP's own is translated into its fixes as well: "Expected to mark a variable ready
 only once", which reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(...,
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +50,7 @@ import torch
 
 from lightning_mgpu.comm.distributed import lost_peer
 from lightning_mgpu.watch.report import signal_name
+from lightning_mgpu.watch.watcher import HANG_EXIT_CODE
 
 CHILD_GRACE_S = 5.0
 """Seconds the launching process waits for its children after a failed fit before killing them."""
@@ -58,7 +61,9 @@ READY_TWICE = "Expected to mark a variable ready only once"
 """The start of DDP's error for a parameter whose gradient was reported ready twice in one backward."""
 _registered: list[list[tuple[int, subprocess.Popen[Any]]]] = []
 _fit_failed = threading.Event()
-"""Set by ``on_exception`` in this process: the child ranks that end after that end because of it."""
+"""Set when this process's fit raised an error of its own: the child ranks that end after that end because of it."""
+_named: set[int] = set()
+"""Pids of child ranks a note of this process has named as ended (the observer's line does not repeat them)."""
 
 
 def launched_children(launcher: Any, global_rank: int) -> list[tuple[int, subprocess.Popen[Any]]]:
@@ -123,6 +128,7 @@ def lost_peer_note(rank: int, children: list[tuple[int, subprocess.Popen[Any]]])
     polled = [(r, p, p.poll()) for r, p in children]  # once: a child may end while this runs
     ended = [(r, p, code) for r, p, code in polled if code is not None]
     running = [(r, p) for r, p, code in polled if code is None]
+    _named.update(p.pid for _, p, _ in ended)
     note = f"{_NOTE_MARK} rank {rank}: another rank closed its connection while this rank waited for it in a collective"
     if ended:
         states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
@@ -144,33 +150,35 @@ def lost_peer_note(rank: int, children: list[tuple[int, subprocess.Popen[Any]]])
 
 
 def fit_failed_here() -> None:
-    """This process's fit raised: its error (and note) says what happened, and the children that end after it end
-    because of it."""
+    """This process's fit raised an error of its own: that error says what happened, and the child ranks that end
+    after it end because of it."""
     _fit_failed.set()
 
 
 def child_ends_namer(rank: int, children: list[tuple[int, subprocess.Popen[Any]]]) -> Callable[[], None]:
-    """For one launch: what Lightning's observer calls just before it kills every process of the job (a child rank
-    ended non-zero). It names the ended child ranks with their exit status, unless this process's fit failed first."""
+    """For one launch: what Lightning's observer calls just before it kills every process it started and itself (a
+    child rank ended non-zero). It names the ended child ranks with their exit status, unless this process's fit
+    failed first, a child ended by the hang watch (its report has said which rank waited where), or a failure note
+    of this process has named them already."""
     _fit_failed.clear()
+    _named.clear()
 
     def say() -> None:
-        ended = [(r, p, code) for r, p in children if (code := p.poll()) not in (None, 0)]
-        if not ended or _fit_failed.is_set():
+        ended = [(r, p, code) for r, p in children if (code := p.poll()) not in (None, 0) and p.pid not in _named]
+        if not ended or _fit_failed.is_set() or any(code == HANG_EXIT_CODE for _, _, code in ended):
             return
         states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
-        if all(code < 0 for _, _, code in ended):
-            cause = "A process killed by a signal prints no error of its own (the OOM killer says so in dmesg)."
+        exited = sum(code > 0 for _, _, code in ended)
+        if exited == 0:
+            cause = "A process killed by a signal prints no error of its own"
+            cause += " (the OOM killer says so in dmesg)." if any(c == -signal.SIGKILL for _, _, c in ended) else "."
+        elif exited == 1:
+            cause = "The error printed by the rank that exited is the cause."
         else:
-            several = sum(code > 0 for _, _, code in ended) > 1
-            cause = (
-                "The errors printed by the ranks that exited are the cause."
-                if several
-                else "The error printed by the rank that exited is the cause."
-            )
+            cause = "The errors printed by the ranks that exited are the cause."
         print(
-            f"{_NOTE_MARK} rank {rank}: {states} while this rank was in its step. {cause} Lightning's launcher now "
-            "kills every process of this job (this one too, with SIGKILL).",
+            f"{_NOTE_MARK} rank {rank}: {states}. {cause} Lightning's launcher now kills the ranks it started on this "
+            "node and this process (SIGKILL).",
             file=sys.stderr,
             flush=True,
         )

@@ -7,14 +7,15 @@ does not exist) is one clear error in the launching process rather than one trac
 ``bucket_cap_mb="auto"``'s choice to the launching process, where ``strategy.bucket_cap_mb``
 is then the size in force after ``fit`` as well.
 
-Under ``python train.py`` Lightning's child-process observer SIGKILLs every process of the job within
-5 s of a child rank's non-zero exit, possibly while the launching process is still busy in its step:
+Under ``python train.py`` Lightning's child-process observer SIGKILLs the ranks it started and its own
+process within 5 s of a child rank's non-zero exit, possibly while the launching process is still busy in its step:
 :class:`CheckedSubprocessScriptLauncher` has it name the ended ranks first
 (:func:`~lightning_mgpu.strategies.parts.failures.child_ends_namer`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 from typing_extensions import override
@@ -24,7 +25,8 @@ from lightning_mgpu._compat.lightning import (
     SubprocessScriptLauncher,
     before_children_are_killed,
 )
-from lightning_mgpu.strategies.parts.failures import child_ends_namer, launched_children
+from lightning_mgpu.comm.distributed import lost_peer
+from lightning_mgpu.strategies.parts.failures import child_ends_namer, fit_failed_here, launched_children
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,12 +72,25 @@ class CheckedSubprocessScriptLauncher(SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _naming_ended_children(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """``function``, first installing the namer on the observer Lightning starts just before calling it."""
+        """``function``, first installing the namer on the observer Lightning starts just before calling it. An error
+        of this process's own (not a collective failed by a lost peer) silences the namer before Lightning's
+        exception handling runs: its children end because of it."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            rank = self.cluster_environment.node_rank() * self.num_processes  # this process is local rank 0
-            before_children_are_killed(self.procs, child_ends_namer(rank, launched_children(self, rank)))
-            return function(*args, **kwargs)
+            try:
+                rank = self.cluster_environment.node_rank() * self.num_processes  # this process is local rank 0
+                before_children_are_killed(self.procs, child_ends_namer(rank, launched_children(self, rank)))
+            except Exception as error:  # noqa: BLE001 - a note's set-up never fails the fit; Lightning's line remains
+                warnings.warn(
+                    f"lightning_mgpu: ended ranks will not be named before Lightning kills the job ({error})",
+                    stacklevel=2,
+                )
+            try:
+                return function(*args, **kwargs)
+            except BaseException as error:
+                if not lost_peer(error):
+                    fit_failed_here()
+                raise
 
         return run
 

@@ -134,7 +134,6 @@ class Reliability:
         failures.explain_reentrant_failure(exception, **facts)  # raised outside our backward
         children = failures.launched_children(launcher, rank)
         note = failures.explain_collective_failure(exception, rank=rank, timeout=timeout, children=children)
-        failures.fit_failed_here()
         if note is not None and children:
             # Lightning's child-process watcher (it polls every 5 s) SIGKILLs this launching process
             # when it sees a dead child, possibly before the traceback is printed: say it now too.

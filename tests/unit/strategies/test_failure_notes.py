@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning_mgpu.strategies.parts import failures as _failures
@@ -93,17 +94,19 @@ def test_other_errors_and_explained_ones_are_left_alone() -> None:
     assert _failures.explain_collective_failure(explained, rank=1, timeout=None, children=[]) is None
 
 
-def test_lightnings_observer_names_the_ended_rank_before_it_kills_the_job(capsys: Any) -> None:
+def test_lightnings_observer_names_the_ended_rank_before_it_kills_the_job(capsys: Any, monkeypatch: Any) -> None:
     """Rank 1 was SIGKILLed while rank 0 (the launching process) was busy in its step: Lightning's observer thread
     killed the job before rank 0 reached the collective that would have failed and named rank 1 (seen in CI). The
-    observer now names it first; after this process's own fit failed it says nothing (its error is the cause)."""
+    observer now names it first; after this process's own fit failed, or a hang report, it says nothing."""
     from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
     from lightning_mgpu._compat.lightning import before_children_are_killed
+    from lightning_mgpu.watch.watcher import HANG_EXIT_CODE
 
     killed, running = _Child(4242, -signal.SIGKILL), _Child(4243, None)
     procs = [killed, running]
-    observer = _ChildProcessObserver(main_pid=-1, child_processes=procs, sleep_period=3600)  # type: ignore[arg-type]
+    nobody = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it: a stray kill finds no one
+    observer = _ChildProcessObserver(main_pid=nobody, child_processes=procs, sleep_period=3600)  # type: ignore[arg-type]
     said_before_the_kill: list[str] = []
     observer._terminate_all = lambda: said_before_the_kill.append(capsys.readouterr().err)  # type: ignore[method-assign]
     observer.start()  # sleeps for an hour (a daemon thread): its kill is called below
@@ -112,15 +115,29 @@ def test_lightnings_observer_names_the_ended_rank_before_it_kills_the_job(capsys
     assert before_children_are_killed(procs, namer)
     observer._terminate_all()
     assert said_before_the_kill == [
-        "[lightning_mgpu] rank 0: rank 1 (pid 4242) killed by SIGKILL while this rank was in its step. A process "
-        "killed by a signal prints no error of its own (the OOM killer says so in dmesg). Lightning's launcher now "
-        "kills every process of this job (this one too, with SIGKILL).\n"
+        "[lightning_mgpu] rank 0: rank 1 (pid 4242) killed by SIGKILL. A process killed by a signal prints no error "
+        "of its own (the OOM killer says so in dmesg). Lightning's launcher now kills the ranks it started on this "
+        "node and this process (SIGKILL).\n"
     ]
     _failures.fit_failed_here()
     namer()
     assert capsys.readouterr().err == ""
-    _failures.child_ends_namer(0, [(1, killed), (2, _Child(4244, 1))])()  # the next launch: its fit has not failed
-    assert (
-        "rank 1 (pid 4242) killed by SIGKILL, rank 2 (pid 4244) exited with code 1 while this rank was in its "
-        "step. The error printed by the rank that exited is the cause." in capsys.readouterr().err
+    terminated, failed = _Child(4244, -signal.SIGTERM), _Child(4245, 1)
+    _failures.child_ends_namer(0, [(1, terminated)])()  # the next launch: its fit has not failed
+    assert "rank 1 (pid 4244) killed by SIGTERM. A process killed by a signal prints no error of its own. " in (
+        capsys.readouterr().err
     )
+    _failures.child_ends_namer(0, [(1, killed), (2, failed)])()
+    assert (
+        "rank 1 (pid 4242) killed by SIGKILL, rank 2 (pid 4245) exited with code 1. The error printed by the rank "
+        "that exited is the cause." in capsys.readouterr().err
+    )
+    _failures.child_ends_namer(0, [(1, _Child(4246, HANG_EXIT_CODE))])()  # the hang report has said it all
+    assert capsys.readouterr().err == ""
+    children = [(1, _Child(4247, 1)), (2, _Child(4248, None))]
+    namer = _failures.child_ends_namer(0, children)
+    monkeypatch.setattr(_failures, "time", _Clock())  # the note's 1 s wait for rank 2: skipped
+    _explain(children)  # rank 0's collective failed first, and its note named rank 1
+    children[1][1].returncode = -signal.SIGKILL  # ...then rank 2 was killed
+    namer()
+    assert capsys.readouterr().err.startswith("[lightning_mgpu] rank 0: rank 2 (pid 4248) killed by SIGKILL. ")
