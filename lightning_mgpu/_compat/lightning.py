@@ -389,7 +389,7 @@ def replace_stock_ddp_comm_wrapper(
 
 # ---------------------------------------------------------------------------------------
 # Lightning's child-process observer (``python train.py``): a thread of the launching process that
-# polls its child ranks every 5 s and SIGKILLs every process of the job, itself included, once one
+# polls its child ranks every 5 s and SIGKILLs them and its own process (local rank 0) once one
 # ended non-zero. The launching process may be busy in its step then, seconds before the collective
 # that would fail and say which rank was lost: our launcher has the observer say it first.
 # ---------------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ _CHILD_OBSERVER = guarded(
 
 def before_children_are_killed(procs: "list[_ObserverAny]", say: "_ObserverCallable[[], None]") -> bool:
     """Have Lightning's observer of ``procs`` (the launcher's list of child processes, already started) call
-    ``say()`` just before it kills every process of the job. False when no such observer runs here."""
+    ``say()`` just before it kills them and this process. False when no such observer runs here."""
     observers = [
         thread
         for thread in _threading.enumerate()

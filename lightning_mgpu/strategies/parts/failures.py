@@ -44,7 +44,7 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -73,6 +73,11 @@ def launched_children(launcher: Any, global_rank: int) -> list[tuple[int, subpro
         return []
     # The launcher starts local ranks 1..n-1 of this node; this process is local rank 0.
     return [(global_rank + index + 1, proc) for index, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)]
+
+
+def _ended_states(ended: Sequence[tuple[int, subprocess.Popen[Any], Optional[int]]]) -> str:
+    """``rank 1 (pid 4242) killed by SIGKILL, ...`` for (rank, process, exit status) entries."""
+    return ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
 
 
 def describe_exit(returncode: Optional[int]) -> str:
@@ -112,7 +117,7 @@ def explain_collective_failure(
             "having exited. TunedDDPStrategy(timeout=timedelta(...)) sets how long such a hang may last."
         )
         if children:
-            states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(p.poll())}" for r, p in children)
+            states = _ended_states([(r, p, p.poll()) for r, p in children])
             note += f" Ranks started by this process: {states}."
     _append(exception, note)
     return note
@@ -131,7 +136,7 @@ def lost_peer_note(rank: int, children: list[tuple[int, subprocess.Popen[Any]]])
     _named.update(p.pid for _, p, _ in ended)
     note = f"{_NOTE_MARK} rank {rank}: another rank closed its connection while this rank waited for it in a collective"
     if ended:
-        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
+        states = _ended_states(ended)
         cause = "Its own error, printed by it, is" if len(ended) == 1 else "Their own errors, printed by them, are"
         note += f": {states}. {cause} the cause."
     else:
@@ -167,7 +172,7 @@ def child_ends_namer(rank: int, children: list[tuple[int, subprocess.Popen[Any]]
         ended = [(r, p, code) for r, p in children if (code := p.poll()) not in (None, 0) and p.pid not in _named]
         if not ended or _fit_failed.is_set() or any(code == HANG_EXIT_CODE for _, _, code in ended):
             return
-        states = ", ".join(f"rank {r} (pid {p.pid}) {describe_exit(code)}" for r, p, code in ended)
+        states = _ended_states(ended)
         exited = sum(code > 0 for _, _, code in ended)
         if exited == 0:
             cause = "A process killed by a signal prints no error of its own"
