@@ -10,12 +10,19 @@ the others down), in this order:
     ``lightning-mgpu doctor`` (the environment checks and NCCL's smoke test) and
     ``lightning-mgpu doctor --selftest`` (every CUDA code path: NCCL DDP, CUDA-event timing,
     AMP with each compression, a pipeline across ``cuda:0`` and the CPU, the copy streams).
+``demo``
+    README's main job: the flagship recipe (``recipes/char_lm``) on every GPU, as ``make demo``
+    runs it, and its plain-PyTorch loop under torchrun, both recording each step's loss: wall
+    time, and how far the two runs' losses and weights are apart on this device.
 ``overhead``
-    one GPU, NCCL, world size 1, the 8M MLP of :mod:`bench.models`: Lightning's stock ``ddp``,
-    our ``ddp_tuned`` and ``ddp_tuned`` + ``CommProfiler()`` (its default schedule), fits
-    interleaved in one process (order rotated every round), each step timed with CUDA events
+    one GPU, NCCL, world size 1, the 8M MLP of :mod:`bench.models`: Lightning's stock ``ddp``
+    (twice: ``ddp-again / ddp`` is the comparison's noise floor), our ``ddp_tuned`` and
+    ``ddp_tuned`` + ``CommProfiler()`` (its default schedule), fits interleaved in one process
+    (order rotated every round), each step timed with CUDA events
     (:class:`bench.harness.worker.StepTimer`). Figures: ``ddp_tuned / ddp`` (median step) and
-    the profiler's cost (mean iteration, re-wraps included: ``bench.profiler_overhead``'s measure).
+    the profiler's cost (mean iteration, re-wraps included: ``bench.profiler_overhead``'s measure);
+    then one fit each of ``ddp`` and ``ddp_tuned`` under cProfile with torch's sync debug mode
+    (the host's Python per step by function, and every operation that waits for the device).
 ``compression``
     a ~100M-parameter MLP (6 x 4096 x 4096), AMP on: per step, our ``compression="fp16"`` /
     ``"bf16"`` against torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` (each beside its
@@ -47,8 +54,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-PARTS = ("selftest", "overhead", "compression", "whatif")
-PART_TIMEOUT_S = {"selftest": 480.0, "overhead": 200.0, "compression": 240.0, "whatif": 180.0}
+PARTS = ("selftest", "demo", "overhead", "compression", "whatif")
+PART_TIMEOUT_S = {"selftest": 480.0, "demo": 300.0, "overhead": 200.0, "compression": 240.0, "whatif": 180.0}
 BIG_WIDTHS = (4096,) * 7  # 6 Linear(4096, 4096): 100.7M parameters
 BIG_BATCH = 512
 MLP_BATCH = 256
@@ -119,7 +126,7 @@ def _strategy(name: str) -> Any:
 
     from lightning_mgpu import TunedDDPStrategy
 
-    if name == "ddp":
+    if name in ("ddp", "ddp-again"):  # ddp-again: the same configuration twice, the comparison's noise floor
         return DDPStrategy()
     if name == "torch-fp16":
         return DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
@@ -291,7 +298,12 @@ def part_overhead(args: argparse.Namespace) -> dict[str, Any]:
         extra = [CommProfiler(whatif=None)] if name == "ddp_tuned+profiler" else []
         return _timed_fit(args.device, name, MLP_WIDTHS, MLP_BATCH, warmup=warmup, steps=steps, extra_callbacks=extra)
 
-    configs: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("ddp_tuned", {}), ("ddp_tuned+profiler", {})]
+    configs: list[tuple[str, dict[str, Any]]] = [
+        ("ddp", {}),
+        ("ddp_tuned", {}),
+        ("ddp_tuned+profiler", {}),
+        ("ddp-again", {}),
+    ]
     runs = _rounds(configs, args.rounds, run)
     return {
         "model": "the 8M MLP (bench.models.MLP_WIDTHS)",
@@ -305,7 +317,130 @@ def part_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "ddp_tuned_vs_ddp": {**_ratio(runs, "ddp_tuned", "ddp", "step_ms_median"), "limit": 1.02},
         "ddp_tuned_vs_ddp_iteration": _ratio(runs, "ddp_tuned", "ddp", "iteration_ms_mean"),
         "profiler_cost": {**_ratio(runs, "ddp_tuned+profiler", "ddp_tuned", "iteration_ms_mean"), "limit": 1.03},
+        "noise_floor": _ratio(runs, "ddp-again", "ddp", "step_ms_median"),
+        "host": {
+            name: _host_profile(args.device, name, warmup, 50 if args.quick else 300) for name in ("ddp", "ddp_tuned")
+        },
     }
+
+
+def _host_profile(device: str, name: str, warmup: int, steps: int) -> dict[str, Any]:
+    """One more fit of ``name``, its steps after ``warmup`` under cProfile (the host's Python per step, by
+    function) and, on CUDA, torch's sync debug mode (each operation that waits for the device, with the
+    line that asked for it): where a host-bound step's time goes."""
+    import cProfile
+    import pstats
+    import warnings
+
+    import lightning as L
+    import torch
+
+    from bench.harness.worker import regression
+    from bench.models import MLP_WIDTHS, make_data, make_mlp
+
+    profile = cProfile.Profile()
+    syncs: list[warnings.WarningMessage] = []
+    cuda = device == "cuda"
+
+    class Watch(L.Callback):
+        def __init__(self) -> None:
+            self.catcher: Any = None
+            self.seen: list[warnings.WarningMessage] = []
+
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == warmup and self.catcher is None:
+                self.catcher = warnings.catch_warnings(record=True)
+                self.seen = self.catcher.__enter__()
+                warnings.simplefilter("always")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                profile.enable()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            profile.disable()
+            if self.catcher is not None:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(m for m in self.seen if "synchroniz" in str(m.message))
+                self.catcher.__exit__(None, None, None)
+
+    model = regression(make_mlp(MLP_WIDTHS), torch.nn.functional.mse_loss)
+    loader = torch.utils.data.DataLoader(make_data(MLP_BATCH * 4, MLP_WIDTHS), batch_size=MLP_BATCH)
+    _trainer(device, _strategy(name), warmup + steps, [Watch()]).fit(model, loader)
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    total = sum(entry[2] for entry in stats.values())  # every function's own time: the profiled whole
+    per_function = sorted(
+        (
+            (f"{Path(file).name}:{line}({function})", entry[0], entry[3])
+            for (file, line, function), entry in stats.items()
+        ),
+        key=lambda row: -row[2],
+    )
+    where: dict[str, int] = {}
+    for message in syncs:
+        key = f"{message.filename}:{message.lineno}"
+        where[key] = where.get(key, 0) + 1
+    return {
+        "steps": steps,
+        "profiled_ms_per_step": 1e3 * total / steps,
+        "cumulative_ms_per_step": {fn: 1e3 * cum / steps for fn, _, cum in per_function[:60]},
+        "calls_per_step": {fn: calls / steps for fn, calls, _ in per_function[:60]},
+        "syncs_per_step": len(syncs) / steps,
+        "syncs_at": where,
+    }
+
+
+def part_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """README's main job on this machine: the flagship recipe (``recipes/char_lm``) as ``make demo`` runs it (every
+    GPU, or 2 CPU processes), and its plain-PyTorch loop under torchrun, each recording every step's loss: the
+    two must train the same numbers on this device too."""
+    import torch
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "char_lm"
+    size = ["--max-chars", "20000", "--epochs", "1"] if args.quick else []
+    processes = torch.cuda.device_count() if args.device == "cuda" else 2
+    out: dict[str, Any] = {"processes": processes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, argv in (
+            ("lightning", [str(recipe / "train_lightning.py"), "--out-dir", str(Path(tmp) / "logs")]),
+            (
+                "plain",
+                [
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={processes}",
+                    str(recipe / "train_plain.py"),
+                ],
+            ),  # fmt: skip
+        ):
+            record = Path(tmp) / f"{key}.pt"
+            started = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, *argv, *size, "--record", str(record)], capture_output=True, text=True, timeout=400
+            )
+            print(proc.stdout[-2500:], proc.stderr[-2500:], sep="\n", flush=True)
+            out[key] = {"exit_code": proc.returncode, "wall_s": time.perf_counter() - started}
+            if proc.returncode == 0:
+                data = torch.load(record, weights_only=True)
+                out[key].update(
+                    steps=len(data["losses"]),
+                    first_loss=data["losses"][0],
+                    last_loss=data["losses"][-1],
+                    val_loss=data["val_loss"],
+                    world_size=data["world_size"],
+                )
+                out[key]["_record"] = data
+    both = [out[key].pop("_record", None) for key in ("lightning", "plain")]
+    if all(record is not None for record in both):
+        lightning, plain = both
+        losses = [abs(a - b) for a, b in zip(lightning["losses"], plain["losses"])]
+        out["same_steps"] = len(lightning["losses"]) == len(plain["losses"])
+        out["max_loss_difference"] = max(losses) if losses else None
+        out["max_weight_difference"] = max(
+            float((lightning["state_dict"][name] - value).abs().max()) for name, value in plain["state_dict"].items()
+        )
+    return out
 
 
 def _powersgd_model_ms(device: str, rank: int, widths: tuple[int, ...]) -> dict[str, Any]:
@@ -511,6 +646,7 @@ PART_RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "overhead": part_overhead,
     "compression": part_compression,
     "whatif": part_whatif,
+    "demo": part_demo,
     "profile": part_profile_worker,
 }
 
@@ -597,6 +733,20 @@ def _table(results: dict[str, Any], card: str) -> str:
                     f"  {check['name']}: max |grad - one device's|",
                     f"{facts['max_grad_difference']:.3g} on {facts.get('devices')}",
                 )
+    demo = parts.get("demo", {}).get("result")
+    if demo:
+        for key in ("lightning", "plain"):
+            run = demo[key]
+            row(
+                f"char_lm recipe, {key}, {demo['processes']} process(es)",
+                f"exit {run['exit_code']}, {run['wall_s']:.1f} s"
+                + (f", loss {run['first_loss']:.3f} -> {run['last_loss']:.3f}" if "last_loss" in run else ""),
+            )
+        if "max_loss_difference" in demo:
+            row(
+                "char_lm: plain vs Lightning, max |d loss|, |d w|",
+                f"{demo['max_loss_difference']:.3g}, {demo['max_weight_difference']:.3g} (same steps: {demo['same_steps']})",
+            )
     ov = parts.get("overhead", {}).get("result")
     if ov:
         m = ov["median_step_ms"]
@@ -604,11 +754,20 @@ def _table(results: dict[str, Any], card: str) -> str:
             "step ms: ddp / ddp_tuned / +CommProfiler",
             f"{m['ddp']:.3f} / {m['ddp_tuned']:.3f} / {m['ddp_tuned+profiler']:.3f}",
         )
-        for key in ("ddp_tuned_vs_ddp", "profiler_cost"):
-            r = ov[key]
+        for key in ("ddp_tuned_vs_ddp", "profiler_cost", "noise_floor"):
+            r = ov.get(key)
+            if r:
+                row(
+                    f"{r['of']} ({r['stat']})",
+                    f"{r['median']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}]"
+                    + (f" limit {r['limit']}" if "limit" in r else ""),
+                )
+        for name, host in ov.get("host", {}).items():
             row(
-                f"{r['of']} ({r['stat']})",
-                f"{r['median']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] limit {r['limit']}",
+                f"{name}: host Python per step (cProfile), syncs",
+                f"{host['profiled_ms_per_step']:.3f} ms, {host['syncs_per_step']:.2f} syncs/step {host['syncs_at']}"[
+                    :160
+                ],
             )
     co = parts.get("compression", {}).get("result")
     if co:
