@@ -300,6 +300,20 @@ def _free_retired_groups() -> None:
 
 
 @pytest.fixture
+def no_gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees the machine as one without a GPU (torch's CUDA queries, nvidia-smi for the doctor), so a
+    test of CPU behaviour asserts the same on a GPU machine: there ``nn.DataParallel`` would move a test model to
+    ``cuda:0``, the doctor would report the idle GPU and run nvidia-smi, the CLIs would pick CUDA by default."""
+    import torch
+
+    from lightning_mgpu.envcheck import checks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(checks, "_nvidia_smi", lambda timeout=5.0: None)
+
+
+@pytest.fixture
 def one_rank_group() -> Iterator[None]:
     """A real one-rank gloo group in this process (an in-memory store: no socket, no process)."""
     import torch.distributed as dist

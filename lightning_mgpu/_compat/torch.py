@@ -268,3 +268,48 @@ _TENSOR_VERSION = guarded(
 def tensor_version(tensor: _torch.Tensor) -> int:
     """How many times ``tensor``'s data was changed in place (shared by its views)."""
     return int(tensor._version)
+
+
+# ---------------------------------------------------------------------------------------
+# torch's PowerSGD hook on CPU buckets where a GPU is visible: comm/compression.py
+# ---------------------------------------------------------------------------------------
+_POWERSGD_MODULE_TORCH = guarded(
+    "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook",
+    "torch",
+    required=True,
+    why="the hooks end with `if torch.cuda.is_available(): torch.cuda.synchronize(device)`, the bucket's device: on "
+    'a machine with a GPU a CPU bucket (gloo) fails there with "Expected a cuda device, but got: cpu"; the module\'s '
+    "`torch` is given a `cuda.synchronize` that leaves CPU devices alone",
+)
+
+
+class _CudaForPowerSGD:
+    """``torch.cuda`` as torch's PowerSGD hooks see it: ``synchronize`` of a non-CUDA device does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        if device is not None and _torch.device(device).type != "cuda":
+            return  # a CPU bucket: nothing on a GPU to wait for
+        _torch.cuda.synchronize(device)
+
+
+class _TorchForPowerSGD:
+    """``torch`` as torch's PowerSGD hook module sees it: everything, with :class:`_CudaForPowerSGD` as ``cuda``."""
+
+    cuda = _CudaForPowerSGD()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_torch, name)
+
+
+def powersgd_hooks_leave_cpu_buckets_alone() -> None:
+    """Let torch's ``powerSGD_hook`` / ``batched_powerSGD_hook`` reduce CPU buckets on a machine that has a GPU
+    (they synchronise the bucket's device as if it were always CUDA; see pytorch/pytorch PR 196568, open): once
+    per process, idempotent; CUDA buckets are synchronised as before."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    if not isinstance(vars(powerSGD_hook).get("torch"), _TorchForPowerSGD):
+        powerSGD_hook.torch = _TorchForPowerSGD()  # type: ignore[assignment]  # a stand-in for the module (see the guard above)

@@ -135,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"argument --device: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        parser.error(
+            f"argument --device: {device} is not on this machine ({count} GPU(s) visible: cuda:0 to cuda:{count - 1})"
+        )
     try:
         factory = load_target(args.factory)
     except TargetError as exc:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from lightning_mgpu._compat.torch import powersgd_hooks_leave_cpu_buckets_alone
 from lightning_mgpu.comm import powersgd_memory
 from lightning_mgpu.comm.compression import CommHook, PrescaledAllreduce
 
@@ -120,6 +121,8 @@ class HookChain:
             hook, state = default_hooks.allreduce_hook, None
         assert hook is not None
         hook_is_powersgd = hook in (powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
+        if hook_is_powersgd:
+            powersgd_hooks_leave_cpu_buckets_alone()  # CPU buckets where a GPU is visible: torch syncs them as CUDA
         if hook is powerSGD_hook.powerSGD_hook:
             # Innermost, the hook's per-parameter views: a complex gradient as its whole real view.
             hook = powersgd_memory.complex_as_real(hook)

@@ -44,7 +44,7 @@ from lightning_mgpu.comm.timing import (
 MAX_WINDOW = 10_000
 """Micro-batches of one accumulation window kept (the last ones, for a window of more)."""
 
-_Marks = dict[str, Stamp]
+_Marks = dict[str, Optional[Stamp]]  # None: marked in a step not profiled (no clock read)
 _PendingStep = tuple[int, _Marks, list[Any], list[Any], list[_Marks]]
 """A profiled step not yet read: (global step, marks, bucket launches, bucket completions, the marks
 of its accumulation window's micro-batches that did not communicate)."""
@@ -202,6 +202,7 @@ class CommProfiler(L.Callback):
         self._origin = 0  # the schedule counts from here: after bucket_cap_mb="auto" has measured
         self._tuning = False  # bucket_cap_mb="auto" was measuring when this batch started
         self._timing_on = True  # the profiler's hook wrapper is in DDP's hook and stamping
+        self._stamping = False  # this batch belongs to a step that may be profiled: its marks are stamped
         self._settle_left = 0  # steps of a new DDP wrapper still to skip
         self._wrapper: Optional[weakref.ref[torch.nn.Module]] = None
         self.switches: deque[tuple[int, bool]] = deque(maxlen=1000)
@@ -303,8 +304,10 @@ class CommProfiler(L.Callback):
     # ------------------------------------------------------------------ per step
 
     def _stamp(self, name: str) -> None:
+        """Mark ``name`` in this batch: a clock stamp in a step that may be profiled, else only that it happened
+        (between windows a step costs a dictionary write per mark, no clock read or CUDA event)."""
         assert self._clock is not None
-        self._marks[name] = self._clock.stamp()
+        self._marks[name] = self._clock.stamp() if self._stamping else None
 
     @override
     def on_train_batch_start(
@@ -317,9 +320,11 @@ class CommProfiler(L.Callback):
             self._wrapper = weakref.ref(model)  # re-wrapped (by us or by bucket_cap_mb="auto")
             self._settle_left = SETTLE_STEPS
         self._tuning = self._host is not None and self._host.tuning_active
+        # the synchronising step this batch belongs to is the next one (accumulating micro-batches included)
+        self._stamping = self._timing_on and self._phase(self._sync_steps_seen + 1) == "profile"
         self._marks = {}
         self._stamp("start")
-        self._marks["start_ns"] = time.perf_counter_ns()
+        self._marks["start_ns"] = time.perf_counter_ns() if self._stamping else None
         if self._timer is not None:
             self._timer.take()  # drop anything left from a step that did not reach the optimizer
 
@@ -391,17 +396,18 @@ class CommProfiler(L.Callback):
         self, rank: int, step: int, marks: _Marks, launches: list[Any], dones: list[Any], window: list[_Marks]
     ) -> None:
         assert self._clock is not None
-        clock, start = self._clock, marks["start"]
+        stamps = _stamped(marks)
+        clock, start = self._clock, stamps["start"]
         buckets = self._timer.intervals(start, launches, dones) if self._timer is not None else ()
         timeline = StepTimeline(
             step=step,
             rank=rank,
-            start_ns=int(marks["start_ns"]),  # type: ignore[arg-type]
-            forward_end_ms=clock.elapsed_ms(start, marks["forward_end"]),
-            compute_end_ms=clock.elapsed_ms(start, marks["compute_end"]) if "compute_end" in marks else None,
-            backward_end_ms=clock.elapsed_ms(start, marks["backward_end"]),
-            optimizer_start_ms=clock.elapsed_ms(start, marks["optimizer_start"]),
-            step_ms=clock.elapsed_ms(start, marks["end"]),
+            start_ns=int(stamps["start_ns"]),  # type: ignore[arg-type]
+            forward_end_ms=clock.elapsed_ms(start, stamps["forward_end"]),
+            compute_end_ms=clock.elapsed_ms(start, stamps["compute_end"]) if "compute_end" in stamps else None,
+            backward_end_ms=clock.elapsed_ms(start, stamps["backward_end"]),
+            optimizer_start_ms=clock.elapsed_ms(start, stamps["optimizer_start"]),
+            step_ms=clock.elapsed_ms(start, stamps["end"]),
             buckets=buckets,
             micro_batches=tuple(_micro_batch(clock, micro) for micro in window),
         )
@@ -503,14 +509,24 @@ def _fit_ends_here(trainer: L.Trainer) -> bool:
     return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
 
 
+def _stamped(marks: _Marks) -> dict[str, Stamp]:
+    """``marks`` of a step being recorded, every one a clock stamp (the schedule stamps every batch of a step it
+    may record)."""
+    unstamped = sorted(name for name, stamp in marks.items() if stamp is None)
+    if unstamped:
+        raise RuntimeError(f"CommProfiler: a step was recorded without its clock stamps {unstamped} (a bug)")
+    return marks  # type: ignore[return-value]  # checked above
+
+
 def _micro_batch(clock: Clock, marks: _Marks) -> MicroBatch:
     """A micro-batch that did not communicate, from its marks (a batch whose ``training_step``
     returned None has no backward: its compute ends with its forward, or with the batch)."""
-    start, end = marks["start"], marks["end"]
-    forward_end = marks.get("forward_end", end)
-    backward_end = marks.get("backward_end", forward_end)
+    stamps = _stamped(marks)
+    start, end = stamps["start"], stamps["end"]
+    forward_end = stamps.get("forward_end", end)
+    backward_end = stamps.get("backward_end", forward_end)
     return MicroBatch(
-        start_ns=int(marks["start_ns"]),  # type: ignore[arg-type]
+        start_ns=int(stamps["start_ns"]),  # type: ignore[arg-type]
         forward_end_ms=clock.elapsed_ms(start, forward_end),
         backward_end_ms=clock.elapsed_ms(start, backward_end),
         end_ms=clock.elapsed_ms(start, end),

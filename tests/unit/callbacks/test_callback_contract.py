@@ -156,6 +156,7 @@ def test_every_exported_callback_has_a_contract() -> None:
     )
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("callback_class", CALLBACKS, ids=lambda cls: cls.__name__)
 def test_callback_contract(

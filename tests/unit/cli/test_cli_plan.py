@@ -54,12 +54,30 @@ def _plan_here(workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
         (["plan_factory_mod:build", "--shape", "8,16", "--device", "cuda"], "CUDA is not available"),
     ],
 )
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 def test_bad_input_gets_one_clear_line_and_no_traceback(
     workdir: Path, flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, err = _plan_here(workdir, monkeypatch, capsys, *flags)
     assert code == 2, err
     assert message in err
+
+
+def test_a_gpu_the_machine_does_not_have_gets_one_clear_line(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device cuda:99`` on a machine with one GPU: refused before anything runs (it ran the plan, seen on an
+    H100 machine)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, err = _plan_here(
+        workdir, monkeypatch, capsys, "plan_factory_mod:build", "--shape", "8,16", "--device", "cuda:99"
+    )
+    assert code == 2, err
+    assert "argument --device: cuda:99 is not on this machine (1 GPU(s) visible: cuda:0 to cuda:0)" in err
+    assert "Traceback" not in err
 
 
 def test_plan_takes_a_file_target_like_tune(

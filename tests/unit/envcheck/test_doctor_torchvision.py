@@ -71,6 +71,7 @@ def test_matching_versions() -> None:
     assert "cu124" in fix_command("2.6.0+cu124")
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 def test_the_doctor_reports_it_even_when_lightning_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mismatch breaks `import lightning`; the doctor must still produce its report (and the fix)."""
     failing = check_torchvision(version_of=versions(torch="2.13.0+cpu", torchvision="0.28.0"), import_module=importer())

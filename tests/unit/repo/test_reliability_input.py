@@ -421,6 +421,7 @@ def test_every_bad_flag_exits_2_with_one_line_naming_it(
     assert named or shape_words or (flag == "--split-module" and "split-module" in errors[0]), errors[0]
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 @pytest.mark.parametrize(
     "argv",
     [
@@ -495,6 +496,7 @@ def test_no_file_is_ever_unpickled_by_the_package() -> None:
     assert offenders == []
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 def test_the_doctors_report_shows_no_secret_from_the_environment() -> None:
     secrets = {
         "WANDB_API_KEY": "local-5f0e9c1d2b3a4f5e6d7c8b9a0f1e2d3c4b5a6978",

@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from lightning_mgpu import TunedDDPStrategy
 from lightning_mgpu._compat.torch import carry_module_hooks as _carry_module_hooks
+from lightning_mgpu._compat.torch import powersgd_hooks_leave_cpu_buckets_alone
 from lightning_mgpu.tuning import buckets, decision, layout, plan, tuner
 from lightning_mgpu.comm.powersgd_memory import PowerSGDLayoutKeeper
 from tests.conftest import destroy_default_group
@@ -449,6 +450,7 @@ def powersgd_steps(
     if keeper_state is not None:
         keeper.load_state_dict(keeper_state, keeper_state["error"])
     hook = keeper.wrap(powersgd.powerSGD_hook) if keep else powersgd.powerSGD_hook
+    powersgd_hooks_leave_cpu_buckets_alone()  # as the strategies' hook chain does where a GPU is visible
     outputs = []
     for step, bucket_list in enumerate(layouts, start=start):
         generator = torch.Generator().manual_seed(step)

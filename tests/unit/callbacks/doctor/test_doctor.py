@@ -480,6 +480,7 @@ def _fit(doctor: DistributedDoctor, steps: int = 6) -> L.Trainer:
     return trainer
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 def test_one_process_fit_reports_local_rules_and_can_fit_again() -> None:
     doctor = DistributedDoctor(check_every_n_batches=2)
     with warnings.catch_warnings(record=True) as caught:
@@ -497,6 +498,7 @@ def test_one_process_fit_reports_local_rules_and_can_fit_again() -> None:
     assert [f.rule for f in doctor.findings] == ["dataparallel-wrapped"] and doctor.batches_seen == 6
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 def test_strict_raises_and_disable_silences() -> None:
     with pytest.raises(DistributedDoctorError, match="dataparallel-wrapped") as info:
         _fit(DistributedDoctor(strict=True))
@@ -568,6 +570,7 @@ def test_reentrant_checkpoint_only_warned_is_followed_by_the_failure_it_predicts
             _fit_checkpointed(DistributedDoctor(stop_on_fatal=False))
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 @pytest.mark.usefixtures("one_ddp_rank")
 def test_reentrant_checkpoint_with_the_fix_trains_without_a_finding() -> None:
     doctor = DistributedDoctor(strict=True)

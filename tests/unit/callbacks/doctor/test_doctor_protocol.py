@@ -333,6 +333,7 @@ class _Plain(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
 
 
+@pytest.mark.usefixtures("no_gpu_visible")  # asserts CPU behaviour, also on a GPU machine
 def test_a_rule_that_cannot_be_checked_is_named_not_passed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
