@@ -185,6 +185,8 @@ def _timed_fit(
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
+    if extra_callbacks:  # e.g. CommProfiler's windows: every step, to tell the steps in a window from the others
+        result["step_ms_each"] = step
     del trainer, model
     gc.collect()
     if device == "cuda":
@@ -319,7 +321,8 @@ def part_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "profiler_cost": {**_ratio(runs, "ddp_tuned+profiler", "ddp_tuned", "iteration_ms_mean"), "limit": 1.03},
         "noise_floor": _ratio(runs, "ddp-again", "ddp", "step_ms_median"),
         "host": {
-            name: _host_profile(args.device, name, warmup, 50 if args.quick else 300) for name in ("ddp", "ddp_tuned")
+            name: _host_profile(args.device, name, warmup, 50 if args.quick else 300)
+            for name in ("ddp", "ddp_tuned", "ddp_tuned+profiler")
         },
     }
 
@@ -337,6 +340,8 @@ def _host_profile(device: str, name: str, warmup: int, steps: int) -> dict[str, 
 
     from bench.harness.worker import regression
     from bench.models import MLP_WIDTHS, make_data, make_mlp
+
+    from lightning_mgpu import CommProfiler
 
     profile = cProfile.Profile()
     syncs: list[warnings.WarningMessage] = []
@@ -366,7 +371,8 @@ def _host_profile(device: str, name: str, warmup: int, steps: int) -> dict[str, 
 
     model = regression(make_mlp(MLP_WIDTHS), torch.nn.functional.mse_loss)
     loader = torch.utils.data.DataLoader(make_data(MLP_BATCH * 4, MLP_WIDTHS), batch_size=MLP_BATCH)
-    _trainer(device, _strategy(name), warmup + steps, [Watch()]).fit(model, loader)
+    extra = [CommProfiler(whatif=None)] if name == "ddp_tuned+profiler" else []
+    _trainer(device, _strategy(name), warmup + steps, [Watch(), *extra]).fit(model, loader)
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     total = sum(entry[2] for entry in stats.values())  # every function's own time: the profiled whole
     per_function = sorted(
