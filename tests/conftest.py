@@ -175,8 +175,17 @@ def _processes_need_the_multiprocess_marker(request: pytest.FixtureRequest) -> I
             "(or keep it in-process)"
         )
 
+    start_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def refuse_but_a_font_scan(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> Any:
+        # matplotlib builds its font cache once per machine (its first import of pyplot where no cache is): it
+        # asks fc-list, where fontconfig is installed. Not the test's process (seen on a fresh GPU machine).
+        if isinstance(args, (list, tuple)) and args and os.path.basename(str(args[0])) == "fc-list":
+            return start_child(self, args, *rest, **kwargs)
+        refuse()
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(subprocess.Popen, "_execute_child", refuse_but_a_font_scan)
         patch.setattr(warm, "_request", refuse)  # a warm start forks from the worker's zygote
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):

@@ -34,6 +34,16 @@ def test_an_unmarked_test_cannot_start_a_process() -> None:
         os.system("true")
 
 
+def test_matplotlibs_font_scan_is_not_a_tests_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib's first pyplot import on a machine without its font cache asks ``fc-list`` (seen on a fresh GPU
+    machine, where four fast tests failed for it): let through, and nothing else by that door."""
+    monkeypatch.setenv("PATH", "/nonexistent")  # whatever fontconfig this machine has: the start is what counts
+    with pytest.raises(FileNotFoundError):  # past the guard, to the missing program
+        subprocess.run(["fc-list", "--help"], capture_output=True)
+    with pytest.raises(ProcessStartedInFastTest):
+        subprocess.run(["/usr/bin/fc-list-not", "--help"], capture_output=True)
+
+
 @dataclass
 class _Item:
     nodeid: str
