@@ -59,6 +59,7 @@ PART_TIMEOUT_S = {"selftest": 480.0, "demo": 300.0, "overhead": 200.0, "compress
 BIG_WIDTHS = (4096,) * 7  # 6 Linear(4096, 4096): 100.7M parameters
 BIG_BATCH = 512
 MLP_BATCH = 256
+RECORDED_FUNCTIONS = 20  # of a host profile, by cumulative time, kept in bench/results
 
 
 # ----------------------------------------------------------------------------------------------- shared
@@ -808,10 +809,13 @@ def _table(results: dict[str, Any], card: str) -> str:
 
 def record(launches: list[str], results: Path) -> list[Path]:
     """Merge launches (``DIR=LABEL@COMMIT``: a ``--out`` folder fetched from the GPU machine) into
-    ``results/gpu_{selftest,overhead,compression,whatif}.json``, the files the docs' GPU tables read."""
-    from bench.harness.stats import median, median_ci
-
-    merged: dict[str, dict[str, Any]] = {part: {"launches": []} for part in PARTS}
+    ``results/gpu_<part>.json``, the files the docs' GPU tables read, after the launches already there (a
+    launch of the same label and commit replaces its earlier record)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for part in PARTS:
+        path = results / f"gpu_{part}.json"
+        merged[part] = json.loads(path.read_text()) if path.exists() else {"launches": []}
+    changed: set[str] = set()
     for launch in launches:
         folder, _, tag = launch.partition("=")
         label, _, commit = tag.partition("@")
@@ -820,33 +824,54 @@ def record(launches: list[str], results: Path) -> list[Path]:
             result = entry.get("result")
             if result is None:
                 continue
-            merged[part].setdefault("machine", run["machine"])
+            merged[part]["machine"] = run["machine"]  # the newest launch's machine
             result = {k: v for k, v in result.items() if k not in ("machine", "whatif")}
             if part == "selftest":
                 for report in result.values():
                     for check in report.get("checks", []):
                         check.get("details", {}).pop("output_tail", None)
-            merged[part]["launches"].append({"label": label, "commit": commit, "seconds": entry["seconds"], **result})
-    overhead = merged["overhead"]
-    if overhead["launches"]:
-        for key in ("ddp_tuned_vs_ddp", "profiler_cost"):
-            ratios = [r for launch in overhead["launches"] for r in launch[key]["per_round"]]
-            low, high = median_ci(ratios)
-            overhead[key] = {
-                "of": overhead["launches"][0][key]["of"],
-                "stat": overhead["launches"][0][key]["stat"],
-                "median": median(ratios),
-                "ci95": [low, high],
-                "rounds": len(ratios),
-                "limit": overhead["launches"][0][key]["limit"],
-            }
+            if part == "overhead":  # what the docs cite: no per-step lists, each host profile's top functions
+                for run in result["runs"]:
+                    run.pop("step_ms_each", None)
+                for host in result.get("host", {}).values():
+                    for key in ("cumulative_ms_per_step", "calls_per_step"):
+                        host[key] = dict(list(host[key].items())[:RECORDED_FUNCTIONS])
+            kept = [old for old in merged[part]["launches"] if (old["label"], old["commit"]) != (label, commit)]
+            merged[part]["launches"] = [
+                *kept,
+                {"label": label, "commit": commit, "seconds": entry["seconds"], **result},
+            ]
+            changed.add(part)
+    if merged["overhead"]["launches"]:
+        _pool_overhead(merged["overhead"])
     written = []
-    for part, data in merged.items():
-        if data["launches"]:
+    for part in PARTS:
+        if part in changed:
             path = results / f"gpu_{part}.json"
-            path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+            path.write_text(json.dumps(merged[part], indent=1, default=str) + "\n")
             written.append(path)
     return written
+
+
+def _pool_overhead(overhead: dict[str, Any]) -> None:
+    """Each ratio's median and CI over every round of every launch that measured it."""
+    from bench.harness.stats import median, median_ci
+
+    for key in ("ddp_tuned_vs_ddp", "profiler_cost", "noise_floor"):
+        measured = [launch for launch in overhead["launches"] if key in launch]
+        ratios = [r for launch in measured for r in launch[key]["per_round"]]
+        if not ratios:
+            continue
+        low, high = median_ci(ratios)
+        overhead[key] = {
+            "of": measured[0][key]["of"],
+            "stat": measured[0][key]["stat"],
+            "median": median(ratios),
+            "ci95": [low, high],
+            "rounds": len(ratios),
+            "launches": [f"{launch['label']}@{launch['commit']}" for launch in measured],
+            **({"limit": measured[0][key]["limit"]} if "limit" in measured[0][key] else {}),
+        }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
