@@ -419,8 +419,10 @@ class CommProfiler(L.Callback):
         # a collective: every rank enters it (never rank-zero-only)
         per_rank = gather_objects(self._stats.take_unlogged(), trainer.world_size)
         metrics = self._stats.metrics(per_rank, world_size=trainer.world_size)
-        # Identical on every rank (all gathered the same values): no further sync needed.
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        # Identical on every rank (all gathered the same values): no further sync needed. As CPU tensors: Lightning
+        # makes a float a tensor on the module's device, on a GPU one copy that waits for the GPU per figure.
+        values = {name: torch.tensor(value, dtype=torch.float32) for name, value in metrics.items()}
+        pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=False)
 
     # ------------------------------------------------------------------ end of fit
 

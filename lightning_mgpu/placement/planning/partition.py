@@ -54,7 +54,11 @@ candidate values so that it ends on the optimum itself:
   (the ``a`` for which ``[a, b)`` fits in memory, a window that slides right as ``b`` grows)
   is large enough: a sliding-window maximum (monotone deque), O(L) per stage, O(k L) per
   probe. Cut costs make stage costs non-monotone in ``b``, which rules out the classic
-  greedy probe; the window maximum does not care.
+  greedy probe; the window maximum does not care. Without cut costs and capacities (and
+  with ``T`` at least the largest layer) the reachable boundaries after ``j`` stages are
+  every one from ``j`` up to the furthest, and the probe is that greedy one: each stage
+  ends as far as ``T`` allows, found by binary search in ``P`` (O(k log L)); a ``T`` that
+  fails then raises the lower bound to ``T + 1`` (integers: see below).
 * on success the upper bound drops to the bottleneck of the split found (a real stage
   cost <= T); on failure the lower bound rises to the smallest stage cost the probe saw
   blocked (every unreachable ``b`` with a reachable ``a`` in its window had its cheapest
@@ -68,7 +72,9 @@ Time: O(L) set-up and O(k L) per probe. The bracket at least halves per probe, s
 at most log2(B) + 1 probes, B the initial bracket counted in the inputs' common resolution
 (for floats at most about 53 + log2(L) + their binary exponent spread bits; the snapping
 ends it far sooner: 3 to 20 probes measured on L = 1000). Total O(k L log B); L = 1000,
-k = 8 takes about 20 ms in CPython (``bench/planner.py`` measures it). Memory: O(k L).
+k = 8 takes about 20 ms in CPython (``bench/planner.py`` measures it). Without cut costs and
+capacities, O(k log L log B) for the search and O(k L) for the tie rule: L = 100,000 layers
+in 0.14 s at k = 8 and 0.7 s at k = 64 (2.0 and 19 s with the window probe). Memory: O(k L).
 An exact O(k L^2) dynamic programme gives the same bottleneck (the tests and the
 benchmark check that).
 """
@@ -77,6 +83,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from bisect import bisect_right
 from collections import deque
 from itertools import accumulate
 from typing import Optional, Sequence
@@ -220,7 +227,9 @@ class _Problem:
             for cut_index, cut in enumerate(cut_units):
                 self.exit[cut_index + 1] += cut  # a stage ending after layer cut_index pays the cut
                 self.entry[cut_index + 1] -= cut  # ...and so does the stage starting at layer cut_index + 1
+        self.prefix = prefix
         self.first: list[Optional[list[int]]] = [None] * num_stages
+        self.plain = cut_units is None  # and no capacity (below): a stage costs the sum of its layers, nothing else
         if memory_units is not None and capacity_units is not None:
             memory_prefix = list(accumulate(memory_units, initial=0))
             windows: dict[int, list[int]] = {}
@@ -230,6 +239,7 @@ class _Problem:
                 if limit not in windows:
                     windows[limit] = _window_starts(memory_prefix, limit)
                 self.first[stage] = windows[limit]
+                self.plain = False
 
     def probe(self, threshold: float, *, keep_path: bool = True) -> tuple[bool, Optional[int]]:
         """Is there a split with every stage cost <= ``threshold`` that fits?
@@ -238,6 +248,8 @@ class _Problem:
         is a lower bound on any feasible threshold (the smallest stage cost seen blocked;
         ``None`` when no threshold can help: the capacities alone rule everything out).
         """
+        if self.plain and threshold >= self.largest_layer:
+            return self._furthest_first(threshold)
         num_layers, num_stages = self.num_layers, self.num_stages
         exit_, entry = self.exit, self.entry
         previous = [-1] * (num_layers + 1)  # previous[a] >= 0: boundary a reachable after j - 1 stages
@@ -288,6 +300,26 @@ class _Problem:
             bottleneck = max(bottleneck, exit_[boundary] - entry[start])
             boundary = start
         return True, bottleneck
+
+    def _furthest_first(self, threshold: float) -> tuple[bool, Optional[int]]:
+        """:meth:`probe` of a plain instance (no cut costs, no capacities) with every layer within ``threshold``:
+        the boundaries reachable after ``j`` stages are then ``j`` up to the furthest, so each stage ends as far
+        as it can while leaving a layer for each stage after it (``k`` binary searches, not ``k`` passes). A
+        threshold that fails answers the next integer: any feasible threshold is above it."""
+        prefix, num_layers, num_stages = self.prefix, self.num_layers, self.num_stages
+        start, bottleneck = 0, 0
+        for stage in range(1, num_stages):
+            highest = num_layers - (num_stages - stage)
+            if threshold == INFINITE:  # exact integers can be beyond any float: no sum with infinity
+                end = highest
+            else:
+                end = bisect_right(prefix, prefix[start] + threshold, start + 1, highest + 1) - 1
+            bottleneck = max(bottleneck, prefix[end] - prefix[start])
+            start = end
+        last = prefix[num_layers] - prefix[start]
+        if last > threshold:
+            return False, int(threshold) + 1
+        return True, max(bottleneck, last)
 
     def optimum(self) -> Optional[int]:
         """The smallest achievable bottleneck, or None when no split fits the capacities."""

@@ -559,3 +559,30 @@ def test_medium_random_instances_match_the_dp(seed: int, num_layers: int, k: int
     assert_valid(sizes, num_layers, k)
     assert fits(memory, capacity, sizes)
     assert bottleneck_units(to_units(costs, SCALE * 8), sizes, to_units(cuts, SCALE * 8)) == expected
+
+
+def test_without_cuts_or_capacities_the_greedy_probe_answers_as_the_window_probe() -> None:
+    """The plain instance's probe (each stage as far as the threshold allows, by binary search) against the
+    sliding-window probe every instance can use: at the optimum, just below it, and at thresholds drawn between
+    the largest layer and the total."""
+    from lightning_mgpu.placement.planning.partition import _Problem
+
+    rng = random.Random(3)
+    for _ in range(200):
+        num_layers = rng.randint(1, 60)
+        k = rng.randint(1, num_layers)
+        costs = [rng.choice([0, 1, 2, 3, 7, 50]) for _ in range(num_layers)]
+        plain = _Problem(costs, None, k)
+        window = _Problem(costs, None, k)
+        window.plain = False
+        assert plain.plain
+        optimum = window.optimum()
+        assert optimum is not None and plain.optimum() == optimum
+        drawn = {rng.randint(max(costs), sum(costs)) for _ in range(20)}
+        for threshold in sorted(drawn | {optimum, max(optimum - 1, max(costs))}):
+            fast, slow = plain.probe(threshold), window.probe(threshold)
+            assert fast[0] == slow[0] == (threshold >= optimum), (costs, k, threshold)
+            if fast[0]:
+                assert fast[1] is not None and optimum <= fast[1] <= threshold
+            else:
+                assert fast[1] == threshold + 1 and slow[1] is not None and slow[1] > threshold
