@@ -616,8 +616,11 @@ def gpu_figures() -> str:
         ratio = over.get(key)
         if ratio is None:
             continue
+        pooled = {tag.rsplit("@", 1)[-1] for tag in ratio.get("launches", [])}
         per_launch = ", ".join(
-            f"{launch[key]['median']:.3f} ({launch['commit']})" for launch in over["launches"] if key in launch
+            f"{launch[key]['median']:.3f} ({launch['commit']}{'' if launch['commit'] in pooled else ', not pooled'})"
+            for launch in over["launches"]
+            if key in launch
         )
         verdict = ""
         if "limit" in ratio:

@@ -203,6 +203,7 @@ class CommProfiler(L.Callback):
         self._tuning = False  # bucket_cap_mb="auto" was measuring when this batch started
         self._timing_on = True  # the profiler's hook wrapper is in DDP's hook and stamping
         self._stamping = False  # this batch belongs to a step that may be profiled: its marks are stamped
+        self._in_train_batch = False  # between a training batch's start and end (not in validation)
         self._settle_left = 0  # steps of a new DDP wrapper still to skip
         self._wrapper: Optional[weakref.ref[torch.nn.Module]] = None
         self.switches: deque[tuple[int, bool]] = deque(maxlen=1000)
@@ -271,7 +272,13 @@ class CommProfiler(L.Callback):
             self._not_measured(trainer.strategy, "another communication hook is already registered on its DDP")
             self._stats = self._new_stats()
         if self._clock is not None and isinstance(model, DistributedDataParallel):
-            self._forward_hook = model.register_forward_hook(lambda *_: self._stamp("forward_end"))
+            self._forward_hook = model.register_forward_hook(self._forward_ended)
+
+    def _forward_ended(self, *_: Any) -> None:
+        # DDP's wrapper also runs validation's forward: that must not touch a training step's marks (on CUDA
+        # the last step is read one step later, after a validation in between)
+        if self._in_train_batch:
+            self._stamp("forward_end")
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -323,6 +330,7 @@ class CommProfiler(L.Callback):
         # the synchronising step this batch belongs to is the next one (accumulating micro-batches included)
         self._stamping = self._timing_on and self._phase(self._sync_steps_seen + 1) == "profile"
         self._marks = {}
+        self._in_train_batch = True
         self._stamp("start")
         self._marks["start_ns"] = time.perf_counter_ns() if self._stamping else None
         if self._timer is not None:
@@ -354,6 +362,7 @@ class CommProfiler(L.Callback):
         if self._clock is None:
             return
         self._stamp("end")
+        self._in_train_batch = False
         if "optimizer_start" not in self._marks:
             # no optimizer step in this batch (accumulating): DDP did not communicate; the batch
             # is part of the optimizer step all the same (a new list per window: a CUDA step is

@@ -129,8 +129,10 @@ def test_powersgd_reduces_cpu_buckets_on_a_machine_with_a_gpu(
     # bucket's device: where a GPU is visible, PowerSGD over gloo on the CPU failed at its first compressed step
     # ("Expected a cuda device, but got: cpu"; seen on an H100 machine). The GPU is made to look visible here.
     expected = powersgd_grads(real_view=True, ours=True, warm_start=False)
+    monkeypatch.setattr(powerSGD_hook, "torch", torch)  # torch's own again (an earlier test may have set ours)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    seen = powersgd_grads(real_view=True, ours=True, warm_start=False)
+    seen = powersgd_grads(real_view=True, ours=True, warm_start=False)  # the strategies' chain puts ours in
+    assert powerSGD_hook.torch is not torch
     assert len(seen) == len(expected) == 5
     for step, (a, b) in enumerate(zip(seen, expected)):
         assert torch.equal(a, b), f"step {step}"

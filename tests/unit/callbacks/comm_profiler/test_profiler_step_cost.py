@@ -96,3 +96,49 @@ def test_only_the_steps_it_records_read_the_clock_and_its_figures_are_logged_on_
         for value in figures.values()
     )
     assert trainer.callback_metrics["comm/step_ms"].device.type == "cpu"
+
+
+class _WithValidation(MLPRegressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_validation_between_steps_leaves_the_steps_marks_alone(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DDP's wrapper runs validation's forward too, and its forward hook stamped "forward_end" into the last
+    # training step's marks: on CUDA that step is read one step later, after the validation in between.
+    stamps: list[tuple[str, bool]] = []
+    stamp = CommProfiler._stamp
+    trainer: Any = None
+
+    def kept(self: CommProfiler, name: str) -> None:
+        stamps.append((name, trainer.validating))
+        stamp(self, name)
+
+    monkeypatch.setattr(CommProfiler, "_stamp", kept)
+    profiler = CommProfiler(warmup_steps=1, every_n_steps=50, profile_every=None, whatif=None)
+    torch.manual_seed(0)
+    x = torch.randn(8 * 6, 32)
+    data = TensorDataset(x, x[:, :1].sin())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=TunedDDPStrategy(),
+        max_steps=6,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        callbacks=[profiler],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model = _WithValidation(in_features=32, width=32, depth=1, out_features=1, lr=0.01, record_losses=False)
+    trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    assert "val_loss" in trainer.callback_metrics  # validation ran, through DDP's wrapper
+    assert [name for name, validating in stamps if validating] == []
+    assert sum(name == "forward_end" for name, _ in stamps) == 6  # one per training step
