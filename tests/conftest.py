@@ -309,6 +309,15 @@ def _free_retired_groups() -> None:
 
 
 @pytest.fixture
+def one_rank(clean_process: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An in-process one-device fit (Lightning's DDP as rank 0 of 1): no launcher variable of an earlier run in
+    the environment; the process group and the environment undone after (``clean_process``)."""
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    yield
+
+
+@pytest.fixture
 def no_gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process sees the machine as one without a GPU (torch's CUDA queries, nvidia-smi for the doctor), so a
     test of CPU behaviour asserts the same on a GPU machine: there ``nn.DataParallel`` would move a test model to

@@ -13,9 +13,8 @@ In process, one rank (a real gloo group of one: DDP still runs its communication
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -31,19 +30,6 @@ from lightning_mgpu.callbacks.comm_profiler.callback import comm_hook_host
 from lightning_mgpu.callbacks.comm_profiler.stock_ddp import StockDDPHookHost, wire_ratio_of
 from lightning_mgpu.comm.timing import HostClock
 from tests.scripts.models import MLPRegressor
-from tests.conftest import destroy_default_group
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    environ = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        os.environ.pop(key, None)
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        destroy_default_group()  # freed on the main thread: tests/conftest.py
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 class HookName(L.Callback):

@@ -14,7 +14,7 @@ import math
 import sys
 import types
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -31,13 +31,6 @@ from tests.scripts.models import MLPRegressor
 from tests.helpers.whatif import mlp_profile
 
 STEPS = 6
-
-
-@pytest.fixture
-def one_rank(clean_process: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    yield
 
 
 def _fit(root: Path, strategy: Any, profiler: CommProfiler) -> L.Trainer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -22,11 +22,21 @@ from tests.scripts.models import MLPRegressor
 STEPS = 14
 
 
-@pytest.fixture
-def one_rank(clean_process: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    yield
+def _trainer(root: Path, callbacks: list[L.Callback], **options: Any) -> L.Trainer:
+    """One CPU device under ``TunedDDPStrategy`` (DDP's hook really there), nothing but training and validation."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=TunedDDPStrategy(),
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        **options,
+    )
 
 
 class _Step(L.Callback):
@@ -65,18 +75,7 @@ def test_only_the_steps_it_records_read_the_clock_and_its_figures_are_logged_on_
     profiler = CommProfiler(warmup_steps=1, every_n_steps=50, profile_steps=2, profile_every=6, whatif=None)
     torch.manual_seed(0)
     x = torch.randn(8 * STEPS, 32)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=TunedDDPStrategy(),
-        max_steps=STEPS,
-        callbacks=[step, profiler],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, [step, profiler], max_steps=STEPS)
     model = MLPRegressor(in_features=32, width=32, depth=1, out_features=1, lr=0.01, record_losses=False)
     trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=8))
 
@@ -122,21 +121,7 @@ def test_validation_between_steps_leaves_the_steps_marks_alone(
     torch.manual_seed(0)
     x = torch.randn(8 * 6, 32)
     data = TensorDataset(x, x[:, :1].sin())
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=TunedDDPStrategy(),
-        max_steps=6,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-        callbacks=[profiler],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, [profiler], max_steps=6, val_check_interval=2, limit_val_batches=2)
     model = _WithValidation(in_features=32, width=32, depth=1, out_features=1, lr=0.01, record_losses=False)
     trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
     assert "val_loss" in trainer.callback_metrics  # validation ran, through DDP's wrapper
