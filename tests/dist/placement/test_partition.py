@@ -27,7 +27,7 @@ def test_partition_module_imports_no_torch() -> None:
         imported = {
             alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
         } | {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        assert imported <= {"__future__", "math", "numbers", "collections", "itertools", "typing", "lightning_mgpu"}, (
+        assert imported <= {"__future__", "bisect", "math", "numbers", "collections", "itertools", "typing", "lightning_mgpu"}, (
             path,
             imported,
         )
