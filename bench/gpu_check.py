@@ -14,6 +14,9 @@ the others down), in this order:
     README's main job: the flagship recipe (``recipes/char_lm``) on every GPU, as ``make demo``
     runs it, and its plain-PyTorch loop under torchrun, both recording each step's loss: wall
     time, and how far the two runs' losses and weights are apart on this device.
+``unit``
+    the in-process test lane (``tests/unit``) with the GPU visible: written on machines without one,
+    a test or a code path that assumes none fails here first.
 ``overhead``
     one GPU, NCCL, world size 1, the 8M MLP of :mod:`bench.models`: Lightning's stock ``ddp``
     (twice: ``ddp-again / ddp`` is the comparison's noise floor), our ``ddp_tuned`` and
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,8 +58,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-PARTS = ("selftest", "demo", "overhead", "compression", "whatif")
-PART_TIMEOUT_S = {"selftest": 480.0, "demo": 300.0, "overhead": 200.0, "compression": 240.0, "whatif": 180.0}
+PARTS = ("selftest", "demo", "unit", "overhead", "compression", "whatif")
+PART_TIMEOUT_S = {
+    "selftest": 480.0,
+    "demo": 300.0,
+    "unit": 200.0,
+    "overhead": 200.0,
+    "compression": 240.0,
+    "whatif": 180.0,
+}
 BIG_WIDTHS = (4096,) * 7  # 6 Linear(4096, 4096): 100.7M parameters
 BIG_BATCH = 512
 MLP_BATCH = 256
@@ -453,6 +464,31 @@ def part_demo(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def part_unit(args: argparse.Namespace) -> dict[str, Any]:
+    """The in-process test lane (``tests/unit``) with the GPU visible: the lane is written on machines without one,
+    so a test (or the code) that assumes none fails here first (its first run on an H100 found two bugs)."""
+    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--timeout", "60"]
+    argv += ["--continue-on-collection-errors", *(["-n", str(workers)] if workers > 1 else []), "tests/unit"]
+    if args.quick:
+        argv += ["-k", "partition"]
+    started = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=190, cwd=Path(__file__).resolve().parent.parent)
+    lines = proc.stdout.splitlines()
+    print("\n".join(lines[-60:]), flush=True)
+    counts = {
+        word: int(number)
+        for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", lines[-1] if lines else "")
+    }
+    return {
+        "exit_code": proc.returncode,
+        "wall_s": time.perf_counter() - started,
+        "workers": workers,
+        "counts": counts,
+        "failed": [line.split(" ", 1)[1] for line in lines if line.startswith(("FAILED ", "ERROR "))],
+    }
+
+
 def _powersgd_model_ms(device: str, rank: int, widths: tuple[int, ...]) -> dict[str, Any]:
     """PowerSGD's compute per step as the what-if model has it: measured per matrix on this device."""
     from bench.models import make_mlp
@@ -657,6 +693,7 @@ PART_RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "compression": part_compression,
     "whatif": part_whatif,
     "demo": part_demo,
+    "unit": part_unit,
     "profile": part_profile_worker,
 }
 
@@ -757,6 +794,14 @@ def _table(results: dict[str, Any], card: str) -> str:
                 "char_lm: plain vs Lightning, max |d loss|, |d w|",
                 f"{demo['max_loss_difference']:.3g}, {demo['max_weight_difference']:.3g} (same steps: {demo['same_steps']})",
             )
+    unit = parts.get("unit", {}).get("result")
+    if unit:
+        row(
+            f"tests/unit with the GPU visible ({unit['workers']} workers)",
+            f"{unit['counts']} in {unit['wall_s']:.0f} s",
+        )
+        for failed in unit["failed"][:20]:
+            row("  failed", failed[:110])
     ov = parts.get("overhead", {}).get("result")
     if ov:
         m = ov["median_step_ms"]
