@@ -24,8 +24,9 @@ the others down), in this order:
     (order rotated every round), each step timed with CUDA events
     (:class:`bench.harness.worker.StepTimer`). Figures: ``ddp_tuned / ddp`` (median step) and
     the profiler's cost (mean iteration, re-wraps included: ``bench.profiler_overhead``'s measure);
-    then one fit each of ``ddp`` and ``ddp_tuned`` under cProfile with torch's sync debug mode
-    (the host's Python per step by function, and every operation that waits for the device).
+    then one fit each of ``ddp``, ``ddp_tuned`` and ``ddp_tuned`` + ``CommProfiler()`` under cProfile
+    with torch's sync debug mode (the host's Python per step by function, and every operation that
+    waits for the device).
 ``compression``
     a ~100M-parameter MLP (6 x 4096 x 4096), AMP on: per step, our ``compression="fp16"`` /
     ``"bf16"`` against torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` (each beside its
@@ -902,7 +903,8 @@ def record(launches: list[str], results: Path) -> list[Path]:
 
 
 def _pool_overhead(overhead: dict[str, Any]) -> None:
-    """Each ratio's median and CI over every round of every launch that measured it."""
+    """Each ratio's median and CI over every round of the launches that measured it (from ``POOLED_SINCE``'s
+    launch on, for a ratio whose code changed between launches)."""
     from bench.harness.stats import median, median_ci
 
     for key in ("ddp_tuned_vs_ddp", "profiler_cost", "noise_floor"):

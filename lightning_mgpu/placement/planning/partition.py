@@ -227,7 +227,6 @@ class _Problem:
             for cut_index, cut in enumerate(cut_units):
                 self.exit[cut_index + 1] += cut  # a stage ending after layer cut_index pays the cut
                 self.entry[cut_index + 1] -= cut  # ...and so does the stage starting at layer cut_index + 1
-        self.prefix = prefix
         self.first: list[Optional[list[int]]] = [None] * num_stages
         self.plain = cut_units is None  # and no capacity (below): a stage costs the sum of its layers, nothing else
         if memory_units is not None and capacity_units is not None:
@@ -306,7 +305,7 @@ class _Problem:
         the boundaries reachable after ``j`` stages are then ``j`` up to the furthest, so each stage ends as far
         as it can while leaving a layer for each stage after it (``k`` binary searches, not ``k`` passes). A
         threshold that fails answers the next integer: any feasible threshold is above it."""
-        prefix, num_layers, num_stages = self.prefix, self.num_layers, self.num_stages
+        prefix, num_layers, num_stages = self.exit, self.num_layers, self.num_stages  # no cuts: the prefix sums
         start, bottleneck = 0, 0
         for stage in range(1, num_stages):
             highest = num_layers - (num_stages - stage)
